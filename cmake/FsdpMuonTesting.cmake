@@ -1,0 +1,92 @@
+# Test helpers. Single-process tests are GoogleTest binaries; distributed tests are the same
+# binaries started by the real launchers (torchrun, mpirun) with world sizes 1-4.
+
+# GoogleTest: Debian's packaged libraries, or a source tree (the GPU machine has no package).
+set(FSDP_MUON_GTEST_SOURCE_DIR "" CACHE PATH "Build GoogleTest from this source tree instead")
+if(FSDP_MUON_GTEST_SOURCE_DIR)
+  set(INSTALL_GTEST OFF CACHE BOOL "" FORCE)
+  add_subdirectory(${FSDP_MUON_GTEST_SOURCE_DIR} ${PROJECT_BINARY_DIR}/_googletest EXCLUDE_FROM_ALL)
+  add_library(GTest::gtest_main ALIAS gtest_main)
+else()
+  find_package(GTest REQUIRED)
+endif()
+
+# The Python environment that provides LibTorch also provides torchrun and torch.optim.Muon.
+set(FSDP_MUON_PYTHON "$ENV{FSDP_MUON_PYTHON}" CACHE FILEPATH "Python with torch (parity tests, torchrun)")
+if(NOT FSDP_MUON_PYTHON)
+  find_program(FSDP_MUON_PYTHON NAMES python3 python REQUIRED)
+endif()
+get_filename_component(_fsdp_muon_python_bin "${FSDP_MUON_PYTHON}" DIRECTORY)
+find_program(FSDP_MUON_TORCHRUN torchrun HINTS "${_fsdp_muon_python_bin}" NO_DEFAULT_PATH)
+find_program(FSDP_MUON_TORCHRUN torchrun)
+find_program(FSDP_MUON_MPIRUN NAMES mpirun mpiexec)
+
+# fsdp_muon_add_gtest(NAME <name> SOURCES <src...> [LIBS <lib...>] [LABELS <label...>]
+#                     [TIMEOUT <s>] [ENVIRONMENT <k=v...>])
+# Builds a GoogleTest executable and registers it as one CTest test.
+function(fsdp_muon_add_gtest)
+  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS;ENVIRONMENT" ${ARGN})
+  fsdp_muon_add_test_executable(${T_NAME} SOURCES ${T_SOURCES} LIBS ${T_LIBS})
+  add_test(NAME ${T_NAME} COMMAND ${T_NAME})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}"
+    ENVIRONMENT "OMP_NUM_THREADS=1;FSDP_MUON_PYTHON=${FSDP_MUON_PYTHON};${T_ENVIRONMENT}")
+endfunction()
+
+# fsdp_muon_add_test_executable(<name> SOURCES <src...> [LIBS <lib...>])
+function(fsdp_muon_add_test_executable name)
+  cmake_parse_arguments(T "" "" "SOURCES;LIBS" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE fsdp_muon GTest::gtest_main ${T_LIBS})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
+  target_compile_options(${name} PRIVATE -Wall -Wextra)
+endfunction()
+
+# fsdp_muon_add_distributed_test(NAME <base> TARGET <exe> WORLD_SIZES <n...>
+#     [LAUNCHERS torchrun mpirun] [ARGS <arg...>] [TIMEOUT <s>] [LABELS <label...>]
+#     [WILL_FAIL] [PASS_REGULAR_EXPRESSION <re>] [ENVIRONMENT <k=v...>])
+# Registers <base>_<launcher>_w<n> for each launcher and world size. torchrun runs in
+# --standalone mode, which takes free ports from the OS, so parallel CTest runs never collide;
+# mpirun gives no address, and the library rendezvouses through a FileStore keyed by the job.
+function(fsdp_muon_add_distributed_test)
+  cmake_parse_arguments(T "WILL_FAIL" "NAME;TARGET;TIMEOUT;PASS_REGULAR_EXPRESSION"
+                        "WORLD_SIZES;LAUNCHERS;ARGS;LABELS;ENVIRONMENT" ${ARGN})
+  if(NOT T_LAUNCHERS)
+    set(T_LAUNCHERS torchrun mpirun)
+  endif()
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  foreach(launcher IN LISTS T_LAUNCHERS)
+    foreach(n IN LISTS T_WORLD_SIZES)
+      set(test_name ${T_NAME}_${launcher}_w${n})
+      if(launcher STREQUAL "torchrun")
+        if(NOT FSDP_MUON_TORCHRUN)
+          message(FATAL_ERROR "torchrun not found next to ${FSDP_MUON_PYTHON}")
+        endif()
+        set(cmd ${FSDP_MUON_TORCHRUN} --standalone --nnodes=1 --nproc_per_node=${n}
+                $<TARGET_FILE:${T_TARGET}> ${T_ARGS})
+      elseif(launcher STREQUAL "mpirun")
+        if(NOT FSDP_MUON_MPIRUN)
+          message(FATAL_ERROR "mpirun not found: install openmpi-bin (scripts/setup does)")
+        endif()
+        set(cmd ${FSDP_MUON_MPIRUN} --oversubscribe -np ${n} --bind-to none
+                $<TARGET_FILE:${T_TARGET}> ${T_ARGS})
+      else()
+        message(FATAL_ERROR "unknown launcher ${launcher}")
+      endif()
+      add_test(NAME ${test_name} COMMAND ${cmd})
+      set_tests_properties(${test_name} PROPERTIES TIMEOUT ${T_TIMEOUT}
+        LABELS "distributed;${launcher};${T_LABELS}" PROCESSORS 1
+        ENVIRONMENT "OMP_NUM_THREADS=1;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1;FSDP_MUON_PYTHON=${FSDP_MUON_PYTHON};${T_ENVIRONMENT}")
+      if(T_WILL_FAIL)
+        set_tests_properties(${test_name} PROPERTIES WILL_FAIL TRUE)
+      endif()
+      if(T_PASS_REGULAR_EXPRESSION)
+        set_tests_properties(${test_name} PROPERTIES PASS_REGULAR_EXPRESSION "${T_PASS_REGULAR_EXPRESSION}")
+      endif()
+    endforeach()
+  endforeach()
+endfunction()

@@ -1,0 +1,109 @@
+#pragma once
+// The handful of collectives fsdp_muon needs (DESIGN §5). Every call takes flat 1-D contiguous
+// tensors on the communicator's device; on CUDA each is enqueued on the caller's current
+// stream, on CPU it has completed when the call returns. Every call counts the bytes this rank
+// sends to other ranks, so tests and benchmarks can compare traffic with the minimum.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+namespace fsdp_muon {
+
+enum class ReduceOp { kSum, kMax, kMin };
+
+// Bytes this rank sent to other ranks, per kind of collective, since the last reset.
+struct CommStats {
+  int64_t all_to_all_v_bytes = 0;
+  int64_t all_gather_bytes = 0;
+  int64_t reduce_scatter_bytes = 0;
+  int64_t all_reduce_bytes = 0;
+  int64_t broadcast_bytes = 0;
+  int64_t calls = 0;
+  int64_t total_bytes() const {
+    return all_to_all_v_bytes + all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes +
+           broadcast_bytes;
+  }
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // Device of the tensors this communicator moves (CPU for Gloo, cuda:<local rank> for NCCL).
+  virtual c10::Device device() const = 0;
+  virtual std::string backend_name() const = 0;
+
+  // send holds sum(send_counts) elements, the block for peer p at offset sum(send_counts[:p]);
+  // recv receives sum(recv_counts) elements likewise. Counts are in elements, one per rank,
+  // zero allowed. Bytes counted: everything sent except the block to this rank itself.
+  void all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
+                    const at::Tensor& recv, const std::vector<int64_t>& recv_counts);
+  // recv.numel() == size() * send.numel(); rank r's block lands at offset r * send.numel().
+  // Bytes counted: (size() - 1) * send bytes.
+  void all_gather(const at::Tensor& send, const at::Tensor& recv);
+  // send.numel() == size() * recv.numel(); recv = mean over ranks of their block for this
+  // rank. Bytes counted: (size() - 1) * recv bytes.
+  void reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv);
+  // In place. Bytes counted: 2 * (size() - 1) / size() * bytes (the ring minimum).
+  void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // In place from root. Bytes counted on the root: (size() - 1) * bytes.
+  void broadcast(const at::Tensor& tensor, int root = 0);
+  void barrier();
+
+  const CommStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = CommStats{}; }
+
+ protected:
+  Communicator(int rank, int size);
+
+  virtual void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
+                               const at::Tensor& recv,
+                               const std::vector<int64_t>& recv_counts) = 0;
+  virtual void do_all_gather(const at::Tensor& send, const at::Tensor& recv) = 0;
+  virtual void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) = 0;
+  virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
+  virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;
+  virtual void do_barrier() = 0;
+
+ private:
+  int rank_;
+  int size_;
+  CommStats stats_;
+};
+
+// Which launcher environment a process was started from, as read by init_from_env().
+struct LaunchEnvironment {
+  std::string launcher;  // "torchrun", "mpirun", "srun", "pmi", or "single" (no launcher)
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr;  // empty when the launcher gives none
+  int master_port = 0;
+};
+
+// Reads the launcher's variables (torchrun, Open MPI, Slurm, PMI). Missing or contradictory
+// variables throw with a message naming the variable.
+LaunchEnvironment read_launch_environment();
+
+struct InitOptions {
+  // "auto" (NCCL when CUDA is available, else Gloo), "nccl" or "gloo".
+  std::string backend = "auto";
+  // Rendezvous and collective timeout.
+  double timeout_seconds = 300.0;
+};
+
+// Creates the communicator for this process from the launcher environment. Rendezvous through
+// MASTER_ADDR/MASTER_PORT (TCPStore), or a FileStore when a single-node launcher gives no
+// address.
+std::shared_ptr<Communicator> init_from_env(const InitOptions& options = {});
+
+}  // namespace fsdp_muon

@@ -1,0 +1,98 @@
+#pragma once
+// FsdpParameterGroup (DESIGN §2): an ordered list of named parameters of one dtype, packed into
+// flat buffers that are sharded evenly across the ranks of a Communicator.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
+
+#include <fsdp_muon/comm/communicator.h>
+
+namespace fsdp_muon {
+
+struct FsdpParameterGroupOptions {
+  // dtype of the unsharded model weights the module computes with; default: the parameters'.
+  TORCH_ARG(std::optional<c10::ScalarType>, compute_dtype) = std::nullopt;
+  // dtype of the sharded main weights optimizers update (and of the gradient shards).
+  TORCH_ARG(c10::ScalarType, main_dtype) = at::kFloat;
+  // Each parameter starts at a multiple of this many bytes of the compute dtype in the flat
+  // buffer.
+  TORCH_ARG(int64_t, alignment_bytes) = 16;
+  // Broadcast the parameters from rank 0 at construction; false when they already agree.
+  TORCH_ARG(bool, broadcast_from_rank0) = true;
+  // Used in error messages and checkpoints.
+  TORCH_ARG(std::string, name) = "";
+};
+
+// Where one parameter lives in the flat layout.
+struct ParameterSlot {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t offset = 0;  // element offset of its first element in the padded flat buffer
+};
+
+class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGroup> {
+ public:
+  // The tensors are the module's parameters: they are re-pointed to views into the group's
+  // unsharded model-weight buffer, and their .grad() to views into its full-gradient buffer.
+  FsdpParameterGroup(std::vector<std::pair<std::string, at::Tensor>> named_params,
+                     std::shared_ptr<Communicator> comm, FsdpParameterGroupOptions options = {});
+  ~FsdpParameterGroup();
+  FsdpParameterGroup(const FsdpParameterGroup&) = delete;
+  FsdpParameterGroup& operator=(const FsdpParameterGroup&) = delete;
+
+  // ---- layout ----
+  const std::string& name() const;
+  size_t num_parameters() const;
+  const ParameterSlot& slot(size_t index) const;
+  int64_t padded_numel() const;  // multiple of the world size
+  int64_t shard_numel() const;   // padded_numel() / world size
+  // Elements [first, second) of parameter `index` (flattened, row-major) that rank `rank`
+  // holds; first == second when it holds none of it.
+  std::pair<int64_t, int64_t> held_range(size_t index, int rank) const;
+  const std::shared_ptr<Communicator>& communicator() const;
+  const FsdpParameterGroupOptions& options() const;
+
+  // ---- what optimizers see ----
+  // One per parameter, in order: the 1-D local slice of the main weights (shape {0} when this
+  // rank holds none of it), whose .grad() is the matching slice of the gradient shard.
+  std::vector<at::Tensor> sharded_parameters() const;
+  const at::Tensor& sharded_parameter(size_t index) const;
+
+  // ---- buffers ----
+  const at::Tensor& model_weights() const;      // flat, padded, compute dtype
+  const at::Tensor& full_grad_buffer() const;   // flat, padded, compute dtype
+  const at::Tensor& main_weight_shard() const;  // flat, shard_numel(), main dtype
+  const at::Tensor& grad_shard() const;         // flat, shard_numel(), main dtype
+  std::vector<at::Tensor> model_parameters() const;  // the module's tensors (views)
+
+  // ---- the FSDP cycle ----
+  void zero_grad();                 // zero the full-gradient buffer and the gradient shards
+  void reduce_scatter_grads();      // after backward: average full grads into the shards
+  void refresh_model_weights();     // main-weight shards -> full model weights (all-gather)
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// What a sharded parameter maps back to.
+struct ShardedParameterInfo {
+  std::shared_ptr<FsdpParameterGroup> group;
+  size_t index = 0;
+  const ParameterSlot& slot() const { return group->slot(index); }
+};
+
+// The group and index of a sharded parameter, or nullopt when `tensor` is not one (or its group
+// is not owned by a std::shared_ptr).
+std::optional<ShardedParameterInfo> find_sharded_parameter(const at::Tensor& tensor);
+
+}  // namespace fsdp_muon

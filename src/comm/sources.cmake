@@ -1,0 +1,1 @@
+list(APPEND FSDP_MUON_SOURCES ${CMAKE_CURRENT_LIST_DIR}/communicator.cpp)
