@@ -16,11 +16,15 @@ namespace fsdp_muon {
 // the README.
 enum class NsCoefficients { kSimple, kQuintic, kPolarExpress, kCans, kAol, kDeepseekV4, kCubic5 };
 
+// A schedule: one (a, b, c) per iteration. A named type because TORCH_ARG is a macro and the
+// comma inside std::array<double, 3> would split its arguments.
+using NsCoefficientList = std::vector<std::array<double, 3>>;
+
 struct NewtonSchulzOptions {
   TORCH_ARG(int64_t, steps) = 5;
   TORCH_ARG(NsCoefficients, coefficients) = NsCoefficients::kQuintic;
   // Non-empty overrides the preset; past its end the last tuple repeats.
-  TORCH_ARG(std::vector<std::array<double, 3>>, custom_coefficients) = {};
+  TORCH_ARG(NsCoefficientList, custom_coefficients) = {};
   TORCH_ARG(double, eps) = 1e-7;
   TORCH_ARG(c10::ScalarType, compute_dtype) = at::kBFloat16;
 };

@@ -1,0 +1,42 @@
+#pragma once
+// Internal pieces of newton_schulz shared by the ATen path, the cuBLAS path, tests and the GPU
+// benchmark. Not installed.
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <fsdp_muon/newton_schulz/newton_schulz.h>
+
+namespace fsdp_muon::detail {
+
+// The iterate in canonical form: wide (rows <= cols), contiguous, normalized in fp32 and cast to
+// the compute dtype; always 3-D (a 2-D input becomes a batch of one).
+struct NsPrepared {
+  at::Tensor x;     // (batch, m, n), m <= n, contiguous, compute dtype
+  bool transposed;  // the input was tall and has been transposed
+  bool batched;     // the input was 3-D
+  c10::ScalarType input_dtype;
+};
+
+// Validates the input and the options that are not part of the schedule (eps, compute dtype).
+void check_newton_schulz_input(const at::Tensor& x, const NewtonSchulzOptions& options);
+
+// Normalization by the Frobenius norm (per matrix) in fp32, transposition to wide, cast.
+NsPrepared prepare_newton_schulz(const at::Tensor& x, const NewtonSchulzOptions& options);
+
+// Undoes prepare_newton_schulz's transposition, batching and dtype on the final iterate.
+at::Tensor finish_newton_schulz(const at::Tensor& x, const NsPrepared& prepared);
+
+// The iteration through ATen operators on whatever device x lives on: the CPU path, and the
+// reference a GPU benchmark or test compares the cuBLAS path with. Same contract as
+// newton_schulz().
+at::Tensor newton_schulz_aten(const at::Tensor& x, const NewtonSchulzOptions& options);
+
+// The cuBLAS path (only defined in CUDA builds): GEMMs and stream-ordered copies on the current
+// stream of x's device through LibTorch's cuBLAS handle. Same contract as newton_schulz().
+at::Tensor newton_schulz_cuda(const at::Tensor& x, const NewtonSchulzOptions& options);
+
+}  // namespace fsdp_muon::detail
