@@ -1,0 +1,125 @@
+#pragma once
+// Owner planning for FsdpMuon (DESIGN §3, §7): which rank orthogonalizes each 2-D parameter,
+// what that costs each rank in Newton–Schulz FLOPs, and how many bytes it moves. Pure logic:
+// benchmarks and tests plan real model shapes at any world size without processes.
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
+
+namespace fsdp_muon {
+
+enum class OwnerPolicy {
+  // A matrix is owned by a rank that holds part of it (the seed's rule): traffic is minimal,
+  // each element held by a non-owner travels to its owner once and back once.
+  kHoldersOnly,
+  // Boundary matrices may be owned by any rank, even one that holds none of it (it then
+  // receives the whole matrix): better balance for more bytes. Fully local matrices still stay
+  // with their only holder, so they never move.
+  kAnyRank,
+};
+
+const char* to_string(OwnerPolicy policy);
+
+// A prefetch budget that gathers every group before orthogonalizing any.
+constexpr int64_t kUnlimitedPrefetch = std::numeric_limits<int64_t>::max();
+
+// Newton–Schulz FLOPs of a rows x cols matrix: steps * (4*m*m*n + 2*m*m*m), m = min side,
+// n = max side (DESIGN §7).
+int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps);
+
+// One 2-D parameter as the planner sees it.
+struct PlanMatrix {
+  std::string name;  // for reports and errors only
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t ns_steps = 5;
+  // One entry per rank: elements [first, second) of the flattened matrix that the rank holds;
+  // first == second when it holds none. The ranges tile [0, rows*cols) in rank order.
+  std::vector<std::pair<int64_t, int64_t>> held;
+};
+
+// The 2-D parameters of one FsdpParameterGroup that the optimizer updates, in group order.
+struct PlanGroup {
+  std::string name;
+  std::vector<PlanMatrix> matrices;
+};
+
+struct OwnerPlanOptions {
+  TORCH_ARG(OwnerPolicy, policy) = OwnerPolicy::kHoldersOnly;
+  // Bytes of one element moved by the gather and scatter (the momentum-input dtype, fp32).
+  TORCH_ARG(int64_t, element_bytes) = 4;
+};
+
+struct OwnerPlan {
+  int world_size = 1;
+  OwnerPolicy policy = OwnerPolicy::kHoldersOnly;
+  int64_t element_bytes = 4;
+
+  // [group][matrix]: the owning rank (-1 for an empty matrix, which nobody needs to own).
+  std::vector<std::vector<int>> owner;
+  // [group][matrix]: Newton–Schulz FLOPs.
+  std::vector<std::vector<int64_t>> cost;
+  // [group][rank]: FLOPs each rank spends on its owned matrices of that group.
+  std::vector<std::vector<int64_t>> group_cost_per_rank;
+  // [rank]: FLOPs over all groups.
+  std::vector<int64_t> cost_per_rank;
+  // [group]: max over ranks / mean over ranks of that group's cost (1 = perfect; 1 for a group
+  // without cost).
+  std::vector<double> group_balance;
+  // [group][rank]: bytes of the full matrices the rank owns in that group (what it holds
+  // transiently while the group is in flight).
+  std::vector<std::vector<int64_t>> group_full_bytes_per_rank;
+  // [rank]: bytes each rank sends in all gathers / all scatters of one step (every matrix
+  // active). Each element held by a non-owner travels to its owner once and back once, so
+  // under holders-only this is the traffic minimum of DESIGN §7.
+  std::vector<int64_t> gather_bytes_per_rank;
+  std::vector<int64_t> scatter_bytes_per_rank;
+  int64_t total_cost() const;
+  int64_t largest_matrix_cost() const;
+  double ideal_cost() const;  // total_cost() / world_size
+  // Critical path of the orthogonalize phase when the groups run in windows [first, last):
+  // sum over windows of the largest per-rank cost inside the window.
+  int64_t critical_path(const std::vector<std::pair<size_t, size_t>>& windows) const;
+  int64_t critical_path_budget0() const;    // one group per window
+  int64_t critical_path_unlimited() const;  // one window: the largest per-rank total
+  // The above over ideal_cost() (1 when there is no cost at all).
+  double critical_path_ratio(const std::vector<std::pair<size_t, size_t>>& windows) const;
+  double critical_path_ratio_budget0() const;
+  double critical_path_ratio_unlimited() const;
+  // max(ideal, largest matrix) / ideal: no whole-matrix ownership beats it.
+  double floor_ratio() const;
+  int64_t max_bytes_per_rank() const;  // max over ranks of gather + scatter bytes
+  // A few lines for logs and benchmarks.
+  std::string summary() const;
+};
+
+// Plans owners over a fixed, ordered set of groups (DESIGN §3). Holders-only: a matrix held by
+// one rank goes to it; every other matrix, all groups sorted together by descending cost (ties
+// by group, then index), goes to the least-loaded of its holders (ties: lowest rank), loads
+// carried across groups. Any-rank: the same, but boundary matrices may go to any rank (ties:
+// the rank holding most of the matrix, then the lowest rank).
+OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
+                      const OwnerPlanOptions& options = {});
+
+// Splits the groups, in order, into consecutive windows gathered together: a window grows while
+// the largest per-rank sum of owned full-matrix bytes in it stays within budget_bytes, and
+// always holds at least one group. Budget 0 gives one group per window; kUnlimitedPrefetch one
+// window. Every rank computes the same windows from the same plan.
+std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
+                                                        int64_t budget_bytes);
+
+// The PlanGroup an FsdpParameterGroup would have, from parameter shapes alone (DESIGN §2 flat
+// layout, the same function the groups use): entries that are not 2-D are left out. The
+// alignment is in bytes of the compute dtype, as in FsdpParameterGroupOptions.
+PlanGroup plan_group_from_shapes(
+    const std::string& name,
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& named_shapes, int world_size,
+    int64_t ns_steps = 5, c10::ScalarType compute_dtype = at::kFloat, int64_t alignment_bytes = 16);
+
+}  // namespace fsdp_muon

@@ -1,0 +1,2 @@
+list(APPEND FSDP_MUON_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/owner_plan.cpp)
