@@ -25,6 +25,10 @@ struct FsdpParameterGroupOptions {
   // Each parameter starts at a multiple of this many bytes of the compute dtype in the flat
   // buffer.
   TORCH_ARG(int64_t, alignment_bytes) = 16;
+  // dtype the gradients are averaged in by reduce_scatter_grads(); default: the compute dtype
+  // (least traffic). Set it to the main dtype (e.g. fp32 under bf16 compute) to average in
+  // higher precision at the cost of casting the full gradient first and sending more bytes.
+  TORCH_ARG(std::optional<c10::ScalarType>, reduce_dtype) = std::nullopt;
   // Broadcast the parameters from rank 0 at construction; false when they already agree.
   TORCH_ARG(bool, broadcast_from_rank0) = true;
   // Used in error messages and checkpoints.
@@ -58,6 +62,15 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   // Elements [first, second) of parameter `index` (flattened, row-major) that rank `rank`
   // holds; first == second when it holds none of it.
   std::pair<int64_t, int64_t> held_range(size_t index, int rank) const;
+  // held_range(index, communicator()->rank()).
+  std::pair<int64_t, int64_t> held_range(size_t index) const;
+  // Element offset in `rank`'s shard (main weights, gradients) where its held part of parameter
+  // `index` starts; 0 when it holds none of it.
+  int64_t shard_offset(size_t index, int rank) const;
+  // Index of the parameter named `name`, or nullopt.
+  std::optional<size_t> index_of(const std::string& name) const;
+  c10::ScalarType compute_dtype() const;  // dtype of model weights and full gradients
+  c10::ScalarType main_dtype() const;     // dtype of main weights and gradient shards
   const std::shared_ptr<Communicator>& communicator() const;
   const FsdpParameterGroupOptions& options() const;
 
@@ -68,16 +81,25 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   const at::Tensor& sharded_parameter(size_t index) const;
 
   // ---- buffers ----
-  const at::Tensor& model_weights() const;      // flat, padded, compute dtype
-  const at::Tensor& full_grad_buffer() const;   // flat, padded, compute dtype
-  const at::Tensor& main_weight_shard() const;  // flat, shard_numel(), main dtype
-  const at::Tensor& grad_shard() const;         // flat, shard_numel(), main dtype
+  const at::Tensor& model_weights() const;           // flat, padded, compute dtype
+  const at::Tensor& full_grad_buffer() const;        // flat, padded, compute dtype
+  const at::Tensor& main_weight_shard() const;       // flat, shard_numel(), main dtype
+  const at::Tensor& grad_shard() const;              // flat, shard_numel(), main dtype
   std::vector<at::Tensor> model_parameters() const;  // the module's tensors (views)
 
   // ---- the FSDP cycle ----
-  void zero_grad();                 // zero the full-gradient buffer and the gradient shards
-  void reduce_scatter_grads();      // after backward: average full grads into the shards
-  void refresh_model_weights();     // main-weight shards -> full model weights (all-gather)
+  // Zeroes the full-gradient buffer and the gradient shards in place and (re)installs the
+  // views as the .grad() of the module's parameters and of the sharded parameters. Use it
+  // instead of Module::zero_grad() / Optimizer::zero_grad(), whose default set_to_none=true
+  // detaches .grad() from the buffers (reduce_scatter_grads() repairs that, at a copy's cost).
+  void zero_grad();
+  // After backward: average the full gradients over ranks into the gradient shards (one
+  // reduce-scatter). A module parameter whose .grad() is no longer the buffer view (set to
+  // None and re-created by autograd, or replaced) has it copied in (undefined: zeros) and the
+  // view re-installed; the sharded parameters' .grad() are re-installed too.
+  void reduce_scatter_grads();
+  // Main-weight shards -> full model weights (cast to the compute dtype, one all-gather).
+  void refresh_model_weights();
 
  private:
   struct Impl;

@@ -1,0 +1,339 @@
+#include <fsdp_muon/fsdp/parameter_group.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include "fsdp/flat_layout.h"
+
+namespace fsdp_muon {
+namespace {
+
+// Sharded parameter -> its group. Keyed by TensorImpl because optimizers hand back tensors
+// that share the impl (copies of the handle), never a new one for the same parameter. The
+// group pointer is raw: entries are erased (under the mutex) at the top of the group's
+// destructor, so a pointer found under the mutex is always alive, and weak_from_this() then
+// says whether a shared_ptr still owns it.
+struct RegistryEntry {
+  FsdpParameterGroup* group = nullptr;
+  size_t index = 0;
+};
+
+std::mutex& registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::unordered_map<const c10::TensorImpl*, RegistryEntry>& registry() {
+  static std::unordered_map<const c10::TensorImpl*, RegistryEntry> map;
+  return map;
+}
+
+std::string label(const std::string& name) {
+  return name.empty() ? std::string("FsdpParameterGroup") : "FsdpParameterGroup '" + name + "'";
+}
+
+}  // namespace
+
+struct FsdpParameterGroup::Impl {
+  std::shared_ptr<Communicator> comm;
+  FsdpParameterGroupOptions options;
+  fsdp::FlatLayout layout;
+  c10::ScalarType compute_dtype = at::kFloat;
+  c10::ScalarType reduce_dtype = at::kFloat;
+
+  std::vector<at::Tensor> params;        // the module's own tensors
+  std::vector<at::Tensor> weight_views;  // their views into model_weights
+  std::vector<at::Tensor> grad_views;    // their .grad(): views into full_grad
+  std::vector<at::Tensor> sharded;       // 1-D slices of main_shard
+  std::vector<at::Tensor> shard_grads;   // their .grad(): slices of grad_shard
+
+  at::Tensor model_weights;  // padded, compute dtype
+  at::Tensor full_grad;      // padded, compute dtype
+  at::Tensor main_shard;     // shard_numel, main dtype
+  at::Tensor grad_shard;     // shard_numel, main dtype
+
+  std::string label() const { return fsdp_muon::label(options.name()); }
+
+  void check_index(size_t index) const {
+    TORCH_CHECK(index < params.size(), label(), ": parameter index ", index, " out of range (",
+                params.size(), " parameters)");
+  }
+
+  // Points .grad() of the module parameters and of the sharded parameters back at the
+  // buffers. A module gradient that autograd re-created elsewhere (after a set_to_none
+  // zero_grad, or with create_graph=true) is first copied into the buffer so nothing is lost;
+  // an undefined one means nothing was accumulated since it was cleared, i.e. zeros.
+  void install_grads(bool keep_foreign) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& param = params[i];
+      if (!param.requires_grad()) {
+        // Frozen parameters get no gradient, so optimizers skip them (stock convention).
+        if (param.grad().defined()) param.mutable_grad() = at::Tensor();
+        if (sharded[i].grad().defined()) sharded[i].mutable_grad() = at::Tensor();
+        continue;
+      }
+      const at::Tensor& grad = param.grad();
+      if (!grad.defined() || !grad.is_same(grad_views[i])) {
+        if (keep_foreign) {
+          if (grad.defined()) {
+            TORCH_CHECK(grad.sizes() == grad_views[i].sizes() && !grad.is_sparse(), label(),
+                        ": the .grad() of parameter '", layout.slots[i].name, "' has shape ",
+                        grad.sizes(), " (or is sparse); expected a dense ", grad_views[i].sizes());
+            grad_views[i].copy_(grad);
+          } else {
+            grad_views[i].zero_();
+          }
+        }
+        param.mutable_grad() = grad_views[i];
+      }
+      if (!sharded[i].grad().is_same(shard_grads[i])) sharded[i].mutable_grad() = shard_grads[i];
+    }
+  }
+
+  void check_model_parameters_alias() const {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      const at::Tensor& v = weight_views[i];
+      TORCH_CHECK(p.is_alias_of(v) && p.storage_offset() == v.storage_offset() &&
+                      p.sizes() == v.sizes() && p.strides() == v.strides() &&
+                      p.scalar_type() == v.scalar_type(),
+                  label(), ": parameter '", layout.slots[i].name,
+                  "' no longer points into the group's model-weight buffer (was the module "
+                  "moved or cast, e.g. with Module::to(), after sharding?). Move or cast the "
+                  "module before sharding it.");
+    }
+  }
+};
+
+FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Tensor>> named_params,
+                                       std::shared_ptr<Communicator> comm,
+                                       FsdpParameterGroupOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& d = *impl_;
+  d.options = std::move(options);
+  const std::string who = d.label();
+  TORCH_CHECK(comm != nullptr, who, ": the communicator is null");
+  d.comm = std::move(comm);
+  TORCH_CHECK(!named_params.empty(), who, ": no parameters given; a group needs at least one");
+
+  // ---- validate ----
+  const c10::Device device = d.comm->device();
+  const c10::ScalarType param_dtype = named_params.front().second.defined()
+                                          ? named_params.front().second.scalar_type()
+                                          : at::kFloat;
+  std::unordered_set<std::string> names;
+  std::unordered_set<const c10::TensorImpl*> impls;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> named_shapes;
+  named_shapes.reserve(named_params.size());
+  for (const auto& [name, t] : named_params) {
+    TORCH_CHECK(!name.empty(), who,
+                ": a parameter has an empty name; every parameter needs a "
+                "unique non-empty name (they key checkpoints and error messages)");
+    TORCH_CHECK(names.insert(name).second, who, ": parameter name '", name,
+                "' appears twice; names must be unique within a group");
+    TORCH_CHECK(t.defined(), who, ": parameter '", name, "' is an undefined tensor");
+    TORCH_CHECK(impls.insert(t.unsafeGetTensorImpl()).second, who, ": parameter '", name,
+                "' is the same tensor as an earlier parameter (tied weights); pass it once");
+    TORCH_CHECK(t.layout() == at::kStrided && !t.is_mkldnn() && !t.is_quantized() && !t.is_nested(),
+                who, ": parameter '", name, "' is not a dense strided tensor (layout ", t.layout(),
+                "); only dense parameters can be sharded");
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), who, ": parameter '", name, "' has dtype ",
+                t.scalar_type(), "; only floating-point parameters can be sharded");
+    TORCH_CHECK(t.scalar_type() == param_dtype, who, ": parameter '", name, "' has dtype ",
+                t.scalar_type(), " but '", named_params.front().first, "' has ", param_dtype,
+                "; all parameters of a group must share one dtype (put them in separate groups, "
+                "e.g. with a ShardModuleOptions::policy)");
+    TORCH_CHECK(t.device() == device, who, ": parameter '", name, "' is on ", t.device(),
+                " but the communicator (", d.comm->backend_name(), ") moves tensors on ", device,
+                "; move the module to ", device, " before sharding");
+    TORCH_CHECK(t.is_leaf(), who, ": parameter '", name,
+                "' is not a leaf tensor (it has a grad_fn); shard the module's parameters, not "
+                "results of computations");
+    named_shapes.emplace_back(name, t.sizes().vec());
+  }
+  d.compute_dtype = d.options.compute_dtype().value_or(param_dtype);
+  d.reduce_dtype = d.options.reduce_dtype().value_or(d.compute_dtype);
+  TORCH_CHECK(at::isFloatingType(d.compute_dtype), who, ": compute dtype ", d.compute_dtype,
+              " is not a floating-point type");
+  TORCH_CHECK(at::isFloatingType(d.options.main_dtype()), who, ": main dtype ",
+              d.options.main_dtype(), " is not a floating-point type");
+  TORCH_CHECK(at::isFloatingType(d.reduce_dtype), who, ": reduce dtype ", d.reduce_dtype,
+              " is not a floating-point type");
+  const int64_t element_size = static_cast<int64_t>(c10::elementSize(d.compute_dtype));
+  const int64_t alignment_bytes = d.options.alignment_bytes();
+  TORCH_CHECK(alignment_bytes >= 1 &&
+                  (alignment_bytes <= element_size || alignment_bytes % element_size == 0),
+              who, ": alignment_bytes ", alignment_bytes, " must be positive and a multiple of ",
+              "the compute dtype's element size (", element_size, " bytes)");
+
+  // ---- layout ----
+  const int world = d.comm->size();
+  const int rank = d.comm->rank();
+  d.layout = fsdp::compute_flat_layout(named_shapes,
+                                       std::max<int64_t>(1, alignment_bytes / element_size), world);
+  const int64_t padded = d.layout.padded_numel;
+  const int64_t shard = d.layout.shard_numel;
+
+  // ---- buffers ----
+  at::NoGradGuard no_grad;
+  // Pack the parameters in their own dtype first, so rank 0's values are broadcast exactly and
+  // the main weights start from them rather than from a compute-dtype rounding.
+  const auto param_options = at::TensorOptions().dtype(param_dtype).device(device);
+  at::Tensor staging = at::zeros({padded}, param_options);
+  for (size_t i = 0; i < named_params.size(); ++i) {
+    const ParameterSlot& slot = d.layout.slots[i];
+    staging.narrow(0, slot.offset, slot.numel).copy_(named_params[i].second.reshape({-1}));
+  }
+  if (d.options.broadcast_from_rank0() && world > 1) d.comm->broadcast(staging, 0);
+  d.main_shard = staging.narrow(0, static_cast<int64_t>(rank) * shard, shard)
+                     .to(d.options.main_dtype(), /*non_blocking=*/false, /*copy=*/true);
+  d.model_weights = d.compute_dtype == param_dtype ? staging : staging.to(d.compute_dtype);
+  staging = at::Tensor();
+  d.full_grad = at::zeros({padded}, param_options.dtype(d.compute_dtype));
+  d.grad_shard = at::zeros({shard}, param_options.dtype(d.options.main_dtype()));
+
+  // ---- views ----
+  for (size_t i = 0; i < named_params.size(); ++i) {
+    const ParameterSlot& slot = d.layout.slots[i];
+    at::Tensor param = named_params[i].second;
+    d.weight_views.push_back(d.model_weights.narrow(0, slot.offset, slot.numel).view(slot.shape));
+    d.grad_views.push_back(d.full_grad.narrow(0, slot.offset, slot.numel).view(slot.shape));
+    // set_data keeps the tensor object (and so the module's registration, requires_grad and
+    // autograd identity) and swaps its storage for the view.
+    param.set_data(d.weight_views.back());
+    d.params.push_back(std::move(param));
+
+    const auto [first, second] = d.layout.held_range(i, rank);
+    const int64_t local = d.layout.shard_offset(i, rank);
+    const int64_t len = second - first;
+    // A fresh tensor on main_shard's storage rather than a narrow() view: it is a leaf with no
+    // autograd view metadata, so optimizers may treat it exactly like a parameter.
+    at::Tensor sp = at::empty({0}, d.main_shard.options());
+    sp.set_(d.main_shard.storage(), d.main_shard.storage_offset() + local, {len}, {1});
+    sp.requires_grad_(d.params.back().requires_grad());
+    d.sharded.push_back(std::move(sp));
+    d.shard_grads.push_back(d.grad_shard.narrow(0, local, len));
+  }
+  d.install_grads(/*keep_foreign=*/false);
+
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (size_t i = 0; i < d.sharded.size(); ++i) {
+    registry()[d.sharded[i].unsafeGetTensorImpl()] = RegistryEntry{this, i};
+  }
+}
+
+FsdpParameterGroup::~FsdpParameterGroup() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (const at::Tensor& sp : impl_->sharded) {
+    auto it = registry().find(sp.unsafeGetTensorImpl());
+    if (it != registry().end() && it->second.group == this) registry().erase(it);
+  }
+}
+
+const std::string& FsdpParameterGroup::name() const { return impl_->options.name(); }
+size_t FsdpParameterGroup::num_parameters() const { return impl_->params.size(); }
+
+const ParameterSlot& FsdpParameterGroup::slot(size_t index) const {
+  impl_->check_index(index);
+  return impl_->layout.slots[index];
+}
+
+int64_t FsdpParameterGroup::padded_numel() const { return impl_->layout.padded_numel; }
+int64_t FsdpParameterGroup::shard_numel() const { return impl_->layout.shard_numel; }
+
+std::pair<int64_t, int64_t> FsdpParameterGroup::held_range(size_t index, int rank) const {
+  impl_->check_index(index);
+  return impl_->layout.held_range(index, rank);
+}
+
+std::pair<int64_t, int64_t> FsdpParameterGroup::held_range(size_t index) const {
+  return held_range(index, impl_->comm->rank());
+}
+
+int64_t FsdpParameterGroup::shard_offset(size_t index, int rank) const {
+  impl_->check_index(index);
+  return impl_->layout.shard_offset(index, rank);
+}
+
+std::optional<size_t> FsdpParameterGroup::index_of(const std::string& name) const {
+  for (size_t i = 0; i < impl_->layout.slots.size(); ++i) {
+    if (impl_->layout.slots[i].name == name) return i;
+  }
+  return std::nullopt;
+}
+
+c10::ScalarType FsdpParameterGroup::compute_dtype() const { return impl_->compute_dtype; }
+c10::ScalarType FsdpParameterGroup::main_dtype() const { return impl_->options.main_dtype(); }
+
+const std::shared_ptr<Communicator>& FsdpParameterGroup::communicator() const {
+  return impl_->comm;
+}
+
+const FsdpParameterGroupOptions& FsdpParameterGroup::options() const { return impl_->options; }
+
+std::vector<at::Tensor> FsdpParameterGroup::sharded_parameters() const { return impl_->sharded; }
+
+const at::Tensor& FsdpParameterGroup::sharded_parameter(size_t index) const {
+  impl_->check_index(index);
+  return impl_->sharded[index];
+}
+
+const at::Tensor& FsdpParameterGroup::model_weights() const { return impl_->model_weights; }
+const at::Tensor& FsdpParameterGroup::full_grad_buffer() const { return impl_->full_grad; }
+const at::Tensor& FsdpParameterGroup::main_weight_shard() const { return impl_->main_shard; }
+const at::Tensor& FsdpParameterGroup::grad_shard() const { return impl_->grad_shard; }
+std::vector<at::Tensor> FsdpParameterGroup::model_parameters() const { return impl_->params; }
+
+void FsdpParameterGroup::zero_grad() {
+  Impl& d = *impl_;
+  at::NoGradGuard no_grad;
+  d.full_grad.zero_();
+  d.grad_shard.zero_();
+  // Whatever a set_to_none zero_grad or autograd left in .grad() is stale now: re-point only.
+  d.install_grads(/*keep_foreign=*/false);
+}
+
+void FsdpParameterGroup::reduce_scatter_grads() {
+  Impl& d = *impl_;
+  at::NoGradGuard no_grad;
+  d.install_grads(/*keep_foreign=*/true);
+  const at::Tensor send =
+      d.reduce_dtype == d.compute_dtype ? d.full_grad : d.full_grad.to(d.reduce_dtype);
+  if (d.reduce_dtype == d.options.main_dtype()) {
+    d.comm->reduce_scatter_mean(send, d.grad_shard);
+  } else {
+    at::Tensor reduced = at::empty({d.layout.shard_numel}, send.options());
+    d.comm->reduce_scatter_mean(send, reduced);
+    d.grad_shard.copy_(reduced);
+  }
+}
+
+void FsdpParameterGroup::refresh_model_weights() {
+  Impl& d = *impl_;
+  at::NoGradGuard no_grad;
+  d.check_model_parameters_alias();
+  const at::Tensor send =
+      d.options.main_dtype() == d.compute_dtype ? d.main_shard : d.main_shard.to(d.compute_dtype);
+  d.comm->all_gather(send, d.model_weights);
+  // The weights changed under the parameters' feet: bump their version counters so autograd
+  // rejects a backward through a graph that saved the old values.
+  for (const at::Tensor& p : d.params) p.unsafeGetTensorImpl()->bump_version();
+}
+
+std::optional<ShardedParameterInfo> find_sharded_parameter(const at::Tensor& tensor) {
+  if (!tensor.defined()) return std::nullopt;
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = registry().find(tensor.unsafeGetTensorImpl());
+  if (it == registry().end()) return std::nullopt;
+  std::shared_ptr<FsdpParameterGroup> group = it->second.group->weak_from_this().lock();
+  if (!group) return std::nullopt;
+  return ShardedParameterInfo{std::move(group), it->second.index};
+}
+
+}  // namespace fsdp_muon

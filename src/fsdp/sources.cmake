@@ -1,0 +1,4 @@
+list(APPEND FSDP_MUON_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/flat_layout.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/parameter_group.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/shard_module.cpp)
