@@ -39,7 +39,7 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   TORCH_ARG(WeightDecayMethod, weight_decay_method) = WeightDecayMethod::kDecoupled;
   TORCH_ARG(int64_t, ns_steps) = 5;
   TORCH_ARG(NsCoefficients, coefficients) = NsCoefficients::kQuintic;
-  TORCH_ARG(std::vector<std::array<double, 3>>, custom_coefficients) = {};
+  TORCH_ARG(NsCoefficientList, custom_coefficients) = {};
   TORCH_ARG(ScaleMode, scale_mode) = ScaleMode::kShapeScaling;
   TORCH_ARG(double, extra_scale_factor) = 1.0;
   TORCH_ARG(double, eps) = 1e-7;

@@ -1,0 +1,94 @@
+#include "muon/muon_math.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <fsdp_muon/newton_schulz/newton_schulz.h>
+
+// Only mul / add / sub (alpha = 1) / div below: see the bitwise contract in muon_math.h.
+
+namespace fsdp_muon::detail {
+
+at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
+                               at::Tensor& momentum_buffer, const MuonOptions& options) {
+  TORCH_CHECK(momentum_buffer.defined(),
+              "muon_momentum_input: the momentum buffer must be created by the caller");
+  TORCH_CHECK(param.sizes() == grad.sizes() && param.sizes() == momentum_buffer.sizes(),
+              "muon_momentum_input: parameter ", param.sizes(), ", gradient ", grad.sizes(),
+              " and momentum buffer ", momentum_buffer.sizes(), " must have one shape");
+  const double lr = options.lr();
+  const double wd = options.weight_decay();
+  const double mu = options.momentum();
+
+  at::Tensor g = grad;
+  if (wd != 0.0) {
+    // The (1 - c) factors are formed in double and applied with one mul, one rounding per
+    // element; for kDecoupled this is torch.optim.Muon's param.mul_(1 - lr * wd).
+    switch (options.weight_decay_method()) {
+      case WeightDecayMethod::kDecoupled:
+        param.mul_(1.0 - lr * wd);
+        break;
+      case WeightDecayMethod::kIndependent:
+        param.mul_(1.0 - wd);
+        break;
+      case WeightDecayMethod::kPalm:
+        param.mul_(1.0 - lr * lr * wd);
+        break;
+      case WeightDecayMethod::kL2:
+        g = grad.add(param.mul(wd));  // a new tensor: the user's .grad stays as it was
+        break;
+    }
+  }
+
+  const at::Tensor g_scaled = g.mul(1.0 - mu);
+  momentum_buffer.mul_(mu);
+  momentum_buffer.add_(g_scaled);
+  if (options.nesterov()) {
+    return g_scaled.add(momentum_buffer.mul(mu));
+  }
+  return momentum_buffer.clone();
+}
+
+double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
+  TORCH_CHECK(rows > 0 && cols > 0, "muon_scale: matrix shape must be positive, got ", rows, " x ",
+              cols);
+  const double r = static_cast<double>(rows);
+  const double c = static_cast<double>(cols);
+  switch (mode) {
+    case ScaleMode::kSpectral:
+      return std::sqrt(std::max(r, c));
+    case ScaleMode::kShapeScaling:
+      return std::sqrt(std::max(1.0, r / c));
+    case ScaleMode::kUnitRmsNorm:
+      return std::sqrt(r / c);
+    case ScaleMode::kMatchRmsAdamW:
+      return 0.2 * std::sqrt(std::max(r, c));
+    case ScaleMode::kNone:
+      return 1.0;
+  }
+  TORCH_CHECK(false, "muon_scale: unknown ScaleMode ", static_cast<int>(mode));
+}
+
+at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options) {
+  TORCH_CHECK(full_u.dim() == 2, "muon_orthogonalized_update: expected a 2-D matrix, got shape ",
+              full_u.sizes());
+  const double scale = muon_scale(full_u.size(0), full_u.size(1), options.scale_mode()) *
+                       options.extra_scale_factor();
+  at::Tensor update = newton_schulz(full_u, options.newton_schulz_options());
+  if (update.scalar_type() != full_u.scalar_type()) {
+    update = update.to(full_u.scalar_type());
+  }
+  return update.mul_(scale);
+}
+
+void muon_apply_update(const at::Tensor& param, const at::Tensor& update,
+                       const MuonOptions& options) {
+  TORCH_CHECK(param.sizes() == update.sizes(), "muon_apply_update: parameter ", param.sizes(),
+              " and update ", update.sizes(), " must have one shape");
+  param.sub_(update.mul(options.lr()));
+}
+
+}  // namespace fsdp_muon::detail

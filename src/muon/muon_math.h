@@ -1,0 +1,50 @@
+#pragma once
+// The elementwise part of a Muon step (DESIGN §4), shared by single-device Muon, which applies it
+// to full tensors, and FsdpMuon, which applies it to 1-D local shards of the same parameters.
+//
+// Bitwise contract: for any split of a parameter into contiguous pieces, applying these functions
+// to the pieces gives exactly the bits of applying them to the whole tensor. This holds only if
+// every output element is rounded the same way wherever it sits in memory. ATen's CPU kernels run
+// a vectorized loop over the aligned body of a tensor and a scalar loop over the tail, and for
+// fused operations (lerp, addcmul, addcdiv, add/sub with alpha != 1) the vectorized loop uses an
+// FMA (one rounding) while the scalar loop multiplies and adds separately (two roundings). Where
+// a shard starts decides which loop an element lands in, so fused ops would make the result
+// depend on the shard layout. The implementation therefore uses only mul, add (alpha = 1), sub
+// (alpha = 1) and div with tensor or scalar operands, each of which rounds exactly once per
+// element in every code path. Keep it that way when editing muon_math.cpp.
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+#include <fsdp_muon/muon/muon_options.h>
+
+namespace fsdp_muon::detail {
+
+// Weight decay (in place on `param`, or on a copy of the gradient for kL2 — the user's .grad is
+// never modified), then the momentum EMA B <- mu*B + (1-mu)*G (in place on `momentum_buffer`),
+// and returns the Newton-Schulz input: U = (1-mu)*G + mu*B with Nesterov, else a copy of B (a new
+// tensor, never aliasing the buffer).
+//
+// `momentum_buffer` must already exist: the caller creates it lazily as zeros with the
+// parameter's shape and dtype (param dtype, like torch.optim.Muon: an fp32 main-weight shard
+// gets fp32 momentum, a bf16 parameter bf16 momentum). `param`, `grad` and `momentum_buffer`
+// must have the same shape, dtype and device.
+at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
+                               at::Tensor& momentum_buffer, const MuonOptions& options);
+
+// The scale factor of the orthogonalized update of a rows x cols (out x in) matrix:
+// spectral sqrt(max(rows, cols)); shape_scaling sqrt(max(1, rows/cols)); unit_rms_norm
+// sqrt(rows/cols); match_rms_adamw 0.2*sqrt(max(rows, cols)); none 1.
+double muon_scale(int64_t rows, int64_t cols, ScaleMode mode);
+
+// newton_schulz(U) * (muon_scale(rows, cols) * extra_scale_factor) for a full 2-D matrix U, in
+// U's dtype.
+at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options);
+
+// param <- param - lr * update, computed as one mul (lr * update) and one sub, in place.
+// `update` may be a slice of the full update matching a local shard of the parameter.
+void muon_apply_update(const at::Tensor& param, const at::Tensor& update,
+                       const MuonOptions& options);
+
+}  // namespace fsdp_muon::detail

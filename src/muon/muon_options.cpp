@@ -1,0 +1,177 @@
+#include <fsdp_muon/muon/muon_options.h>
+
+#include <cmath>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/serialize.h>
+#include <torch/serialize/archive.h>
+
+namespace fsdp_muon {
+namespace {
+
+// Enums and the dtype travel as plain integers so an archive never depends on how a compiler
+// lays out an enum; the values are the enumerator order of the public headers, which is part of
+// the checkpoint format and must only ever be appended to.
+template <typename Enum>
+void write_enum(torch::serialize::OutputArchive& archive, const char* key, Enum value) {
+  archive.write(key, c10::IValue(static_cast<int64_t>(value)));
+}
+
+template <typename Enum>
+void read_enum(torch::serialize::InputArchive& archive, const char* key, Enum& value,
+               int64_t count) {
+  c10::IValue ivalue;
+  if (!archive.try_read(key, ivalue)) {
+    return;  // written by an older version: keep the default
+  }
+  const int64_t raw = ivalue.toInt();
+  TORCH_CHECK(raw >= 0 && raw < count, "MuonOptions archive: '", key, "' holds ", raw,
+              ", which is not a valid value (0..", count - 1,
+              "); the file is corrupt or from a newer fsdp_muon");
+  value = static_cast<Enum>(raw);
+}
+
+template <typename T>
+void read_scalar(torch::serialize::InputArchive& archive, const char* key, T& value) {
+  c10::IValue ivalue;
+  if (archive.try_read(key, ivalue)) {
+    value = ivalue.to<T>();
+  }
+}
+
+}  // namespace
+
+MuonOptions::MuonOptions(double lr) : lr_(lr) {}
+
+void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("lr", c10::IValue(lr()));
+  archive.write("momentum", c10::IValue(momentum()));
+  archive.write("nesterov", c10::IValue(nesterov()));
+  archive.write("weight_decay", c10::IValue(weight_decay()));
+  write_enum(archive, "weight_decay_method", weight_decay_method());
+  archive.write("ns_steps", c10::IValue(ns_steps()));
+  write_enum(archive, "coefficients", coefficients());
+  // An n x 3 float64 tensor; n = 0 means "use the preset".
+  const auto& custom = custom_coefficients();
+  std::vector<double> flat;
+  flat.reserve(3 * custom.size());
+  for (const auto& tuple : custom) {
+    flat.insert(flat.end(), tuple.begin(), tuple.end());
+  }
+  const at::Tensor table =
+      at::tensor(flat, at::kDouble).reshape({static_cast<int64_t>(custom.size()), 3});
+  archive.write("custom_coefficients", c10::IValue(table));
+  write_enum(archive, "scale_mode", scale_mode());
+  archive.write("extra_scale_factor", c10::IValue(extra_scale_factor()));
+  archive.write("eps", c10::IValue(eps()));
+  write_enum(archive, "ns_dtype", ns_dtype());
+  archive.write("skip_non_matrix", c10::IValue(skip_non_matrix()));
+}
+
+void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
+  read_scalar(archive, "lr", lr_);
+  read_scalar(archive, "momentum", momentum_);
+  read_scalar(archive, "nesterov", nesterov_);
+  read_scalar(archive, "weight_decay", weight_decay_);
+  read_enum(archive, "weight_decay_method", weight_decay_method_, 4);
+  read_scalar(archive, "ns_steps", ns_steps_);
+  read_enum(archive, "coefficients", coefficients_, 7);
+  c10::IValue table_value;
+  if (archive.try_read("custom_coefficients", table_value)) {
+    const at::Tensor table = table_value.toTensor().to(at::kDouble).contiguous();
+    TORCH_CHECK(table.dim() == 2 && table.size(1) == 3,
+                "MuonOptions archive: 'custom_coefficients' must be an n x 3 tensor, got ",
+                table.sizes());
+    const double* data = table.data_ptr<double>();
+    custom_coefficients_.assign(static_cast<size_t>(table.size(0)), {});
+    for (size_t i = 0; i < custom_coefficients_.size(); ++i) {
+      custom_coefficients_[i] = {data[3 * i], data[3 * i + 1], data[3 * i + 2]};
+    }
+  }
+  read_enum(archive, "scale_mode", scale_mode_, 5);
+  read_scalar(archive, "extra_scale_factor", extra_scale_factor_);
+  read_scalar(archive, "eps", eps_);
+  read_enum(archive, "ns_dtype", ns_dtype_, static_cast<int64_t>(c10::ScalarType::NumOptions));
+  read_scalar(archive, "skip_non_matrix", skip_non_matrix_);
+}
+
+double MuonOptions::get_lr() const { return lr(); }
+
+void MuonOptions::set_lr(const double lr) { this->lr(lr); }
+
+void MuonOptions::validate() const {
+  TORCH_CHECK(std::isfinite(lr()) && lr() >= 0, "MuonOptions: invalid lr ", lr(),
+              "; use a finite learning rate >= 0, e.g. MuonOptions(0.02)");
+  TORCH_CHECK(std::isfinite(weight_decay()) && weight_decay() >= 0,
+              "MuonOptions: invalid weight_decay ", weight_decay(),
+              "; use a finite value >= 0 (0 disables weight decay)");
+  TORCH_CHECK(momentum() >= 0 && momentum() < 1, "MuonOptions: invalid momentum ", momentum(),
+              "; momentum must lie in [0, 1), e.g. .momentum(0.95)");
+  TORCH_CHECK(ns_steps() >= 1, "MuonOptions: invalid ns_steps ", ns_steps(),
+              "; Newton-Schulz needs at least 1 step, e.g. .ns_steps(5)");
+  TORCH_CHECK(std::isfinite(eps()) && eps() > 0, "MuonOptions: invalid eps ", eps(),
+              "; eps must be a finite value > 0 (it clamps the Frobenius norm), e.g. .eps(1e-7)");
+  TORCH_CHECK(ns_dtype() == at::kBFloat16 || ns_dtype() == at::kFloat,
+              "MuonOptions: invalid ns_dtype ", c10::toString(ns_dtype()),
+              "; Newton-Schulz computes in bf16 or fp32: use .ns_dtype(at::kBFloat16) or "
+              ".ns_dtype(at::kFloat)");
+  TORCH_CHECK(std::isfinite(extra_scale_factor()), "MuonOptions: invalid extra_scale_factor ",
+              extra_scale_factor(), "; use a finite factor, e.g. .extra_scale_factor(1.0)");
+  // Coefficient problems (cubic5 with a step count other than 5, non-finite custom tuples) are
+  // checked where the schedule is built, with messages naming the option.
+  (void)newton_schulz_schedule(newton_schulz_options());
+}
+
+NewtonSchulzOptions MuonOptions::newton_schulz_options() const {
+  return NewtonSchulzOptions()
+      .steps(ns_steps())
+      .coefficients(coefficients())
+      .custom_coefficients(custom_coefficients())
+      .eps(eps())
+      .compute_dtype(ns_dtype());
+}
+
+bool operator==(const MuonOptions& lhs, const MuonOptions& rhs) {
+  return lhs.lr() == rhs.lr() && lhs.momentum() == rhs.momentum() &&
+         lhs.nesterov() == rhs.nesterov() && lhs.weight_decay() == rhs.weight_decay() &&
+         lhs.weight_decay_method() == rhs.weight_decay_method() &&
+         lhs.ns_steps() == rhs.ns_steps() && lhs.coefficients() == rhs.coefficients() &&
+         lhs.custom_coefficients() == rhs.custom_coefficients() &&
+         lhs.scale_mode() == rhs.scale_mode() &&
+         lhs.extra_scale_factor() == rhs.extra_scale_factor() && lhs.eps() == rhs.eps() &&
+         lhs.ns_dtype() == rhs.ns_dtype() && lhs.skip_non_matrix() == rhs.skip_non_matrix();
+}
+
+const char* to_string(ScaleMode mode) {
+  switch (mode) {
+    case ScaleMode::kSpectral:
+      return "spectral";
+    case ScaleMode::kShapeScaling:
+      return "shape_scaling";
+    case ScaleMode::kUnitRmsNorm:
+      return "unit_rms_norm";
+    case ScaleMode::kMatchRmsAdamW:
+      return "match_rms_adamw";
+    case ScaleMode::kNone:
+      return "none";
+  }
+  return "unknown";
+}
+
+const char* to_string(WeightDecayMethod method) {
+  switch (method) {
+    case WeightDecayMethod::kDecoupled:
+      return "decoupled";
+    case WeightDecayMethod::kIndependent:
+      return "independent";
+    case WeightDecayMethod::kL2:
+      return "l2";
+    case WeightDecayMethod::kPalm:
+      return "palm";
+  }
+  return "unknown";
+}
+
+}  // namespace fsdp_muon
