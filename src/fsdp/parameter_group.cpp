@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 
 #include "fsdp/flat_layout.h"
 
@@ -31,6 +32,16 @@ std::mutex& registry_mutex() {
 std::unordered_map<const c10::TensorImpl*, RegistryEntry>& registry() {
   static std::unordered_map<const c10::TensorImpl*, RegistryEntry> map;
   return map;
+}
+
+// A tensor on `buffer`'s memory that is not an autograd view of it: optimizers call detach_()
+// on .grad() in zero_grad(), which views refuse, and a sharded parameter should be a leaf with
+// no view metadata, exactly like a parameter.
+at::Tensor alias(const at::Tensor& buffer, int64_t offset, at::IntArrayRef shape) {
+  at::Tensor t = at::empty({0}, buffer.options());
+  t.set_(buffer.storage(), buffer.storage_offset() + offset, shape,
+         c10::contiguous_strides(shape));
+  return t;
 }
 
 std::string label(const std::string& name) {
@@ -203,7 +214,7 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
     const ParameterSlot& slot = d.layout.slots[i];
     at::Tensor param = named_params[i].second;
     d.weight_views.push_back(d.model_weights.narrow(0, slot.offset, slot.numel).view(slot.shape));
-    d.grad_views.push_back(d.full_grad.narrow(0, slot.offset, slot.numel).view(slot.shape));
+    d.grad_views.push_back(alias(d.full_grad, slot.offset, slot.shape));
     // set_data keeps the tensor object (and so the module's registration, requires_grad and
     // autograd identity) and swaps its storage for the view.
     param.set_data(d.weight_views.back());
@@ -212,13 +223,10 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
     const auto [first, second] = d.layout.held_range(i, rank);
     const int64_t local = d.layout.shard_offset(i, rank);
     const int64_t len = second - first;
-    // A fresh tensor on main_shard's storage rather than a narrow() view: it is a leaf with no
-    // autograd view metadata, so optimizers may treat it exactly like a parameter.
-    at::Tensor sp = at::empty({0}, d.main_shard.options());
-    sp.set_(d.main_shard.storage(), d.main_shard.storage_offset() + local, {len}, {1});
+    at::Tensor sp = alias(d.main_shard, local, {len});
     sp.requires_grad_(d.params.back().requires_grad());
     d.sharded.push_back(std::move(sp));
-    d.shard_grads.push_back(d.grad_shard.narrow(0, local, len));
+    d.shard_grads.push_back(alias(d.grad_shard, local, {len}));
   }
   d.install_grads(/*keep_foreign=*/false);
 
