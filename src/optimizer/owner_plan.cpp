@@ -136,15 +136,19 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
 
   for (size_t g = 0; g < num_groups; ++g) {
     const auto& matrices = groups[g].matrices;
+    TORCH_CHECK(groups[g].element_bytes >= 0, "fsdp_muon owner plan: group '", groups[g].name,
+                "' has negative element_bytes");
+    const int64_t element_bytes =
+        groups[g].element_bytes > 0 ? groups[g].element_bytes : plan.element_bytes;
     for (size_t i = 0; i < matrices.size(); ++i) {
       const int o = plan.owner[g][i];
       if (o < 0) continue;
       const PlanMatrix& m = matrices[i];
       plan.group_cost_per_rank[g][o] += plan.cost[g][i];
-      plan.group_full_bytes_per_rank[g][o] += m.rows * m.cols * plan.element_bytes;
+      plan.group_full_bytes_per_rank[g][o] += m.rows * m.cols * element_bytes;
       for (int r = 0; r < world_size; ++r) {
         if (r == o) continue;
-        const int64_t bytes = held_numel(m, r) * plan.element_bytes;
+        const int64_t bytes = held_numel(m, r) * element_bytes;
         plan.gather_bytes_per_rank[r] += bytes;   // r sends its piece to the owner
         plan.scatter_bytes_per_rank[o] += bytes;  // and the owner sends r its update slice
       }

@@ -1,2 +1,3 @@
 list(APPEND FSDP_MUON_SOURCES
-  ${CMAKE_CURRENT_LIST_DIR}/owner_plan.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/owner_plan.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/fsdp_muon.cpp)

@@ -48,6 +48,9 @@ struct PlanMatrix {
 struct PlanGroup {
   std::string name;
   std::vector<PlanMatrix> matrices;
+  // Bytes of one element of this group's matrices as moved and held; 0: the plan's default
+  // (OwnerPlanOptions::element_bytes).
+  int64_t element_bytes = 0;
 };
 
 struct OwnerPlanOptions {
