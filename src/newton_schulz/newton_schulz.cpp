@@ -190,12 +190,14 @@ at::Tensor newton_schulz_aten(const at::Tensor& x, const NewtonSchulzOptions& op
   NsPrepared prepared = prepare_newton_schulz(x, options);
   at::Tensor X = prepared.x;
   for (const Tuple& t : schedule) {
-    const at::Tensor A = at::bmm(X, X.mT());
     if (t[1] == 0.0 && t[2] == 0.0) {
       // Never hand ATen a zero alpha: torch 2.11's CPU baddbmm ignores alpha == 0 for bf16
       // (it adds the product anyway).
       X = X.mul(t[0]);
-    } else if (t[2] == 0.0) {
+      continue;
+    }
+    const at::Tensor A = at::bmm(X, X.mT());
+    if (t[2] == 0.0) {
       // Cubic step: X = a·X + b·A·X, one GEMM fewer.
       X = at::baddbmm(X, A, X, /*beta=*/t[0], /*alpha=*/t[1]);
     } else {

@@ -596,9 +596,12 @@ TEST(NewtonSchulzCuda, CublasMatchesAtenReferenceAndCpu) {
                                                             : "custom") +
           " " + dtype_name(options.compute_dtype()) + " " + c10::str(at::IntArrayRef(shape));
       EXPECT_TRUE(at::isfinite(cublas).all().item<bool>()) << what;
-      EXPECT_LE(max_abs_diff(cublas.cpu(), aten.cpu()), bf16 ? 3e-2 : 2e-5) << what;
-      EXPECT_LE(max_abs_diff(cublas.cpu(), cpu), bf16 ? 3e-2 : 2e-5) << what;
-      EXPECT_LE(rel_fro_diff(cublas.cpu(), cpu), bf16 ? 2e-2 : 2e-5) << what;
+      // Different GEMM kernels round differently. Measured on the CPU against float64 for these
+      // shapes: fp32 within 3.4e-6; bf16 within 0.010 absolute and 0.018 relative (Frobenius).
+      // Two such errors apart, with room: an operand or transpose mix-up is off by O(1).
+      EXPECT_LE(max_abs_diff(cublas.cpu(), aten.cpu()), bf16 ? 4e-2 : 5e-5) << what;
+      EXPECT_LE(max_abs_diff(cublas.cpu(), cpu), bf16 ? 4e-2 : 5e-5) << what;
+      EXPECT_LE(rel_fro_diff(cublas.cpu(), cpu), bf16 ? 4e-2 : 5e-5) << what;
     }
   }
 }
