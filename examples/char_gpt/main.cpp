@@ -1,0 +1,514 @@
+// char_gpt: a small GPT-style character language model trained data-parallel with sharded
+// parameters. FsdpMuon steps the hidden matrices (attention and MLP weights), a stock AdamW
+// steps everything else; `--optimizer adamw` is the baseline with AdamW on everything.
+//
+//   torchrun --standalone --nproc_per_node=2 build/examples/char_gpt/char_gpt --compare
+//   mpirun -np 2 build/examples/char_gpt/char_gpt --optimizer muon --steps 300
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/autograd.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+#include <torch/utils.h>
+
+#include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
+#include <fsdp_muon/fsdp/shard_module.h>
+#include <fsdp_muon/muon/muon_options.h>
+#if __has_include(<fsdp_muon/optimizer/fsdp_muon.h>)
+#include <fsdp_muon/optimizer/fsdp_muon.h>
+#define CHAR_GPT_HAS_FSDP_MUON 1
+#else
+#define CHAR_GPT_HAS_FSDP_MUON 0
+#endif
+
+#include "checkpoint_hook.h"
+#include "corpus.h"
+#include "model.h"
+
+namespace char_gpt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const char* kUsage =
+    R"(usage: char_gpt [options]          (launch with torchrun, mpirun, srun or alone)
+  --optimizer muon|adamw   muon: FsdpMuon on hidden matrices + AdamW on the rest (default)
+                           adamw: AdamW on everything (the baseline)
+  --compare                run muon, then adamw with the same budget, and compare them
+  --steps N                optimizer steps (default 600)
+  --batch N                sequences per rank per step (default 32)
+  --seq-len N              characters per sequence (default 64)
+  --d-model N              model width (default 96)
+  --layers N               transformer blocks (default 3)
+  --heads N                attention heads (default 4)
+  --lr X                   Muon learning rate (default 0.02)
+  --adamw-lr X             AdamW learning rate (default 0.003)
+  --warmup N               linear warm-up steps (default 20)
+  --cooldown F             fraction of steps over which lr decays linearly to 0 (default 0.4)
+  --ns-dtype bf16|fp32     Newton-Schulz compute dtype (default bf16)
+  --eval-every N           validation loss every N steps (default 100; 0: only at the end)
+  --log-every N            progress line every N steps when stderr is not a terminal
+                           (default steps / 10)
+  --seed N                 model init and data order (default 1234)
+  --data DIR               folder of text files (default /usr/share/common-licenses)
+  --val-fraction F         last fraction of every file held out (default 0.1)
+  --threads N              intra-op threads per rank (default: as launched, OMP_NUM_THREADS)
+  --max-val-loss X         fail unless the final validation loss is below X
+                           (default: the corpus' unigram entropy)
+  --checkpoint DIR         write a checkpoint to DIR at the end
+  --resume DIR             continue from the checkpoint in DIR
+)";
+
+struct Flags {
+  std::string optimizer = "muon";
+  bool compare = false;
+  int64_t steps = 600;
+  int64_t batch = 32;
+  int64_t seq_len = 64;
+  int64_t d_model = 96;
+  int64_t layers = 3;
+  int64_t heads = 4;
+  double lr = 0.02;
+  double adamw_lr = 3e-3;
+  int64_t warmup = 20;
+  double cooldown = 0.4;
+  std::string ns_dtype = "bf16";
+  int64_t eval_every = 100;
+  int64_t log_every = 0;
+  uint64_t seed = 1234;
+  std::string data = "/usr/share/common-licenses";
+  double val_fraction = 0.1;
+  int threads = 0;
+  double max_val_loss = NAN;
+  std::string checkpoint;
+  std::string resume;
+};
+
+Flags parse_flags(int argc, char** argv) {
+  Flags f;
+  std::map<std::string, std::string> kv;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    }
+    TORCH_CHECK(arg.rfind("--", 0) == 0, "char_gpt: unexpected argument '", arg, "'\n", kUsage);
+    arg = arg.substr(2);
+    if (arg == "compare") {
+      f.compare = true;
+      continue;
+    }
+    const size_t eq = arg.find('=');
+    if (eq != std::string::npos) {
+      kv[arg.substr(0, eq)] = arg.substr(eq + 1);
+    } else {
+      TORCH_CHECK(i + 1 < argc, "char_gpt: --", arg, " needs a value\n", kUsage);
+      kv[arg] = argv[++i];
+    }
+  }
+  auto take = [&](const char* key, auto& out) {
+    auto it = kv.find(key);
+    if (it == kv.end()) return;
+    std::istringstream ss(it->second);
+    ss >> out;
+    TORCH_CHECK(!ss.fail() && ss.eof(), "char_gpt: --", key, " got '", it->second,
+                "', which is not a valid value");
+    kv.erase(it);
+  };
+  auto take_string = [&](const char* key, std::string& out) {
+    auto it = kv.find(key);
+    if (it == kv.end()) return;
+    out = it->second;
+    kv.erase(it);
+  };
+  take_string("optimizer", f.optimizer);
+  take("steps", f.steps);
+  take("batch", f.batch);
+  take("seq-len", f.seq_len);
+  take("d-model", f.d_model);
+  take("layers", f.layers);
+  take("heads", f.heads);
+  take("lr", f.lr);
+  take("adamw-lr", f.adamw_lr);
+  take("warmup", f.warmup);
+  take("cooldown", f.cooldown);
+  take_string("ns-dtype", f.ns_dtype);
+  take("eval-every", f.eval_every);
+  take("log-every", f.log_every);
+  take("seed", f.seed);
+  take_string("data", f.data);
+  take("val-fraction", f.val_fraction);
+  take("threads", f.threads);
+  take("max-val-loss", f.max_val_loss);
+  take_string("checkpoint", f.checkpoint);
+  take_string("resume", f.resume);
+  TORCH_CHECK(kv.empty(), "char_gpt: unknown option --", kv.begin()->first, "\n", kUsage);
+  TORCH_CHECK(f.optimizer == "muon" || f.optimizer == "adamw", "char_gpt: --optimizer must be ",
+              "muon or adamw, got '", f.optimizer, "'");
+  TORCH_CHECK(f.ns_dtype == "bf16" || f.ns_dtype == "fp32", "char_gpt: --ns-dtype must be bf16 ",
+              "or fp32, got '", f.ns_dtype, "'");
+  TORCH_CHECK(f.steps > 0 && f.batch > 0 && f.seq_len > 1, "char_gpt: --steps, --batch and ",
+              "--seq-len must be positive (--seq-len at least 2)");
+  TORCH_CHECK(f.cooldown >= 0.0 && f.cooldown <= 1.0, "char_gpt: --cooldown must be in [0, 1]");
+  TORCH_CHECK(!(f.compare && (!f.checkpoint.empty() || !f.resume.empty())),
+              "char_gpt: --compare runs two trainings; use --checkpoint/--resume with one "
+              "--optimizer at a time");
+  if (f.log_every <= 0) f.log_every = std::max<int64_t>(1, f.steps / 10);
+  return f;
+}
+
+std::string format_duration(double seconds) {
+  const int64_t s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%lld:%02lld", static_cast<long long>(s / 60),
+                static_cast<long long>(s % 60));
+  return buf;
+}
+
+// Rank 0's progress: redrawn in place on a terminal, one line every --log-every steps otherwise
+// (CTest, pipes, log files).
+class Progress {
+ public:
+  Progress(bool enabled, int64_t total_steps, int64_t log_every)
+      : enabled_(enabled),
+        tty_(enabled && isatty(STDERR_FILENO)),
+        total_(total_steps),
+        log_every_(log_every) {}
+
+  void start(int64_t first_step) {
+    first_step_ = first_step;
+    start_ = Clock::now();
+    last_draw_ = start_ - std::chrono::seconds(1);
+  }
+
+  void update(int64_t step, double loss, int64_t tokens_per_step) {
+    if (!enabled_) return;
+    const auto now = Clock::now();
+    const bool last = step == total_;
+    if (tty_ ? (!last && now - last_draw_ < std::chrono::milliseconds(200))
+             : (!last && step % log_every_ != 0)) {
+      return;
+    }
+    last_draw_ = now;
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const int64_t done = step - first_step_;
+    const double tokens_per_s = elapsed > 0 ? done * tokens_per_step / elapsed : 0.0;
+    const double left = done > 0 ? elapsed / done * (total_ - step) : 0.0;
+    const int width = 24;
+    const int filled = static_cast<int>(width * step / total_);
+    char line[256];
+    std::snprintf(line, sizeof(line), "[%s%s] step %lld/%lld  loss %.3f  %.1fk tok/s  left %s",
+                  std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                  static_cast<long long>(step), static_cast<long long>(total_), loss,
+                  tokens_per_s / 1000.0, format_duration(left).c_str());
+    if (tty_) {
+      std::cerr << '\r' << line << "\x1b[K" << (last ? "\n" : "") << std::flush;
+    } else {
+      std::cerr << line << '\n' << std::flush;
+    }
+  }
+
+  // A message between redraws: on a terminal it must not be written over the bar.
+  void message(const std::string& text) {
+    if (!enabled_) return;
+    if (tty_) std::cerr << "\r\x1b[K";
+    std::cerr << text << '\n' << std::flush;
+  }
+
+ private:
+  bool enabled_, tty_;
+  int64_t total_, log_every_, first_step_ = 0;
+  Clock::time_point start_, last_draw_;
+};
+
+// Mean validation loss over the whole held-out text; every rank evaluates its share of the
+// windows and one all-reduce combines them.
+double validation_loss(CharGpt& model, const Batch& windows, fsdp_muon::Communicator& comm,
+                       const c10::Device& device) {
+  torch::NoGradGuard no_grad;
+  const int64_t vocab = model->config().vocab_size;
+  double sum = 0.0;
+  const int64_t n = windows.inputs.size(0);
+  for (int64_t start = 0; start < n; start += 64) {
+    const int64_t len = std::min<int64_t>(64, n - start);
+    const at::Tensor logits = model->forward(windows.inputs.narrow(0, start, len).to(device));
+    const at::Tensor targets = windows.targets.narrow(0, start, len).to(device);
+    sum += at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape(-1),
+                                  /*weight=*/{}, at::Reduction::Sum)
+               .item<double>();
+  }
+  at::Tensor totals =
+      at::tensor({sum, static_cast<double>(n * windows.inputs.size(1))}, at::kDouble).to(device);
+  comm.all_reduce(totals, fsdp_muon::ReduceOp::kSum);
+  totals = totals.cpu();
+  return totals[0].item<double>() / totals[1].item<double>();
+}
+
+struct RunResult {
+  std::string optimizer;
+  double initial_val_loss = 0.0;
+  double final_val_loss = 0.0;
+  double seconds = 0.0;
+  double tokens_per_second = 0.0;
+};
+
+RunResult train(const Flags& flags, const std::string& optimizer_name, const Corpus& corpus,
+                const std::shared_ptr<fsdp_muon::Communicator>& comm) {
+  const bool rank0 = comm->rank() == 0;
+  const c10::Device device = comm->device();
+  Progress progress(rank0, flags.steps, flags.log_every);
+
+  // Same initial weights on every rank (the groups also broadcast rank 0's), a different data
+  // stream per rank: this is data parallelism.
+  torch::manual_seed(flags.seed);
+  ModelConfig config;
+  config.vocab_size = corpus.vocab_size();
+  config.seq_len = flags.seq_len;
+  config.d_model = flags.d_model;
+  config.n_layers = flags.layers;
+  config.n_heads = flags.heads;
+  CharGpt model(config);
+  model->to(device);
+  int64_t num_params = 0;
+  std::map<const c10::TensorImpl*, std::string> name_of;
+  for (const auto& item : model->named_parameters()) {
+    num_params += item.value().numel();
+    name_of[item.value().unsafeGetTensorImpl()] = item.key();
+  }
+
+  const auto groups =
+      fsdp_muon::shard_module(*model, comm, fsdp_muon::ShardModuleOptions().policy(shard_group_of));
+
+  // Hidden matrices to Muon, the rest to AdamW. Both receive sharded parameters: the local
+  // slices of the main weights that the groups reduce-scatter gradients into.
+  const bool use_muon = optimizer_name == "muon";
+  std::vector<at::Tensor> muon_params, adamw_params;
+  std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> refresh_after_step;
+  int64_t muon_numel = 0;
+  for (const auto& group : groups) {
+    bool muon_refreshes = false;
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const auto& slot = group->slot(i);
+      const at::Tensor module_param = group->model_parameters()[i];
+      auto it = name_of.find(module_param.unsafeGetTensorImpl());
+      const std::string& name = it != name_of.end() ? it->second : slot.name;
+      const bool hidden = slot.shape.size() == 2 && is_hidden_matrix(name, module_param);
+      if (use_muon && hidden) {
+        muon_params.push_back(group->sharded_parameter(i));
+        muon_numel += slot.numel;
+        muon_refreshes = true;
+      } else {
+        adamw_params.push_back(group->sharded_parameter(i));
+      }
+    }
+    // FsdpMuon refreshes the groups it steps; the others are refreshed here after AdamW.
+    if (!muon_refreshes) refresh_after_step.push_back(group);
+  }
+
+  torch::optim::AdamW adamw(adamw_params, torch::optim::AdamWOptions(flags.adamw_lr)
+                                              .betas(std::make_tuple(0.9, 0.95))
+                                              .weight_decay(0.0));
+#if CHAR_GPT_HAS_FSDP_MUON
+  std::unique_ptr<fsdp_muon::FsdpMuon> muon;
+  if (use_muon) {
+    muon = std::make_unique<fsdp_muon::FsdpMuon>(
+        muon_params, fsdp_muon::MuonOptions(flags.lr).ns_dtype(
+                         flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat));
+  }
+#else
+  std::unique_ptr<torch::optim::Optimizer> muon;
+  TORCH_CHECK(!use_muon, "char_gpt: this build has no FsdpMuon yet; use --optimizer adamw");
+#endif
+
+  if (rank0) {
+    std::ostringstream ss;
+    ss << "== " << optimizer_name << ": " << num_params << " parameters (" << muon_numel
+       << " in hidden matrices stepped by " << (use_muon ? "FsdpMuon" : "AdamW") << "), "
+       << groups.size() << " FSDP groups, " << comm->size() << " rank(s) on " << device << " ["
+       << comm->backend_name() << "], " << flags.steps << " steps x " << comm->size() << " ranks x "
+       << flags.batch << " seqs x " << flags.seq_len << " chars";
+    progress.message(ss.str());
+  }
+
+  TrainingState state;
+  state.groups = groups;
+  state.muon = muon.get();
+  state.adamw = &adamw;
+  state.data_gen = at::detail::createCPUGenerator(flags.seed * 1000003ULL + comm->rank() + 1);
+  if (!flags.resume.empty()) {
+    load_checkpoint(flags.resume, state);
+    if (rank0)
+      progress.message("resumed from " + flags.resume + " at step " + std::to_string(state.step));
+  }
+
+  const Batch val_windows =
+      validation_windows(corpus.validation, flags.seq_len, comm->rank(), comm->size());
+  RunResult result;
+  result.optimizer = optimizer_name;
+  result.initial_val_loss = validation_loss(model, val_windows, *comm, device);
+  if (rank0) {
+    char line[128];
+    std::snprintf(line, sizeof(line), "step %lld: val loss %.4f",
+                  static_cast<long long>(state.step), result.initial_val_loss);
+    progress.message(line);
+  }
+
+  // Linear warm-up, constant, then a linear decay to zero over the last `cooldown` of the run.
+  std::vector<std::pair<torch::optim::OptimizerOptions*, double>> base_lrs;
+  for (torch::optim::Optimizer* opt : {static_cast<torch::optim::Optimizer*>(&adamw),
+                                       static_cast<torch::optim::Optimizer*>(muon.get())}) {
+    if (opt == nullptr) continue;
+    for (auto& g : opt->param_groups()) base_lrs.emplace_back(&g.options(), g.options().get_lr());
+  }
+  auto lr_scale = [&](int64_t step) {
+    double s = std::min(1.0, static_cast<double>(step + 1) / std::max<int64_t>(1, flags.warmup));
+    const double decay_start = flags.steps * (1.0 - flags.cooldown);
+    if (step >= decay_start && flags.cooldown > 0) {
+      s *= std::max(0.0, (flags.steps - step) / (flags.steps * flags.cooldown));
+    }
+    return s;
+  };
+
+  const int64_t tokens_per_step = comm->size() * flags.batch * flags.seq_len;
+  const int64_t vocab = corpus.vocab_size();
+  const int64_t first_step = state.step;
+  double smoothed = NAN;
+  double val = result.initial_val_loss;
+  progress.start(first_step);
+  const auto t0 = Clock::now();
+  while (state.step < flags.steps) {
+    const int64_t step = state.step;
+    for (auto& [options, base] : base_lrs) options->set_lr(base * lr_scale(step));
+
+    const Batch batch = sample_batch(corpus.train, flags.batch, flags.seq_len, state.data_gen);
+    // Never optimizer.zero_grad(): it would detach the sharded parameters' gradients from the
+    // group's gradient shard. The group zeroes its buffers in place.
+    for (const auto& group : groups) group->zero_grad();
+    const at::Tensor logits = model->forward(batch.inputs.to(device));
+    const at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
+                                                   batch.targets.to(device).reshape(-1));
+    loss.backward();
+    for (const auto& group : groups) group->reduce_scatter_grads();
+    adamw.step();
+    if (muon) muon->step();  // also refreshes the model weights of the groups it stepped
+    for (const auto& group : refresh_after_step) group->refresh_model_weights();
+    state.step = step + 1;
+
+    const double l = loss.item<double>();
+    smoothed = std::isnan(smoothed) ? l : 0.9 * smoothed + 0.1 * l;
+    progress.update(state.step, smoothed, tokens_per_step);
+    const bool last = state.step == flags.steps;
+    if (last || (flags.eval_every > 0 && state.step % flags.eval_every == 0)) {
+      val = validation_loss(model, val_windows, *comm, device);
+      if (rank0) {
+        char line[128];
+        std::snprintf(line, sizeof(line), "step %lld: val loss %.4f",
+                      static_cast<long long>(state.step), val);
+        progress.message(line);
+      }
+    }
+  }
+  result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  result.final_val_loss = val;
+  result.tokens_per_second =
+      result.seconds > 0 ? (state.step - first_step) * tokens_per_step / result.seconds : 0.0;
+
+  if (!flags.checkpoint.empty()) {
+    save_checkpoint(flags.checkpoint, state);
+    if (rank0) progress.message("checkpoint written to " + flags.checkpoint);
+  }
+  return result;
+}
+
+int run(int argc, char** argv) {
+  const Flags flags = parse_flags(argc, argv);
+  if (flags.threads > 0) at::set_num_threads(flags.threads);
+  const auto comm = fsdp_muon::init_from_env();
+  const bool rank0 = comm->rank() == 0;
+
+  const Corpus corpus = load_corpus(flags.data, flags.val_fraction);
+  const double threshold =
+      std::isnan(flags.max_val_loss) ? corpus.unigram_entropy : flags.max_val_loss;
+  if (rank0) {
+    std::printf(
+        "corpus: %zu files from %s, %lld training / %lld validation characters, "
+        "vocabulary %lld\n",
+        corpus.files.size(), flags.data.c_str(), static_cast<long long>(corpus.train.numel()),
+        static_cast<long long>(corpus.validation.numel()),
+        static_cast<long long>(corpus.vocab_size()));
+    std::printf(
+        "unigram entropy of the training text: %.4f nats/char (validation text under "
+        "it: %.4f)\n",
+        corpus.unigram_entropy, corpus.unigram_validation_loss);
+    std::fflush(stdout);
+  }
+
+  std::vector<std::string> optimizers = flags.compare ? std::vector<std::string>{"muon", "adamw"}
+                                                      : std::vector<std::string>{flags.optimizer};
+  std::vector<RunResult> results;
+  bool ok = true;
+  for (const auto& name : optimizers) {
+    const RunResult r = train(flags, name, corpus, comm);
+    results.push_back(r);
+    const bool learned = r.final_val_loss < threshold && r.final_val_loss < r.initial_val_loss;
+    ok = ok && learned;
+    if (rank0) {
+      std::fflush(stderr);
+      std::printf(
+          "%s: val loss %.4f -> %.4f nats/char in %.1f s (%.1fk tok/s); unigram entropy "
+          "%.4f: %s\n",
+          name.c_str(), r.initial_val_loss, r.final_val_loss, r.seconds,
+          r.tokens_per_second / 1000.0, corpus.unigram_entropy,
+          learned ? "learned" : "DID NOT LEARN");
+      std::fflush(stdout);
+    }
+  }
+  if (rank0 && results.size() == 2) {
+    const RunResult &m = results[0], &a = results[1];
+    std::printf(
+        "compare: final val loss muon %.4f vs adamw %.4f nats/char (unigram %.4f); "
+        "muon %s by %.4f\n",
+        m.final_val_loss, a.final_val_loss, corpus.unigram_entropy,
+        m.final_val_loss < a.final_val_loss ? "lower" : "higher",
+        std::abs(a.final_val_loss - m.final_val_loss));
+    std::fflush(stdout);
+  }
+  comm->barrier();
+  if (!ok && rank0) {
+    std::fprintf(stderr, "char_gpt: final validation loss not below %.4f (%s)\n", threshold,
+                 std::isnan(flags.max_val_loss) ? "the unigram entropy" : "--max-val-loss");
+  }
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace char_gpt
+
+int main(int argc, char** argv) {
+  try {
+    return char_gpt::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "char_gpt: error: " << e.what() << std::endl;
+    return 2;
+  }
+}

@@ -1,0 +1,81 @@
+#include "model.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/init.h>
+#include <torch/utils.h>
+
+namespace char_gpt {
+
+BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads) : n_heads_(n_heads) {
+  TORCH_CHECK(n_heads > 0 && d_model % n_heads == 0, "char_gpt: --d-model (", d_model,
+              ") must be a multiple of --heads (", n_heads, ")");
+  attn_norm_ =
+      register_module("attn_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  qkv_ = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+  attn_out_ = register_module("attn_out", torch::nn::Linear(d_model, d_model));
+  mlp_norm_ =
+      register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  mlp_in_ = register_module("mlp_in", torch::nn::Linear(d_model, 4 * d_model));
+  mlp_out_ = register_module("mlp_out", torch::nn::Linear(4 * d_model, d_model));
+}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  const int64_t batch = x.size(0), seq = x.size(1), d = x.size(2);
+  auto heads = [&](const at::Tensor& t) {  // (B, T, d) -> (B, H, T, d / H)
+    return t.reshape({batch, seq, n_heads_, d / n_heads_}).transpose(1, 2);
+  };
+  const auto qkv = qkv_->forward(attn_norm_->forward(x)).chunk(3, /*dim=*/2);
+  const at::Tensor attended =
+      at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
+                                       /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+  const at::Tensor h = x + attn_out_->forward(attended.transpose(1, 2).reshape({batch, seq, d}));
+  return h + mlp_out_->forward(at::gelu(mlp_in_->forward(mlp_norm_->forward(h))));
+}
+
+CharGptImpl::CharGptImpl(const ModelConfig& config) : config_(config) {
+  TORCH_CHECK(config.vocab_size > 0 && config.seq_len > 0 && config.n_layers > 0,
+              "char_gpt: vocabulary, --seq-len and --layers must be positive");
+  token_embedding_ =
+      register_module("token_embedding", torch::nn::Embedding(config.vocab_size, config.d_model));
+  position_embedding_ =
+      register_module("position_embedding", torch::nn::Embedding(config.seq_len, config.d_model));
+  blocks_ = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config.n_layers; ++i) {
+    blocks_->push_back(Block(config.d_model, config.n_heads));
+  }
+  final_norm_ = register_module(
+      "final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model})));
+  head_ = register_module("head", torch::nn::Linear(config.d_model, config.vocab_size));
+  // GPT-2's embedding scale; unit-variance embeddings swamp the residual stream of a model
+  // this narrow.
+  torch::NoGradGuard no_grad;
+  torch::nn::init::normal_(token_embedding_->weight, 0.0, 0.02);
+  torch::nn::init::normal_(position_embedding_->weight, 0.0, 0.02);
+}
+
+at::Tensor CharGptImpl::forward(const at::Tensor& tokens) {
+  const int64_t seq = tokens.size(1);
+  TORCH_CHECK(seq <= config_.seq_len, "char_gpt: sequence of ", seq,
+              " tokens is longer than the model's --seq-len ", config_.seq_len);
+  at::Tensor x = token_embedding_->forward(tokens) +
+                 position_embedding_->forward(at::arange(seq, tokens.options()));
+  for (const auto& block : *blocks_) x = block->as<Block>()->forward(x);
+  return head_->forward(final_norm_->forward(x));
+}
+
+bool is_hidden_matrix(const std::string& name, const at::Tensor& param) {
+  return param.dim() == 2 && name.rfind("blocks.", 0) == 0;
+}
+
+std::string shard_group_of(const std::string& name, const at::Tensor& /*param*/) {
+  if (name.rfind("blocks.", 0) == 0) {
+    return name.substr(0, name.find('.', 7));  // "blocks.<i>"
+  }
+  if (name.rfind("token_embedding", 0) == 0 || name.rfind("position_embedding", 0) == 0) {
+    return "embeddings";
+  }
+  return "head";  // final_norm and head
+}
+
+}  // namespace char_gpt
