@@ -66,7 +66,7 @@ function(fsdp_muon_add_distributed_test)
         if(NOT FSDP_MUON_TORCHRUN)
           message(FATAL_ERROR "torchrun not found next to ${FSDP_MUON_PYTHON}")
         endif()
-        set(cmd ${FSDP_MUON_TORCHRUN} --standalone --nnodes=1 --nproc_per_node=${n}
+        set(cmd ${FSDP_MUON_TORCHRUN} --standalone --nnodes=1 --nproc_per_node=${n} --no-python
                 $<TARGET_FILE:${T_TARGET}> ${T_ARGS})
       elseif(launcher STREQUAL "mpirun")
         if(NOT FSDP_MUON_MPIRUN)

@@ -16,8 +16,8 @@ void check_flat(const at::Tensor& t, const char* what, const c10::Device& device
 }
 
 void check_counts(const std::vector<int64_t>& counts, int size, int64_t numel, const char* what) {
-  TORCH_CHECK(static_cast<int>(counts.size()) == size, "fsdp_muon all_to_all_v: ", what,
-              " has ", counts.size(), " entries; it needs one per rank (", size, ")");
+  TORCH_CHECK(static_cast<int>(counts.size()) == size, "fsdp_muon all_to_all_v: ", what, " has ",
+              counts.size(), " entries; it needs one per rank (", size, ")");
   for (int64_t c : counts) {
     TORCH_CHECK(c >= 0, "fsdp_muon all_to_all_v: negative count in ", what);
   }
@@ -30,8 +30,7 @@ void check_counts(const std::vector<int64_t>& counts, int size, int64_t numel, c
 
 Communicator::Communicator(int rank, int size) : rank_(rank), size_(size) {
   TORCH_CHECK(size >= 1, "Communicator: world size must be at least 1, got ", size);
-  TORCH_CHECK(rank >= 0 && rank < size, "Communicator: rank ", rank, " is outside [0, ", size,
-              ")");
+  TORCH_CHECK(rank >= 0 && rank < size, "Communicator: rank ", rank, " is outside [0, ", size, ")");
 }
 
 Communicator::~Communicator() = default;
@@ -71,8 +70,8 @@ void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor&
   TORCH_CHECK(send.scalar_type() == recv.scalar_type(),
               "fsdp_muon reduce_scatter_mean: dtypes differ");
   TORCH_CHECK(send.numel() == recv.numel() * size_, "fsdp_muon reduce_scatter_mean: send buffer ",
-              "holds ", send.numel(), " elements, needs world size x receive = ",
-              recv.numel() * size_);
+              "holds ", send.numel(),
+              " elements, needs world size x receive = ", recv.numel() * size_);
   stats_.reduce_scatter_bytes +=
       (size_ - 1) * recv.numel() * static_cast<int64_t>(recv.element_size());
   ++stats_.calls;

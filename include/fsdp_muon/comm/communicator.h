@@ -66,8 +66,7 @@ class Communicator {
   Communicator(int rank, int size);
 
   virtual void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
-                               const at::Tensor& recv,
-                               const std::vector<int64_t>& recv_counts) = 0;
+                               const at::Tensor& recv, const std::vector<int64_t>& recv_counts) = 0;
   virtual void do_all_gather(const at::Tensor& send, const at::Tensor& recv) = 0;
   virtual void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) = 0;
   virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
@@ -88,14 +87,22 @@ struct LaunchEnvironment {
   int local_rank = 0;
   std::string master_addr;  // empty when the launcher gives none
   int master_port = 0;
+  // torchrun's agent hosts the TCPStore on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
+  // every rank connects as a client. Otherwise rank 0 hosts it.
+  bool use_agent_store = false;
+  // Names this job on this node (from the launcher's job id), for the FileStore rendezvous.
+  std::string job_id;
 };
 
 // Reads the launcher's variables (torchrun, Open MPI, Slurm, PMI). Missing or contradictory
-// variables throw with a message naming the variable.
+// variables throw with a message naming the variable. A launcher nested in another wins:
+// torchrun (TORCHELASTIC_RUN_ID set) over the rest, mpirun and PMI over Slurm (whose variables
+// then describe the daemon mpirun started, not this rank); any other pair must agree.
 LaunchEnvironment read_launch_environment();
 
 struct InitOptions {
-  // "auto" (NCCL when CUDA is available, else Gloo), "nccl" or "gloo".
+  // "auto" (NCCL when CUDA is available, else Gloo), "nccl" or "gloo". With "auto", the
+  // environment variable FSDP_MUON_BACKEND, when set, chooses instead.
   std::string backend = "auto";
   // Rendezvous and collective timeout.
   double timeout_seconds = 300.0;
@@ -103,7 +110,9 @@ struct InitOptions {
 
 // Creates the communicator for this process from the launcher environment. Rendezvous through
 // MASTER_ADDR/MASTER_PORT (TCPStore), or a FileStore when a single-node launcher gives no
-// address.
+// address (in FSDP_MUON_STORE_DIR, else Open MPI's session directory, else /tmp). NCCL on
+// cuda:<local rank> when CUDA is available, Gloo otherwise. Every call makes a new communicator
+// (its own store prefix), so all ranks must call it equally often.
 std::shared_ptr<Communicator> init_from_env(const InitOptions& options = {});
 
 }  // namespace fsdp_muon

@@ -1,0 +1,23 @@
+#pragma once
+// Factory for the NCCL communicator, for programs that bring their own c10d Store (init_from_env()
+// is the usual way in). Kept apart from communicator.h so that code which only moves tensors
+// does not pull in c10d.
+
+#include <chrono>
+#include <memory>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <fsdp_muon/comm/communicator.h>
+
+namespace fsdp_muon {
+
+// Raw NCCL on cuda:<device_index>; the NCCL unique id travels through `store`. Every call is
+// enqueued on the caller's current CUDA stream. Errors reported by NCCL and collectives that do
+// not finish within `timeout` (checked whenever the host waits: set-up, barrier()) abort the
+// communicator and throw. Throws when this build of fsdp_muon has no CUDA.
+std::shared_ptr<Communicator> make_nccl_communicator(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int size, int device_index,
+    std::chrono::milliseconds timeout = std::chrono::minutes(5));
+
+}  // namespace fsdp_muon

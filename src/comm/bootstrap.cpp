@@ -1,0 +1,408 @@
+// Launcher bootstrap: who am I (rank, world size, local rank), where do we meet (a c10d Store),
+// and which communicator (NCCL or Gloo). Every inconsistency is reported here, naming the
+// variable, rather than surfacing later as a hang.
+
+#include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/gloo_communicator.h>
+#include <fsdp_muon/comm/nccl_communicator.h>
+#include <fsdp_muon/config.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/cuda.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace fsdp_muon {
+namespace {
+
+// An empty variable counts as unset (`export RANK=` is how shells clear one).
+std::optional<std::string> env(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') {
+    return std::nullopt;
+  }
+  return std::string(value);
+}
+
+int parse_int(const char* name, const std::string& value) {
+  errno = 0;
+  char* end = nullptr;
+  const long parsed = std::strtol(value.c_str(), &end, 10);
+  TORCH_CHECK(end != value.c_str() && *end == '\0' && errno == 0 && parsed >= INT_MIN &&
+                  parsed <= INT_MAX && !std::isspace(static_cast<unsigned char>(value[0])),
+              "fsdp_muon launch: ", name, "='", value, "' is not an integer");
+  return static_cast<int>(parsed);
+}
+
+// What one launcher's variables say about this process.
+struct Reading {
+  const char* launcher = "";
+  const char* rank_var = "";
+  const char* size_var = "";
+  const char* local_var = "";
+  int rank = 0;
+  int size = 1;
+  std::optional<int> local_rank;
+};
+
+// nullopt when the launcher's variables are absent. `rank_marks_presence`: only the rank
+// variable shows the launcher started us (Slurm sets SLURM_NTASKS in a plain allocation too).
+std::optional<Reading> read_launcher(const char* launcher, const char* rank_var,
+                                     const char* size_var, const char* local_var,
+                                     bool rank_marks_presence) {
+  const auto rank = env(rank_var);
+  const auto size = env(size_var);
+  if (!rank && (rank_marks_presence || !size)) {
+    return std::nullopt;
+  }
+  TORCH_CHECK(rank, "fsdp_muon launch: ", size_var, " is set but ", rank_var, " is not; a ",
+              launcher, " launch sets both");
+  TORCH_CHECK(size, "fsdp_muon launch: ", rank_var, " is set but ", size_var, " is not; a ",
+              launcher, " launch sets both");
+  Reading r;
+  r.launcher = launcher;
+  r.rank_var = rank_var;
+  r.size_var = size_var;
+  r.local_var = local_var;
+  r.size = parse_int(size_var, *size);
+  r.rank = parse_int(rank_var, *rank);
+  TORCH_CHECK(r.size >= 1, "fsdp_muon launch: ", size_var, "=", r.size, " must be at least 1");
+  TORCH_CHECK(r.rank >= 0 && r.rank < r.size, "fsdp_muon launch: ", rank_var, "=", r.rank,
+              " is outside the world of ", size_var, "=", r.size, " ranks [0, ", r.size, ")");
+  if (const auto local = env(local_var)) {
+    r.local_rank = parse_int(local_var, *local);
+    TORCH_CHECK(*r.local_rank >= 0 && *r.local_rank < r.size, "fsdp_muon launch: ", local_var, "=",
+                *r.local_rank, " is outside [0, ", size_var, "=", r.size, ")");
+  }
+  return r;
+}
+
+void check_agree(const Reading& a, const Reading& b) {
+  const char* fix = "; unset the variables of the launcher that did not start this process";
+  TORCH_CHECK(a.size == b.size, "fsdp_muon launch: contradictory world sizes: ", a.size_var, "=",
+              a.size, " (", a.launcher, ") but ", b.size_var, "=", b.size, " (", b.launcher, ")",
+              fix);
+  TORCH_CHECK(a.rank == b.rank, "fsdp_muon launch: contradictory ranks: ", a.rank_var, "=", a.rank,
+              " (", a.launcher, ") but ", b.rank_var, "=", b.rank, " (", b.launcher, ")", fix);
+  if (a.local_rank && b.local_rank) {
+    TORCH_CHECK(*a.local_rank == *b.local_rank,
+                "fsdp_muon launch: contradictory local ranks: ", a.local_var, "=", *a.local_rank,
+                " (", a.launcher, ") but ", b.local_var, "=", *b.local_rank, " (", b.launcher, ")",
+                fix);
+  }
+}
+
+// The parent's pid and start time: the same for every rank a launcher forks on this node, and
+// never reused by a later job (a pid alone may be).
+std::string parent_process_key() {
+  const pid_t parent = getppid();
+  std::string start = "0";
+  std::ifstream stat("/proc/" + std::to_string(parent) + "/stat");
+  std::string line;
+  if (std::getline(stat, line)) {
+    const auto paren = line.rfind(')');
+    if (paren != std::string::npos) {
+      std::istringstream fields(line.substr(paren + 2));
+      std::string field;
+      // Field 22 (starttime); fields 3.. follow the command name.
+      for (int i = 3; i <= 22 && (fields >> field); ++i) {
+        if (i == 22) {
+          start = field;
+        }
+      }
+    }
+  }
+  return "ppid" + std::to_string(parent) + "-" + start;
+}
+
+std::string job_id_for(const std::string& launcher) {
+  std::optional<std::string> id;
+  if (launcher == "torchrun") {
+    id = env("TORCHELASTIC_RUN_ID");
+  } else if (launcher == "mpirun") {
+    id = env("OMPI_MCA_ess_base_jobid");
+    if (!id) {
+      id = env("PMIX_NAMESPACE");
+    }
+  } else if (launcher == "srun") {
+    if ((id = env("SLURM_JOB_ID"))) {
+      if (const auto step = env("SLURM_STEP_ID")) {
+        *id += "." + *step;
+      }
+    }
+  } else if (launcher == "pmi") {
+    id = env("PMIX_NAMESPACE");
+  }
+  return launcher + "-" + (id ? *id : parent_process_key());
+}
+
+// With no address the rendezvous is a file every rank can see, which only works on one node.
+void check_single_node(const LaunchEnvironment& e) {
+  auto spans_nodes = [&](const char* local_size_var) {
+    const auto local_size = env(local_size_var);
+    return local_size && parse_int(local_size_var, *local_size) != e.world_size;
+  };
+  const char* fix =
+      " but MASTER_ADDR is not set; export MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free "
+      "port> to every rank";
+  if (e.launcher == "torchrun") {
+    TORCH_CHECK(false, "fsdp_muon launch: RANK/WORLD_SIZE describe a world of ", e.world_size,
+                " ranks", fix, " (torchrun sets them itself)");
+  } else if (e.launcher == "mpirun") {
+    TORCH_CHECK(!spans_nodes("OMPI_COMM_WORLD_LOCAL_SIZE"), "fsdp_muon launch: this mpirun job ",
+                "spans several nodes (OMPI_COMM_WORLD_LOCAL_SIZE differs from ",
+                "OMPI_COMM_WORLD_SIZE)", fix, " (mpirun -x MASTER_ADDR -x MASTER_PORT)");
+  } else if (e.launcher == "srun") {
+    const char* nodes_var = env("SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
+    const auto nodes = env(nodes_var);
+    TORCH_CHECK(!nodes || parse_int(nodes_var, *nodes) <= 1, "fsdp_muon launch: this srun step ",
+                "spans ", nodes_var, "=", nodes.value_or("?"), " nodes", fix);
+  } else if (e.launcher == "pmi") {
+    TORCH_CHECK(!spans_nodes("MPI_LOCALNRANKS"), "fsdp_muon launch: this PMI job spans several ",
+                "nodes (MPI_LOCALNRANKS differs from PMI_SIZE)", fix);
+  }
+}
+
+std::string sanitize(const std::string& s) {
+  std::string out = s;
+  for (char& c : out) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      c = '_';
+    }
+  }
+  return out;
+}
+
+bool is_directory(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string file_store_path(const LaunchEnvironment& e) {
+  std::string dir = "/tmp";
+  if (const auto chosen = env("FSDP_MUON_STORE_DIR")) {
+    dir = *chosen;
+    TORCH_CHECK(is_directory(dir), "fsdp_muon launch: FSDP_MUON_STORE_DIR=", dir,
+                " is not a directory");
+  } else if (const auto session = env("OMPI_MCA_orte_jobfam_session_dir");
+             session && e.launcher == "mpirun" && is_directory(*session)) {
+    // mpirun removes its session directory when the job ends, even after a crash, so no stale
+    // store can confuse a later job.
+    dir = *session;
+  }
+  return dir + "/fsdp_muon-" + std::to_string(getuid()) + "-" + sanitize(e.job_id) + ".store";
+}
+
+c10::intrusive_ptr<c10d::Store> make_base_store(const LaunchEnvironment& e,
+                                                std::chrono::milliseconds timeout) {
+  if (!e.master_addr.empty()) {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(e.master_port);
+    opts.isServer = !e.use_agent_store && e.rank == 0;
+    opts.numWorkers = e.world_size;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    opts.multiTenant = true;
+    try {
+      return c10::make_intrusive<c10d::TCPStore>(e.master_addr, opts);
+    } catch (const std::exception& ex) {
+      TORCH_CHECK(false, "fsdp_muon launch: could not ", opts.isServer ? "serve" : "reach",
+                  " the rendezvous store at MASTER_ADDR=", e.master_addr,
+                  " MASTER_PORT=", e.master_port, " within ", timeout.count() / 1000.0, " s (",
+                  e.launcher, " rank ", e.rank, " of ", e.world_size, "): ", ex.what());
+    }
+  }
+  if (e.world_size == 1) {
+    return c10::make_intrusive<c10d::HashStore>();
+  }
+  auto store = c10::make_intrusive<c10d::FileStore>(file_store_path(e), e.world_size);
+  store->setTimeout(timeout);
+  return store;
+}
+
+// One base store per process and rendezvous (a TCPStore server must outlive every client, and
+// a FileStore deletes its file once world-size instances are gone). Destroyed at exit, before
+// LibTorch's own statics.
+c10::intrusive_ptr<c10d::Store> base_store(const LaunchEnvironment& e,
+                                           std::chrono::milliseconds timeout) {
+  static std::mutex mutex;
+  static std::map<std::string, c10::intrusive_ptr<c10d::Store>> stores;
+  const std::string key = e.master_addr + ":" + std::to_string(e.master_port) + "/" + e.job_id +
+                          "/" + std::to_string(e.world_size) + "/" + std::to_string(e.rank);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = stores.find(key);
+  if (it == stores.end()) {
+    it = stores.emplace(key, make_base_store(e, timeout)).first;
+  }
+  return it->second;
+}
+
+std::string choose_backend(const InitOptions& options) {
+  std::string backend = options.backend;
+  const char* source = "InitOptions::backend";
+  if (backend == "auto") {
+    if (const auto chosen = env("FSDP_MUON_BACKEND")) {
+      backend = *chosen;
+      source = "FSDP_MUON_BACKEND";
+    }
+  }
+  TORCH_CHECK(backend == "auto" || backend == "nccl" || backend == "gloo", "fsdp_muon: ", source,
+              "='", backend, "' is not one of auto, nccl, gloo");
+  const bool cuda = FSDP_MUON_WITH_CUDA && torch::cuda::is_available();
+  if (backend == "auto") {
+    backend = cuda ? "nccl" : "gloo";
+  }
+  if (backend == "nccl") {
+    TORCH_CHECK(FSDP_MUON_WITH_CUDA, "fsdp_muon: ", source,
+                " asks for NCCL but this build of fsdp_muon has no CUDA (LibTorch without CUDA)");
+    TORCH_CHECK(cuda, "fsdp_muon: ", source,
+                " asks for NCCL but no CUDA device is available to this process");
+  } else {
+    TORCH_CHECK(FSDP_MUON_WITH_GLOO, "fsdp_muon: ", source, " asks for Gloo but this build of ",
+                "fsdp_muon has none (configured with FSDP_MUON_WITH_GLOO=OFF)");
+  }
+  return backend;
+}
+
+}  // namespace
+
+LaunchEnvironment read_launch_environment() {
+  const auto torch = read_launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", false);
+  const auto ompi = read_launcher("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                  "OMPI_COMM_WORLD_LOCAL_RANK", false);
+  const auto slurm = read_launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", true);
+  const auto pmi = read_launcher("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", true);
+
+  std::vector<Reading> active;
+  if (torch && env("TORCHELASTIC_RUN_ID")) {
+    active.push_back(*torch);  // torchrun's workers; an outer launcher started the agent
+  } else {
+    // The launcher named is the first present; RANK/WORLD_SIZE set by hand come last, since a
+    // job script often copies them from the launcher's own.
+    for (const auto* r : {&ompi, &pmi}) {
+      if (*r) {
+        active.push_back(**r);
+      }
+    }
+    // mpirun and PMI launchers start their daemons with srun inside an allocation; the Slurm
+    // variables then describe the daemon, not this rank.
+    if (slurm && !ompi && !pmi) {
+      active.push_back(*slurm);
+    }
+    if (torch) {
+      active.push_back(*torch);
+    }
+  }
+  for (size_t i = 1; i < active.size(); ++i) {
+    check_agree(active[0], active[i]);
+  }
+
+  LaunchEnvironment e;
+  e.launcher = "single";
+  if (!active.empty()) {
+    const Reading& r = active[0];
+    e.launcher = r.launcher;
+    e.rank = r.rank;
+    e.world_size = r.size;
+    for (const auto& a : active) {
+      if (a.local_rank) {
+        e.local_rank = *a.local_rank;
+        break;
+      }
+    }
+  }
+
+  const auto addr = env("MASTER_ADDR");
+  const auto port = env("MASTER_PORT");
+  TORCH_CHECK(!addr || port, "fsdp_muon launch: MASTER_ADDR=", addr.value_or(""),
+              " is set but MASTER_PORT is not; set both or neither");
+  TORCH_CHECK(addr || !port, "fsdp_muon launch: MASTER_PORT=", port.value_or(""),
+              " is set but MASTER_ADDR is not; set both or neither");
+  e.use_agent_store = e.launcher == "torchrun" && env("TORCHELASTIC_USE_AGENT_STORE") == "True";
+  if (addr) {
+    e.master_addr = *addr;
+    e.master_port = parse_int("MASTER_PORT", *port);
+    TORCH_CHECK(e.master_port >= 0 && e.master_port <= 65535,
+                "fsdp_muon launch: MASTER_PORT=", e.master_port, " is not a TCP port (0-65535)");
+    // Port 0 lets the OS choose, which only a world of one can use: nobody else could find it.
+    TORCH_CHECK(e.master_port != 0 || (e.world_size == 1 && !e.use_agent_store),
+                "fsdp_muon launch: MASTER_PORT=0 only works for a single process; give the "
+                "port rank 0 listens on");
+  } else if (e.world_size > 1) {
+    check_single_node(e);
+  }
+  e.job_id = job_id_for(e.launcher);
+  return e;
+}
+
+std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
+  TORCH_CHECK(options.timeout_seconds > 0,
+              "fsdp_muon init_from_env: InitOptions::timeout_seconds=", options.timeout_seconds,
+              " must be positive");
+  const LaunchEnvironment e = read_launch_environment();
+  const std::string backend = choose_backend(options);
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000.0));
+
+  // Each communicator gets its own key space, numbered in call order (the same on every rank).
+  static std::atomic<int> instances{0};
+  const int instance = instances++;
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "fsdp_muon/communicator_" + std::to_string(instance), base_store(e, timeout));
+
+  try {
+    if (backend == "nccl") {
+      const int devices = torch::cuda::device_count();
+      TORCH_CHECK(e.local_rank < devices, "fsdp_muon init_from_env: local rank ", e.local_rank,
+                  " has no CUDA device (", devices,
+                  " visible); start at most one process per GPU on each node or check "
+                  "CUDA_VISIBLE_DEVICES");
+      return make_nccl_communicator(store, e.rank, e.world_size, e.local_rank, timeout);
+    }
+    // Without an address every rank is on this node, and loopback always connects there.
+    const bool local = e.master_addr.empty() || e.master_addr == "localhost" ||
+                       e.master_addr.rfind("127.", 0) == 0;
+    return make_gloo_communicator(store, e.rank, e.world_size, timeout, local ? "127.0.0.1" : "");
+  } catch (const c10::Error& ex) {
+    TORCH_CHECK(false, "fsdp_muon init_from_env: setting up ", backend, " for ", e.launcher,
+                " rank ", e.rank, " of ", e.world_size, " failed (are all ", e.world_size,
+                " processes started and reachable within ", options.timeout_seconds,
+                " s?): ", ex.what_without_backtrace());
+  }
+}
+
+#if !FSDP_MUON_WITH_CUDA
+std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store>, int, int, int,
+                                                     std::chrono::milliseconds) {
+  TORCH_CHECK(false, "make_nccl_communicator: this build of fsdp_muon has no CUDA");
+}
+#endif
+
+#if !FSDP_MUON_WITH_GLOO
+std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::Store>, int, int,
+                                                     std::chrono::milliseconds,
+                                                     const std::string&) {
+  TORCH_CHECK(false, "make_gloo_communicator: this build of fsdp_muon has no Gloo");
+}
+#endif
+
+}  // namespace fsdp_muon

@@ -1,0 +1,316 @@
+#include <fsdp_muon/comm/nccl_communicator.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include "common/cuda_check.h"
+
+namespace fsdp_muon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string version_string(int code) {
+  // NCCL >= 2.9 encodes major * 10000 + minor * 100 + patch.
+  return std::to_string(code / 10000) + "." + std::to_string(code % 10000 / 100) + "." +
+         std::to_string(code % 100);
+}
+
+// The process must run the NCCL it was compiled against: torch and fsdp_muon share one
+// libnccl.so.2, and a different major/minor can change the ABI of ncclConfig_t and friends.
+void check_nccl_version() {
+  int loaded = 0;
+  FSDP_MUON_CHECK_NCCL(ncclGetVersion(&loaded));
+  TORCH_CHECK(loaded / 100 == NCCL_VERSION_CODE / 100, "fsdp_muon: this process loaded NCCL ",
+              version_string(loaded), " but fsdp_muon was compiled against NCCL ",
+              version_string(NCCL_VERSION_CODE),
+              " headers; make the libnccl.so.2 torch loads (the nvidia-nccl wheel beside torch) "
+              "the one fsdp_muon was built with (NCCL_HOME at configure time, LD_LIBRARY_PATH)");
+}
+
+ncclDataType_t to_nccl(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat:
+      return ncclFloat32;
+    case c10::kDouble:
+      return ncclFloat64;
+    case c10::kHalf:
+      return ncclFloat16;
+    case c10::kBFloat16:
+      return ncclBfloat16;
+    case c10::kInt:
+      return ncclInt32;
+    case c10::kLong:
+      return ncclInt64;
+    case c10::kByte:
+    case c10::kBool:
+      return ncclUint8;
+    case c10::kChar:
+      return ncclInt8;
+    default:
+      TORCH_CHECK(false, "fsdp_muon NCCL communicator: dtype ", t, " cannot be reduced by NCCL");
+  }
+}
+
+ncclRedOp_t to_nccl(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
+  }
+  TORCH_CHECK(false, "fsdp_muon: unknown ReduceOp");
+}
+
+size_t bytes_of(const at::Tensor& t) { return static_cast<size_t>(t.nbytes()); }
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                   int device_index, std::chrono::milliseconds timeout)
+      : Communicator(rank, size), device_index_(device_index), timeout_(timeout) {
+    TORCH_CHECK(store, "make_nccl_communicator: store is null");
+    int device_count = 0;
+    FSDP_MUON_CHECK_CUDA(cudaGetDeviceCount(&device_count));
+    TORCH_CHECK(device_index >= 0 && device_index < device_count,
+                "make_nccl_communicator: device_index ", device_index,
+                " is outside the visible CUDA devices [0, ", device_count,
+                "); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
+    check_nccl_version();
+
+    // Rank 0 draws the id; everyone else reads it from the store (which waits for it).
+    static const std::string kKey = "nccl_unique_id";
+    ncclUniqueId id;
+    if (rank == 0) {
+      FSDP_MUON_CHECK_NCCL(ncclGetUniqueId(&id));
+      const auto* bytes = reinterpret_cast<const uint8_t*>(&id);
+      store->set(kKey, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
+    } else {
+      store->wait({kKey}, timeout);
+      const std::vector<uint8_t> bytes = store->get(kKey);
+      TORCH_CHECK(bytes.size() == sizeof(id), "fsdp_muon: the NCCL unique id in the store has ",
+                  bytes.size(), " bytes, expected ", sizeof(id));
+      std::memcpy(&id, bytes.data(), sizeof(id));
+    }
+
+    c10::cuda::CUDAGuard guard(device_index_);
+    // Non-blocking, so that a peer that never arrives shows up as a timeout we can act on
+    // instead of a call that never returns.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    FSDP_MUON_CHECK_NCCL(ncclCommInitRankConfig(&comm_, size, id, rank, &config));
+    wait_until_ready("ncclCommInitRankConfig");
+  }
+
+  ~NcclCommunicator() override {
+    if (comm_ == nullptr) {
+      return;
+    }
+    // Destructors must not throw: a communicator that cannot finish its work is aborted.
+    c10::cuda::CUDAGuard guard(device_index_);
+    if (!failed_) {
+      ncclResult_t state = ncclCommFinalize(comm_);
+      const auto deadline = Clock::now() + timeout_;
+      while (state == ncclInProgress && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) {
+          break;
+        }
+      }
+      if (state == ncclSuccess) {
+        ncclCommDestroy(comm_);
+        return;
+      }
+    }
+    ncclCommAbort(comm_);
+  }
+
+  c10::Device device() const override {
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index_));
+  }
+  std::string backend_name() const override { return "nccl"; }
+
+ protected:
+  void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
+                       const at::Tensor& recv, const std::vector<int64_t>& recv_counts) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin("all_to_all_v");
+    const size_t elem = send.element_size();
+    const auto* src = static_cast<const char*>(send.data_ptr());
+    auto* dst = static_cast<char*>(recv.data_ptr());
+    std::vector<size_t> send_offsets(size()), recv_offsets(size());
+    for (int p = 1; p < size(); ++p) {
+      send_offsets[p] = send_offsets[p - 1] + static_cast<size_t>(send_counts[p - 1]) * elem;
+      recv_offsets[p] = recv_offsets[p - 1] + static_cast<size_t>(recv_counts[p - 1]) * elem;
+    }
+    // The block a rank keeps never leaves the device.
+    if (send_counts[rank()] > 0) {
+      FSDP_MUON_CHECK_CUDA(cudaMemcpyAsync(dst + recv_offsets[rank()], src + send_offsets[rank()],
+                                           static_cast<size_t>(send_counts[rank()]) * elem,
+                                           cudaMemcpyDeviceToDevice, stream));
+    }
+    FSDP_MUON_CHECK_NCCL(ncclGroupStart());
+    for (int p = 0; p < size(); ++p) {
+      if (p == rank()) {
+        continue;
+      }
+      if (send_counts[p] > 0) {
+        FSDP_MUON_CHECK_NCCL(ncclSend(src + send_offsets[p],
+                                      static_cast<size_t>(send_counts[p]) * elem, ncclInt8, p,
+                                      comm_, stream));
+      }
+      if (recv_counts[p] > 0) {
+        FSDP_MUON_CHECK_NCCL(ncclRecv(dst + recv_offsets[p],
+                                      static_cast<size_t>(recv_counts[p]) * elem, ncclInt8, p,
+                                      comm_, stream));
+      }
+    }
+    finish(ncclGroupEnd(), "all_to_all_v (ncclGroupEnd)");
+  }
+
+  void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin("all_gather");
+    finish(ncclAllGather(send.data_ptr(), recv.data_ptr(), bytes_of(send), ncclInt8, comm_, stream),
+           "ncclAllGather");
+  }
+
+  void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin("reduce_scatter_mean");
+    finish(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(recv.numel()),
+                             to_nccl(send.scalar_type()), ncclAvg, comm_, stream),
+           "ncclReduceScatter");
+  }
+
+  void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin("all_reduce");
+    finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
+                         to_nccl(tensor.scalar_type()), to_nccl(op), comm_, stream),
+           "ncclAllReduce");
+  }
+
+  void do_broadcast(const at::Tensor& tensor, int root) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin("broadcast");
+    finish(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), bytes_of(tensor), ncclInt8, root,
+                         comm_, stream),
+           "ncclBroadcast");
+  }
+
+  void do_barrier() override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin("barrier");
+    if (!barrier_buffer_.defined()) {
+      barrier_buffer_ = at::empty({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
+    }
+    finish(ncclAllReduce(barrier_buffer_.data_ptr(), barrier_buffer_.data_ptr(), 1, ncclFloat32,
+                         ncclSum, comm_, stream),
+           "barrier (ncclAllReduce)");
+    // The host waits too, polling so that a peer that never arrives becomes an error.
+    const auto deadline = Clock::now() + timeout_;
+    for (;;) {
+      const cudaError_t status = cudaStreamQuery(stream);
+      if (status == cudaSuccess) {
+        break;
+      }
+      TORCH_CHECK(status == cudaErrorNotReady, "fsdp_muon barrier: CUDA error ",
+                  cudaGetErrorString(status));
+      check_async_error("barrier");
+      if (Clock::now() > deadline) {
+        fail("barrier did not complete within " + std::to_string(timeout_.count()) + " ms");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+ private:
+  // Checks that earlier work has not failed; returns the caller's stream on our device.
+  cudaStream_t begin(const char* what) {
+    TORCH_CHECK(!failed_, "fsdp_muon NCCL communicator: ", what,
+                " called after the communicator was aborted by an earlier error");
+    check_async_error(what);
+    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+  }
+
+  // A non-blocking communicator may still be enqueuing when the call returns; NCCL requires
+  // that to finish before the next call.
+  void finish(ncclResult_t result, const char* what) {
+    if (result != ncclSuccess && result != ncclInProgress) {
+      fail(std::string(what) + " failed: " + ncclGetErrorString(result));
+    }
+    wait_until_ready(what);
+  }
+
+  void wait_until_ready(const char* what) {
+    const auto deadline = Clock::now() + timeout_;
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t query = ncclCommGetAsyncError(comm_, &state);
+      if (query != ncclSuccess) {
+        fail(std::string(what) + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query));
+      }
+      if (state == ncclSuccess) {
+        return;
+      }
+      if (state != ncclInProgress) {
+        fail(std::string(what) + " failed: " + ncclGetErrorString(state) + " (" +
+             ncclGetLastError(comm_) + ")");
+      }
+      if (Clock::now() > deadline) {
+        fail(std::string(what) + " did not complete within " + std::to_string(timeout_.count()) +
+             " ms (a rank missing or stuck?)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  void check_async_error(const char* what) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t query = ncclCommGetAsyncError(comm_, &state);
+    if (query != ncclSuccess) {
+      fail(std::string(what) + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query));
+    }
+    if (state != ncclSuccess && state != ncclInProgress) {
+      fail(std::string("NCCL reported an asynchronous error before ") + what + ": " +
+           ncclGetErrorString(state) + " (" + ncclGetLastError(comm_) + ")");
+    }
+  }
+
+  // Aborting frees the peers' kernels from waiting on us and makes the failure final.
+  [[noreturn]] void fail(const std::string& message) {
+    if (comm_ != nullptr && !failed_) {
+      failed_ = true;
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    TORCH_CHECK(false, "fsdp_muon NCCL communicator (rank ", rank(), " of ", size(),
+                ", cuda:", device_index_, "): ", message, "; the communicator has been aborted");
+  }
+
+  int device_index_;
+  std::chrono::milliseconds timeout_;
+  ncclComm_t comm_ = nullptr;
+  bool failed_ = false;
+  at::Tensor barrier_buffer_;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store> store,
+                                                     int rank, int size, int device_index,
+                                                     std::chrono::milliseconds timeout) {
+  return std::make_shared<NcclCommunicator>(store, rank, size, device_index, timeout);
+}
+
+}  // namespace fsdp_muon

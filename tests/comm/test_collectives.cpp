@@ -1,0 +1,269 @@
+// Collectives across real processes (CTest starts this under torchrun and mpirun with 1-4
+// ranks). Every value is computed from (source rank, destination rank, index), so a receiver
+// checks exactly what it got, and every byte counter against its own formula.
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "comm/distributed_main.h"
+
+namespace fsdp_muon {
+namespace {
+
+using testing::world;
+
+at::TensorOptions on_device(at::ScalarType dtype) {
+  return at::TensorOptions().dtype(dtype).device(world().device());
+}
+
+// Elements rank `src` sends rank `dst`: uneven, and zero for some pairs (including some
+// self-blocks) at every world size above one.
+int64_t count(int src, int dst) { return (3 * src + 5 * dst) % 4; }
+
+double value(int src, int dst, int64_t i) { return src * 1000 + dst * 100 + i; }
+
+void run_all_to_all_v(at::ScalarType dtype) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  std::vector<int64_t> send_counts(w), recv_counts(w);
+  std::vector<double> send_values;
+  int64_t expected_bytes = 0;
+  for (int p = 0; p < w; ++p) {
+    send_counts[p] = count(r, p);
+    recv_counts[p] = count(p, r);
+    for (int64_t i = 0; i < send_counts[p]; ++i) {
+      send_values.push_back(value(r, p, i));
+    }
+    if (p != r) {
+      expected_bytes += send_counts[p] * static_cast<int64_t>(c10::elementSize(dtype));
+    }
+  }
+  const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+  at::Tensor send = at::tensor(send_values, at::kDouble).to(on_device(dtype));
+  at::Tensor recv = at::full({recv_total}, -1, on_device(dtype));
+
+  c.reset_stats();
+  c.all_to_all_v(send, send_counts, recv, recv_counts);
+  EXPECT_EQ(c.stats().all_to_all_v_bytes, expected_bytes);
+  EXPECT_EQ(c.stats().total_bytes(), expected_bytes);
+  EXPECT_EQ(c.stats().calls, 1);
+
+  const at::Tensor got = recv.to(at::kCPU, at::kDouble);
+  int64_t offset = 0;
+  for (int src = 0; src < w; ++src) {
+    for (int64_t i = 0; i < recv_counts[src]; ++i) {
+      EXPECT_EQ(got[offset + i].item<double>(), value(src, r, i))
+          << "element " << i << " from rank " << src;
+    }
+    offset += recv_counts[src];
+  }
+}
+
+TEST(Collectives, AllToAllVUnevenAndZeroCountsFloat) { run_all_to_all_v(at::kFloat); }
+TEST(Collectives, AllToAllVUnevenAndZeroCountsInt64) { run_all_to_all_v(at::kLong); }
+
+TEST(Collectives, AllToAllVNothingToSendButSomethingToReceive) {
+  // Rank 0 sends nothing at all; everyone else sends rank 0 two elements.
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  std::vector<int64_t> send_counts(w, 0), recv_counts(w, 0);
+  if (r != 0) {
+    send_counts[0] = 2;
+  } else {
+    for (int p = 1; p < w; ++p) {
+      recv_counts[p] = 2;
+    }
+  }
+  at::Tensor send = at::full({r == 0 ? 0 : 2}, r, on_device(at::kFloat));
+  at::Tensor recv = at::full({r == 0 ? 2 * (w - 1) : 0}, -1, on_device(at::kFloat));
+  c.reset_stats();
+  c.all_to_all_v(send, send_counts, recv, recv_counts);
+  EXPECT_EQ(c.stats().all_to_all_v_bytes, r == 0 ? 0 : 8);
+  if (r == 0) {
+    const at::Tensor expected = at::arange(1, w, at::kFloat).repeat_interleave(2).to(recv.device());
+    EXPECT_TRUE(at::equal(recv, expected)) << recv;
+  }
+}
+
+TEST(Collectives, AllToAllVRejectsBadCountsBeforeCommunicating) {
+  Communicator& c = world();
+  const int w = c.size();
+  at::Tensor buf = at::zeros({w}, on_device(at::kFloat));
+  std::vector<int64_t> ones(w, 1);
+  c.reset_stats();
+  EXPECT_THROW(c.all_to_all_v(buf, std::vector<int64_t>(w + 1, 0), buf, ones), c10::Error);
+  std::vector<int64_t> too_many(w, 1);
+  too_many[0] = 2;
+  EXPECT_THROW(c.all_to_all_v(buf, too_many, buf, ones), c10::Error);
+  EXPECT_THROW(c.all_to_all_v(buf.view({1, w}), ones, buf, ones), c10::Error);
+  EXPECT_THROW(c.all_to_all_v(buf, ones, buf.to(at::kDouble), ones), c10::Error);
+  EXPECT_EQ(c.stats().calls, 0);
+  EXPECT_EQ(c.stats().total_bytes(), 0);
+}
+
+TEST(Collectives, AllGatherIntoFlatBuffer) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    const int64_t n = 5;
+    at::Tensor send = (at::arange(n, at::kFloat) + 10 * r).to(on_device(dtype));
+    at::Tensor recv = at::full({w * n}, -1, on_device(dtype));
+    c.reset_stats();
+    c.all_gather(send, recv);
+    EXPECT_EQ(c.stats().all_gather_bytes, (w - 1) * n * int64_t(c10::elementSize(dtype)));
+    const at::Tensor got = recv.to(at::kCPU, at::kFloat);
+    for (int src = 0; src < w; ++src) {
+      for (int64_t i = 0; i < n; ++i) {
+        EXPECT_EQ(got[src * n + i].item<float>(), 10 * src + i) << "dtype " << dtype;
+      }
+    }
+  }
+}
+
+TEST(Collectives, ReduceScatterMeanIsExactOnIntegerValues) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  const int64_t n = 6;
+  // Rank r's element i of block b: r * w + 7 b + i. The mean over ranks is
+  // w (w - 1) / 2 + 7 b + i, an integer, so the float result must be exact.
+  std::vector<double> values;
+  for (int b = 0; b < w; ++b) {
+    for (int64_t i = 0; i < n; ++i) {
+      values.push_back(r * w + 7 * b + i);
+    }
+  }
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    at::Tensor send = at::tensor(values, at::kDouble).to(on_device(dtype));
+    at::Tensor recv = at::full({n}, -1, on_device(dtype));
+    c.reset_stats();
+    c.reduce_scatter_mean(send, recv);
+    EXPECT_EQ(c.stats().reduce_scatter_bytes, (w - 1) * n * int64_t(c10::elementSize(dtype)));
+    EXPECT_EQ(c.stats().total_bytes(), c.stats().reduce_scatter_bytes);
+    const at::Tensor got = recv.to(at::kCPU, at::kDouble);
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_EQ(got[i].item<double>(), w * (w - 1) / 2 + 7 * r + i) << "dtype " << dtype;
+    }
+    // The send buffer is the caller's and stays as it was.
+    EXPECT_TRUE(at::equal(send.to(at::kCPU, at::kDouble), at::tensor(values, at::kDouble)));
+  }
+}
+
+TEST(Collectives, AllReduceSumMaxMin) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  const int64_t n = 7;
+  auto mine = [&](int rank, int64_t i) { return double((rank * 5 + i * 3) % 11) - 4; };
+  for (const auto op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
+    std::vector<double> values;
+    for (int64_t i = 0; i < n; ++i) {
+      values.push_back(mine(r, i));
+    }
+    at::Tensor t = at::tensor(values, at::kDouble).to(on_device(at::kFloat));
+    c.reset_stats();
+    c.all_reduce(t, op);
+    // Ring minimum 2 (w - 1) / w of the buffer, in whole bytes.
+    EXPECT_EQ(c.stats().all_reduce_bytes, 2 * (w - 1) * n * 4 / w);
+    const at::Tensor got = t.to(at::kCPU, at::kDouble);
+    for (int64_t i = 0; i < n; ++i) {
+      double expected = mine(0, i);
+      for (int p = 1; p < w; ++p) {
+        const double v = mine(p, i);
+        expected = op == ReduceOp::kSum   ? expected + v
+                   : op == ReduceOp::kMax ? std::max(expected, v)
+                                          : std::min(expected, v);
+      }
+      EXPECT_EQ(got[i].item<double>(), expected) << "op " << int(op) << " element " << i;
+    }
+  }
+}
+
+TEST(Collectives, BroadcastFromLastRank) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  const int root = w - 1;
+  const int64_t n = 9;
+  at::Tensor t =
+      r == root ? at::arange(n, on_device(at::kLong)) * 3 : at::full({n}, -1, on_device(at::kLong));
+  c.reset_stats();
+  c.broadcast(t, root);
+  EXPECT_EQ(c.stats().broadcast_bytes, r == root ? (w - 1) * n * 8 : 0);
+  EXPECT_TRUE(at::equal(t.cpu(), at::arange(n, at::kLong) * 3)) << t;
+  EXPECT_THROW(c.broadcast(t, w), c10::Error);
+}
+
+TEST(Collectives, BarrierWaitsForEveryRank) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  // A directory every rank agrees on: rank 0 draws its name and broadcasts it.
+  at::Tensor id = at::zeros({1}, on_device(at::kLong));
+  if (r == 0) {
+    id.fill_(static_cast<int64_t>(std::random_device{}() & 0x7fffffff));
+  }
+  c.broadcast(id, 0);
+  // POSIX calls rather than std::filesystem: libtorch.so exports its own copy of the latter.
+  const std::string dir = "/tmp/fsdp_muon_barrier_" + std::to_string(id.item<int64_t>());
+  auto file_of = [&](int p) { return dir + "/rank_" + std::to_string(p); };
+  ::mkdir(dir.c_str(), 0700);  // EEXIST from a faster rank is fine
+  c.barrier();
+  // Later ranks arrive later, so a barrier that let anyone through early would be seen.
+  std::this_thread::sleep_for(std::chrono::milliseconds(40 * r));
+  std::ofstream(file_of(r)) << r;
+  c.reset_stats();
+  c.barrier();
+  EXPECT_EQ(c.stats().calls, 1);
+  EXPECT_EQ(c.stats().total_bytes(), 0);
+  int seen = 0;
+  for (int p = 0; p < w; ++p) {
+    seen += ::access(file_of(p).c_str(), F_OK) == 0;
+  }
+  EXPECT_EQ(seen, w);
+  c.barrier();
+  ::unlink(file_of(r).c_str());
+  c.barrier();
+  if (r == 0) {
+    ::rmdir(dir.c_str());
+  }
+}
+
+TEST(Collectives, StatsAccumulateAcrossKindsAndReset) {
+  Communicator& c = world();
+  const int w = c.size();
+  at::Tensor a = at::ones({4}, on_device(at::kFloat));
+  at::Tensor g = at::zeros({4 * w}, on_device(at::kFloat));
+  c.reset_stats();
+  c.all_gather(a, g);
+  c.all_reduce(a);
+  c.reduce_scatter_mean(g, a);
+  const CommStats& s = c.stats();
+  EXPECT_EQ(s.calls, 3);
+  EXPECT_EQ(s.all_gather_bytes, (w - 1) * 16);
+  EXPECT_EQ(s.all_reduce_bytes, 2 * (w - 1) * 16 / w);
+  EXPECT_EQ(s.reduce_scatter_bytes, (w - 1) * 16);
+  EXPECT_EQ(s.total_bytes(), (w - 1) * 32 + 2 * (w - 1) * 16 / w);
+  c.reset_stats();
+  EXPECT_EQ(c.stats().calls, 0);
+  EXPECT_EQ(c.stats().total_bytes(), 0);
+}
+
+}  // namespace
+}  // namespace fsdp_muon
