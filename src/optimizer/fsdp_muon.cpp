@@ -169,9 +169,10 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
     }
   }
   if (!impl_->comm) {
+    // Nobody to agree with: fail here with the most specific message there is.
     TORCH_CHECK(local_error.empty(), local_error);
-    TORCH_CHECK(false, "FsdpMuon: no parameters given; pass the 2-D sharded parameters of ",
-                "FsdpParameterGroups (group->sharded_parameters())");
+    build();
+    TORCH_CHECK(false, "FsdpMuon: no parameters given");
   }
   if (local_error.empty()) {
     try {
@@ -584,11 +585,9 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
       InFlight& f = flight[g - first];
       const auto& local = d.group_matrices[g];
       const Impl::Exchange& x = d.exchange(g, f.active);
-      bool touched = false;
       for (size_t j = 0; j < local.size(); ++j) {
         const size_t m = local[j];
         if (!f.active[j]) continue;
-        touched = true;
         const FsdpMuonMatrix& mat = d.matrices[m];
         const at::Tensor& p = mat.sharded_parameter;
         if (p.numel() == 0) continue;
@@ -601,13 +600,13 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
       }
       f = InFlight{};
       stats.apply_seconds += seconds_since(t0);
-      if (touched) {
-        t0 = Clock::now();
-        const int64_t before = comm.stats().all_gather_bytes;
-        d.groups[g]->refresh_model_weights();
-        stats.refresh_bytes += comm.stats().all_gather_bytes - before;
-        stats.refresh_seconds += seconds_since(t0);
-      }
+      // Every step, whether or not its matrices had gradients: the group's other parameters
+      // may have been stepped by another optimizer just before.
+      t0 = Clock::now();
+      const int64_t before = comm.stats().all_gather_bytes;
+      d.groups[g]->refresh_model_weights();
+      stats.refresh_bytes += comm.stats().all_gather_bytes - before;
+      stats.refresh_seconds += seconds_since(t0);
     }
   }
   d.stats = stats;

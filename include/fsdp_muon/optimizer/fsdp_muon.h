@@ -79,8 +79,9 @@ struct FsdpMuonMatrix {
 // Muon for the 2-D sharded parameters of FsdpParameterGroups on one 1-D data-parallel mesh
 // (the groups' shared Communicator). Give it `group->sharded_parameters()` (or the 2-D ones of
 // several groups) and give the other parameters of the same groups to an elementwise optimizer
-// such as torch::optim::AdamW. step() refreshes the model weights of every group it touched, so
-// call the other optimizer's step() first.
+// such as torch::optim::AdamW. step() refreshes the model weights of every group it holds a
+// parameter of, so call the other optimizer's step() first; refresh a group FsdpMuon holds no
+// parameter of yourself (group->refresh_model_weights()).
 //
 // Every rank must construct it with the same parameters in the same order, and must agree on
 // which parameters have gradients at each step; both are checked (a clear error on every rank,

@@ -1,0 +1,658 @@
+// FsdpMuon across real processes (CTest starts this under torchrun and mpirun with 1-4 ranks):
+// exactness against single-device Muon, prefetch budgets and owner policies, traffic against the
+// plan and the DESIGN §7 minimum, transient memory, Muon + AdamW on a sharded module, and every
+// construction and step error on every rank.
+//
+// Gradients are written straight into the gradient shards, the same full values on every rank,
+// so the reference sees exactly the gradients FsdpMuon sees (no averaging-order noise); the
+// module test averages real per-rank gradients and hands the reference the averaged shards.
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include <fsdp_muon/fsdp_muon.h>
+
+#include "comm/distributed_main.h"
+
+namespace fsdp_muon {
+namespace {
+
+using testing::world;
+using testing::world_ptr;
+
+struct Spec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Boundaries in awkward places at every world size up to 4: a row of 1, a column of 1, sizes
+// that no world size divides, 1-D parameters between matrices, and (for W >= 3) ranks that hold
+// nothing of some matrices.
+std::vector<std::vector<Spec>> model_specs() {
+  return {{{"a.w1", {5, 7}}, {"a.b1", {7}}, {"a.row", {1, 9}}, {"a.w3", {13, 3}}},
+          {{"b.w", {3, 11}}, {"b.tiny", {2, 2}}, {"b.big", {17, 6}}, {"b.norm", {5}}},
+          {{"c.col", {9, 1}}, {"c.w", {6, 6}}}};
+}
+
+struct Model {
+  std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
+  std::vector<std::vector<at::Tensor>> reference;  // full tensors, [group][parameter]
+};
+
+Model make_model(uint64_t seed, const std::vector<std::vector<Spec>>& specs = model_specs(),
+                 std::shared_ptr<Communicator> comm = world_ptr()) {
+  at::manual_seed(seed);
+  Model model;
+  for (size_t g = 0; g < specs.size(); ++g) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    std::vector<at::Tensor> reference;
+    for (const Spec& s : specs[g]) {
+      at::Tensor t = at::randn(s.shape).mul_(0.5).requires_grad_(true);
+      reference.push_back(t.detach().clone().requires_grad_(true));
+      named.emplace_back(s.name, t);
+    }
+    model.groups.push_back(std::make_shared<FsdpParameterGroup>(
+        std::move(named), comm,
+        FsdpParameterGroupOptions().broadcast_from_rank0(false).name("g" + std::to_string(g))));
+    model.reference.push_back(std::move(reference));
+  }
+  return model;
+}
+
+std::vector<at::Tensor> sharded_matrices(const Model& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& group : model.groups) {
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      if (group->slot(i).shape.size() == 2) out.push_back(group->sharded_parameter(i));
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> reference_matrices(const Model& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& params : model.reference) {
+    for (const at::Tensor& p : params) {
+      if (p.dim() == 2) out.push_back(p);
+    }
+  }
+  return out;
+}
+
+// The same full gradients on every rank: each rank writes its slice into its gradient shard.
+void feed_gradients(Model& model, uint64_t seed) {
+  for (auto& group : model.groups) group->zero_grad();  // re-installs .grad() views set to None
+  at::manual_seed(seed);
+  for (size_t g = 0; g < model.groups.size(); ++g) {
+    const auto& group = model.groups[g];
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const at::Tensor full = at::randn(model.reference[g][i].sizes());
+      const auto [first, second] = group->held_range(i);
+      group->sharded_parameter(i).grad().copy_(full.reshape({-1}).slice(0, first, second));
+      model.reference[g][i].mutable_grad() = full.clone();
+    }
+  }
+}
+
+// Every 2-D shard equals its slice of the reference, bit for bit; so do the model weights.
+void expect_matches_reference(const Model& model, const std::string& what) {
+  for (size_t g = 0; g < model.groups.size(); ++g) {
+    const auto& group = model.groups[g];
+    const auto module_params = group->model_parameters();
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const at::Tensor& ref = model.reference[g][i];
+      const auto [first, second] = group->held_range(i);
+      const at::Tensor expected = ref.detach().reshape({-1}).slice(0, first, second);
+      const at::Tensor& shard = group->sharded_parameter(i);
+      EXPECT_TRUE(at::equal(shard, expected))
+          << what << ": shard of " << group->slot(i).name << " on rank " << world().rank()
+          << " differs by " << (shard - expected).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(module_params[i].detach(), ref.detach()))
+          << what << ": model weight " << group->slot(i).name << " on rank " << world().rank();
+    }
+  }
+}
+
+struct Case {
+  std::string name;
+  MuonOptions options;
+};
+
+std::vector<Case> exactness_cases() {
+  std::vector<Case> cases;
+  cases.push_back({"defaults_fp32", MuonOptions(0.02).ns_dtype(at::kFloat)});
+  cases.push_back({"no_nesterov_decoupled_spectral_simple",
+                   MuonOptions(0.01)
+                       .nesterov(false)
+                       .weight_decay(0.1)
+                       .weight_decay_method(WeightDecayMethod::kDecoupled)
+                       .scale_mode(ScaleMode::kSpectral)
+                       .coefficients(NsCoefficients::kSimple)
+                       .ns_dtype(at::kFloat)});
+  cases.push_back({"l2_unit_rms_polar_express", MuonOptions(0.03)
+                                                    .weight_decay(0.05)
+                                                    .weight_decay_method(WeightDecayMethod::kL2)
+                                                    .scale_mode(ScaleMode::kUnitRmsNorm)
+                                                    .coefficients(NsCoefficients::kPolarExpress)
+                                                    .ns_steps(8)
+                                                    .ns_dtype(at::kFloat)});
+  cases.push_back(
+      {"independent_match_rms_cans", MuonOptions(0.02)
+                                         .nesterov(false)
+                                         .momentum(0.9)
+                                         .weight_decay(0.01)
+                                         .weight_decay_method(WeightDecayMethod::kIndependent)
+                                         .scale_mode(ScaleMode::kMatchRmsAdamW)
+                                         .coefficients(NsCoefficients::kCans)
+                                         .ns_dtype(at::kFloat)});
+  cases.push_back({"palm_none_aol", MuonOptions(0.05)
+                                        .weight_decay(0.2)
+                                        .weight_decay_method(WeightDecayMethod::kPalm)
+                                        .scale_mode(ScaleMode::kNone)
+                                        .coefficients(NsCoefficients::kAol)
+                                        .extra_scale_factor(0.5)
+                                        .ns_dtype(at::kFloat)});
+  cases.push_back(
+      {"deepseek_v4_cubic5_shape_scaling", MuonOptions(0.02)
+                                               .coefficients(NsCoefficients::kDeepseekV4)
+                                               .ns_steps(10)
+                                               .scale_mode(ScaleMode::kShapeScaling)
+                                               .ns_dtype(at::kFloat)});
+  cases.push_back(
+      {"cubic5", MuonOptions(0.02).coefficients(NsCoefficients::kCubic5).ns_dtype(at::kFloat)});
+  cases.push_back({"bf16_defaults", MuonOptions(0.02)});
+  cases.push_back({"bf16_spectral_decoupled",
+                   MuonOptions(0.01).weight_decay(0.1).scale_mode(ScaleMode::kSpectral)});
+  return cases;
+}
+
+// Two optimizer groups with different options: the first half of the matrices with `options`,
+// the rest with half the learning rate and no Nesterov.
+std::vector<torch::optim::OptimizerParamGroup> split_groups(const std::vector<at::Tensor>& params,
+                                                            const MuonOptions& options) {
+  const size_t half = params.size() / 2;
+  std::vector<at::Tensor> first(params.begin(), params.begin() + half);
+  std::vector<at::Tensor> second(params.begin() + half, params.end());
+  MuonOptions other = options;
+  other.lr(options.lr() * 0.5).nesterov(!options.nesterov());
+  return {torch::optim::OptimizerParamGroup(first, std::make_unique<MuonOptions>(options)),
+          torch::optim::OptimizerParamGroup(second, std::make_unique<MuonOptions>(other))};
+}
+
+TEST(FsdpMuonExactness, EqualsSingleDeviceMuonBitwise) {
+  uint64_t seed = 1;
+  for (const Case& c : exactness_cases()) {
+    SCOPED_TRACE(c.name);
+    Model model = make_model(seed);
+    FsdpMuon fsdp(split_groups(sharded_matrices(model), c.options), c.options);
+    Muon muon(split_groups(reference_matrices(model), c.options), c.options);
+    for (int step = 0; step < 5; ++step) {
+      feed_gradients(model, 1000 * seed + step);
+      fsdp.step();
+      muon.step();
+    }
+    expect_matches_reference(model, c.name);
+    // Momentum is sharded: each rank keeps exactly its slice of the reference momentum.
+    for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+      const auto& state = static_cast<const MuonParamState&>(
+          *fsdp.state().at(m.sharded_parameter.unsafeGetTensorImpl()));
+      EXPECT_EQ(state.step(), 5);
+      EXPECT_EQ(state.momentum_buffer().numel(), m.sharded_parameter.numel());
+    }
+    ++seed;
+  }
+}
+
+// Parameters without gradients (on every rank) are left alone, as single-device Muon does.
+TEST(FsdpMuonExactness, ParametersWithoutGradientsAreSkipped) {
+  Model model = make_model(77);
+  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  FsdpMuon fsdp(sharded_matrices(model), options);
+  Muon muon(reference_matrices(model), options);
+  for (int step = 0; step < 3; ++step) {
+    feed_gradients(model, 7700 + step);
+    // a.row and c.w have no gradient at step 1.
+    if (step == 1) {
+      model.groups[0]->sharded_parameter(2).mutable_grad() = at::Tensor();
+      model.reference[0][2].mutable_grad() = at::Tensor();
+      model.groups[2]->sharded_parameter(1).mutable_grad() = at::Tensor();
+      model.reference[2][1].mutable_grad() = at::Tensor();
+    }
+    fsdp.step();
+    muon.step();
+    if (step == 1) {
+      EXPECT_EQ(fsdp.last_step_stats().active_parameters, 6);
+    }
+  }
+  expect_matches_reference(model, "skipped gradients");
+}
+
+// The plan FsdpMuon caches is the planner's on the groups' own layout.
+TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
+  Model model = make_model(5);
+  for (OwnerPolicy policy : {OwnerPolicy::kHoldersOnly, OwnerPolicy::kAnyRank}) {
+    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), FsdpMuonConfig().owner_policy(policy));
+    std::vector<PlanGroup> groups;
+    for (const auto& specs : model_specs()) {
+      std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+      for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
+      groups.push_back(plan_group_from_shapes("", shapes, world().size()));
+    }
+    const OwnerPlan expected =
+        plan_owners(groups, world().size(), OwnerPlanOptions().policy(policy));
+    EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
+    EXPECT_EQ(fsdp.owner_plan().cost_per_rank, expected.cost_per_rank);
+    EXPECT_EQ(fsdp.owner_plan().gather_bytes_per_rank, expected.gather_bytes_per_rank);
+    for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+      EXPECT_EQ(fsdp.owner_of(m.sharded_parameter), m.owner);
+      if (policy == OwnerPolicy::kHoldersOnly) {
+        const auto [first, second] = m.group->held_range(m.index, m.owner);
+        EXPECT_LT(first, second) << m.name << " is owned by a rank that holds none of it";
+      }
+    }
+    EXPECT_EQ(fsdp.owner_of(model.groups[0]->sharded_parameter(1)), -1);  // 1-D, not given
+  }
+}
+
+// Results are the same bits for every prefetch budget and both policies; the bytes moved are
+// what the plan predicts, and under holders-only the DESIGN §7 minimum; full matrices exist
+// only on their owners.
+TEST(FsdpMuonSchedule, BudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes) {
+  const int me = world().rank();
+  const int w = world().size();
+  struct Run {
+    OwnerPolicy policy;
+    int64_t budget;
+  };
+  // Budget 0, a couple of groups (the owned bytes of the largest group), unlimited.
+  const std::vector<Run> runs = {{OwnerPolicy::kHoldersOnly, 0},
+                                 {OwnerPolicy::kHoldersOnly, 800},
+                                 {OwnerPolicy::kHoldersOnly, kUnlimitedPrefetch},
+                                 {OwnerPolicy::kAnyRank, 0},
+                                 {OwnerPolicy::kAnyRank, kUnlimitedPrefetch}};
+  std::vector<at::Tensor> first_result;
+  for (const Run& run : runs) {
+    SCOPED_TRACE(std::string(to_string(run.policy)) + " budget " + std::to_string(run.budget));
+    Model model = make_model(11);
+    const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(at::kFloat);
+    FsdpMuon fsdp(sharded_matrices(model), options,
+                  FsdpMuonConfig().owner_policy(run.policy).prefetch_budget_bytes(run.budget));
+    Muon muon(reference_matrices(model), options);
+    const OwnerPlan& plan = fsdp.owner_plan();
+    EXPECT_EQ(fsdp.windows(), prefetch_windows(plan, run.budget));
+    if (run.budget == 0) {
+      EXPECT_EQ(fsdp.windows().size(), 3u);
+    }
+    if (run.budget == kUnlimitedPrefetch) {
+      EXPECT_EQ(fsdp.windows().size(), 1u);
+    }
+
+    if (w > 1) {  // the model really spreads matrices over ranks
+      EXPECT_GT(std::accumulate(plan.gather_bytes_per_rank.begin(),
+                                plan.gather_bytes_per_rank.end(), int64_t{0}),
+                0);
+    }
+    // DESIGN §7 by hand: each element held by a non-owner goes to its owner and back once.
+    int64_t gather_min = 0;
+    int64_t scatter_min = 0;
+    for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+      for (int r = 0; r < w; ++r) {
+        const auto [first, second] = m.group->held_range(m.index, r);
+        if (r == m.owner) continue;
+        if (r == me) gather_min += (second - first) * 4;
+        if (m.owner == me) scatter_min += (second - first) * 4;
+      }
+    }
+    // Transient full matrices: the owned ones of each window, the largest window.
+    int64_t transient = 0;
+    for (const auto& [first, last] : fsdp.windows()) {
+      int64_t bytes = 0;
+      for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+        if (m.owner == me && m.group_ordinal >= first && m.group_ordinal < last) {
+          bytes += m.rows * m.cols * 4;
+        }
+      }
+      transient = std::max(transient, bytes);
+    }
+
+    for (int step = 0; step < 4; ++step) {
+      feed_gradients(model, 1100 + step);
+      fsdp.step();
+      muon.step();
+      const FsdpMuonStepStats& stats = fsdp.last_step_stats();
+      EXPECT_EQ(stats.gather_bytes, plan.gather_bytes_per_rank[me]);
+      EXPECT_EQ(stats.scatter_bytes, plan.scatter_bytes_per_rank[me]);
+      EXPECT_EQ(stats.gather_bytes, gather_min);
+      EXPECT_EQ(stats.scatter_bytes, scatter_min);
+      EXPECT_EQ(stats.max_transient_bytes, transient);
+      EXPECT_EQ(stats.windows, static_cast<int64_t>(fsdp.windows().size()));
+      bool owns_any = false;
+      for (const FsdpMuonMatrix& m : fsdp.matrices()) owns_any |= m.owner == me;
+      if (!owns_any) {
+        EXPECT_EQ(stats.max_transient_bytes, 0);
+      }
+    }
+    expect_matches_reference(model, "schedule");
+    std::vector<at::Tensor> result;
+    for (const auto& group : model.groups) result.push_back(group->main_weight_shard().clone());
+    if (first_result.empty()) {
+      first_result = result;
+    } else {
+      for (size_t g = 0; g < result.size(); ++g) EXPECT_TRUE(at::equal(result[g], first_result[g]));
+    }
+  }
+}
+
+// A rank that owns nothing allocates no full matrix: at W=4 with one small matrix per group, two
+// ranks own nothing.
+TEST(FsdpMuonSchedule, RanksOwningNothingAllocateNothing) {
+  Model model = make_model(21, {{{"x", {3, 4}}}, {{"y", {2, 5}}}});
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat),
+                FsdpMuonConfig().prefetch_budget_bytes(kUnlimitedPrefetch));
+  Muon muon(reference_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  feed_gradients(model, 2100);
+  fsdp.step();
+  muon.step();
+  int64_t owned = 0;
+  for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+    if (m.owner == world().rank()) owned += m.rows * m.cols * 4;
+  }
+  EXPECT_EQ(fsdp.last_step_stats().max_transient_bytes, owned);
+  if (world().rank() >= 2) {
+    EXPECT_EQ(owned, 0);
+  }
+  expect_matches_reference(model, "owning nothing");
+}
+
+// ---- a sharded module with AdamW for the rest ----
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 11));
+    fc2 = register_module("fc2", torch::nn::Linear(11, 5));
+    fc3 = register_module("fc3", torch::nn::Linear(torch::nn::LinearOptions(5, 3).bias(false)));
+    gain = register_parameter("gain", at::ones({3}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc3(at::tanh(fc2(at::tanh(fc1(x))))) * gain; }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+  at::Tensor gain;
+};
+TORCH_MODULE(Net);
+
+TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW) {
+  const int me = world().rank();
+  const int w = world().size();
+  at::manual_seed(3);
+  Net net;
+  Net ref;
+  {
+    at::NoGradGuard no_grad;
+    auto src = net->parameters();
+    auto dst = ref->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  auto groups = shard_module(*net, world_ptr());
+  std::vector<at::Tensor> matrices, others;
+  for (const auto& group : groups) {
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      (group->slot(i).shape.size() == 2 ? matrices : others).push_back(group->sharded_parameter(i));
+    }
+  }
+  std::vector<at::Tensor> ref_matrices, ref_others;
+  for (const auto& p : ref->parameters()) (p.dim() == 2 ? ref_matrices : ref_others).push_back(p);
+  ASSERT_EQ(matrices.size(), 3u);
+  ASSERT_EQ(others.size(), 3u);
+
+  const MuonOptions muon_options = MuonOptions(0.02).weight_decay(0.01).ns_dtype(at::kFloat);
+  const auto adamw_options = torch::optim::AdamWOptions(0.01).weight_decay(0.01);
+  FsdpMuon fsdp(matrices, muon_options);
+  torch::optim::AdamW adamw(others, adamw_options);
+  Muon ref_muon(ref_matrices, muon_options);
+  torch::optim::AdamW ref_adamw(ref_others, adamw_options);
+
+  for (int step = 0; step < 5; ++step) {
+    for (auto& group : groups) group->zero_grad();
+    at::manual_seed(500 + 10 * step + me);  // each rank its own batch
+    const at::Tensor x = at::randn({4, 6});
+    net->forward(x).pow(2).mean().backward();
+    for (auto& group : groups) group->reduce_scatter_grads();
+    // The reference gets the averaged gradients FsdpMuon and AdamW see: the gathered shards.
+    auto ref_params = ref->named_parameters();
+    for (auto& group : groups) {
+      at::Tensor full = at::empty({group->padded_numel()}, group->grad_shard().options());
+      world().all_gather(group->grad_shard(), full);
+      for (size_t i = 0; i < group->num_parameters(); ++i) {
+        const ParameterSlot& slot = group->slot(i);
+        ref_params[slot.name].mutable_grad() =
+            full.narrow(0, slot.offset, slot.numel).view(slot.shape).clone();
+      }
+    }
+    adamw.step();  // first: FsdpMuon's step refreshes the model weights of its groups
+    fsdp.step();
+    // The module's own group ("gain") has no matrix, so FsdpMuon does not know it.
+    for (auto& group : groups) {
+      if (std::find(fsdp.fsdp_groups().begin(), fsdp.fsdp_groups().end(), group) ==
+          fsdp.fsdp_groups().end()) {
+        group->refresh_model_weights();
+      }
+    }
+    ref_adamw.step();
+    ref_muon.step();
+  }
+  auto ref_params = ref->named_parameters();
+  for (const auto& group : groups) {
+    const auto module_params = group->model_parameters();
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const std::string& name = group->slot(i).name;
+      const at::Tensor expected = ref_params[name].detach();
+      const auto [first, second] = group->held_range(i);
+      const at::Tensor shard = group->sharded_parameter(i);
+      const at::Tensor slice = expected.reshape({-1}).slice(0, first, second);
+      EXPECT_TRUE(at::equal(shard, slice))
+          << name << " on rank " << me << " of " << w << ": max difference "
+          << (shard - slice).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(module_params[i].detach(), expected)) << name;
+    }
+  }
+}
+
+// ---- errors: a clear message on every rank, no hang ----
+
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    for (const auto& needle : needles) {
+      EXPECT_NE(message.find(needle), std::string::npos)
+          << "rank " << world().rank() << ": message lacks '" << needle << "': " << message;
+    }
+    return;
+  }
+  ADD_FAILURE() << "rank " << world().rank() << ": expected an error mentioning '"
+                << (needles.empty() ? "" : needles[0]) << "'";
+}
+
+TEST(FsdpMuonErrors, NotAShardedParameter) {
+  Model model = make_model(31);
+  at::Tensor plain = at::zeros({4, 4}, at::requires_grad());
+  expect_error([&] { FsdpMuon(std::vector<at::Tensor>{plain}, MuonOptions()); },
+               {"not a sharded parameter"});
+  // Mixed in with sharded ones: the ranks still agree to fail (the fingerprint exchange runs).
+  auto params = sharded_matrices(model);
+  params.insert(params.begin() + 1, plain);
+  expect_error([&] { FsdpMuon(params, MuonOptions()); },
+               {"parameter 1 of parameter group 0", "not a sharded parameter"});
+  // The module's own tensor is not the sharded one either.
+  expect_error(
+      [&] {
+        FsdpMuon(std::vector<at::Tensor>{model.groups[0]->model_parameters()[0]}, MuonOptions());
+      },
+      {"not a sharded parameter"});
+  // Only rank 0 passes a bad tensor: every rank fails, none hangs.
+  auto uneven = sharded_matrices(model);
+  if (world().rank() == 0) uneven.push_back(plain);
+  if (world().rank() == 0) {
+    expect_error([&] { FsdpMuon(uneven, MuonOptions()); }, {"not a sharded parameter"});
+  } else {
+    expect_error([&] { FsdpMuon(uneven, MuonOptions()); }, {"construction failed on rank(s) 0"});
+  }
+}
+
+TEST(FsdpMuonErrors, NonMatrixParameters) {
+  Model model = make_model(32);
+  std::vector<at::Tensor> all;
+  for (const auto& group : model.groups) {
+    for (const auto& p : group->sharded_parameters()) all.push_back(p);
+  }
+  expect_error(
+      [&] { FsdpMuon(all, MuonOptions()); },
+      {"only 2-D parameters", "2 are not", "'a.b1' [7]", "'b.norm' [5]", "skip_non_matrix(true)"});
+  // Skipped with skip_non_matrix: the matrices still train exactly.
+  const MuonOptions options = MuonOptions().skip_non_matrix(true).ns_dtype(at::kFloat);
+  FsdpMuon fsdp(all, options);
+  Muon muon(reference_matrices(model), options);
+  EXPECT_EQ(fsdp.matrices().size(), 8u);
+  feed_gradients(model, 3200);
+  const at::Tensor bias_before = model.groups[0]->sharded_parameter(1).clone();
+  fsdp.step();
+  muon.step();
+  EXPECT_TRUE(at::equal(model.groups[0]->sharded_parameter(1), bias_before));
+  // The reference 1-D tensors were never stepped either, so everything matches.
+  expect_matches_reference(model, "skip_non_matrix");
+}
+
+// Forwards every collective to another communicator: a distinct Communicator object on the
+// same ranks, as a second mesh would be.
+class ForwardingCommunicator final : public Communicator {
+ public:
+  explicit ForwardingCommunicator(std::shared_ptr<Communicator> inner)
+      : Communicator(inner->rank(), inner->size()), inner_(std::move(inner)) {}
+  c10::Device device() const override { return inner_->device(); }
+  std::string backend_name() const override { return "forwarding"; }
+
+ protected:
+  void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
+                       const at::Tensor& recv, const std::vector<int64_t>& recv_counts) override {
+    inner_->all_to_all_v(send, send_counts, recv, recv_counts);
+  }
+  void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
+    inner_->all_gather(send, recv);
+  }
+  void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
+    inner_->reduce_scatter_mean(send, recv);
+  }
+  void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override {
+    inner_->all_reduce(tensor, op);
+  }
+  void do_broadcast(const at::Tensor& tensor, int root) override {
+    inner_->broadcast(tensor, root);
+  }
+  void do_barrier() override { inner_->barrier(); }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+};
+
+TEST(FsdpMuonErrors, GroupsOnDifferentCommunicators) {
+  Model a = make_model(33);
+  Model b = make_model(34, {{{"other.w", {4, 3}}}},
+                       std::make_shared<ForwardingCommunicator>(world_ptr()));
+  auto params = sharded_matrices(a);
+  params.push_back(b.groups[0]->sharded_parameter(0));
+  expect_error([&] { FsdpMuon(params, MuonOptions()); },
+               {"'g0'", "'other.w'", "different communicators"});
+}
+
+TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
+  if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
+  const bool odd = world().rank() == 1;
+  // Order.
+  {
+    Model model = make_model(35);
+    auto params = sharded_matrices(model);
+    if (odd) std::reverse(params.begin(), params.end());
+    expect_error([&] { FsdpMuon(params, MuonOptions()); },
+                 {"parameter lists differ across ranks", "rank(s) 1"});
+  }
+  // Names.
+  {
+    auto specs = model_specs();
+    if (odd) specs[1][0].name = "b.renamed";
+    Model model = make_model(36, specs);
+    expect_error([&] { FsdpMuon(sharded_matrices(model), MuonOptions()); },
+                 {"parameter lists differ across ranks"});
+  }
+  // Shapes.
+  {
+    auto specs = model_specs();
+    if (odd) specs[2][1].shape = {4, 9};
+    Model model = make_model(37, specs);
+    expect_error([&] { FsdpMuon(sharded_matrices(model), MuonOptions()); },
+                 {"parameter lists differ across ranks"});
+  }
+  // Missing parameter.
+  {
+    Model model = make_model(38);
+    auto params = sharded_matrices(model);
+    if (odd) params.pop_back();
+    expect_error([&] { FsdpMuon(params, MuonOptions()); }, {"parameter lists differ across ranks"});
+  }
+}
+
+TEST(FsdpMuonErrors, RanksDisagreeOnGradients) {
+  if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
+  Model model = make_model(39);
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  feed_gradients(model, 3900);
+  std::vector<at::Tensor> before;
+  for (const auto& group : model.groups) before.push_back(group->main_weight_shard().clone());
+  if (world().rank() == world().size() - 1) {
+    model.groups[1]->sharded_parameter(2).mutable_grad() = at::Tensor();  // b.big
+  }
+  expect_error([&] { fsdp.step(); }, {"ranks disagree on which parameters have gradients",
+                                      "'b.big' on " + std::to_string(world().size() - 1) + " of " +
+                                          std::to_string(world().size())});
+  // Nothing was changed by the failed step.
+  for (size_t g = 0; g < model.groups.size(); ++g) {
+    EXPECT_TRUE(at::equal(model.groups[g]->main_weight_shard(), before[g]));
+  }
+  EXPECT_TRUE(fsdp.state().empty());
+  // Agreeing again, the optimizer works.
+  feed_gradients(model, 3901);
+  fsdp.step();
+  EXPECT_EQ(fsdp.last_step_stats().active_parameters, 8);
+}
+
+TEST(FsdpMuonErrors, AddParamGroupAfterConstruction) {
+  Model model = make_model(40);
+  auto params = sharded_matrices(model);
+  const at::Tensor extra = params.back();
+  params.pop_back();
+  FsdpMuon fsdp(params, MuonOptions());
+  expect_error([&] { fsdp.add_param_group(torch::optim::OptimizerParamGroup({extra})); },
+               {"add_param_group after construction is not supported"});
+  // Through the base class (not virtual) on rank 0 only: every rank's next step fails.
+  if (world().rank() == 0) {
+    static_cast<torch::optim::Optimizer&>(fsdp).add_param_group(
+        torch::optim::OptimizerParamGroup({extra}, std::make_unique<MuonOptions>()));
+  }
+  feed_gradients(model, 4000);
+  expect_error([&] { fsdp.step(); }, {"parameter groups were changed after construction on 1 of " +
+                                      std::to_string(world().size())});
+}
+
+}  // namespace
+}  // namespace fsdp_muon
