@@ -180,6 +180,9 @@ class NcclCommunicator final : public Communicator {
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const cudaStream_t stream = begin("all_gather");
+    if (send.numel() == 0) {
+      return;  // the same on every rank; NCCL may reject the null pointers of empty tensors
+    }
     finish(ncclAllGather(send.data_ptr(), recv.data_ptr(), bytes_of(send), ncclInt8, comm_, stream),
            "ncclAllGather");
   }
@@ -187,6 +190,9 @@ class NcclCommunicator final : public Communicator {
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const cudaStream_t stream = begin("reduce_scatter_mean");
+    if (recv.numel() == 0) {
+      return;
+    }
     finish(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(recv.numel()),
                              to_nccl(send.scalar_type()), ncclAvg, comm_, stream),
            "ncclReduceScatter");
@@ -195,6 +201,9 @@ class NcclCommunicator final : public Communicator {
   void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const cudaStream_t stream = begin("all_reduce");
+    if (tensor.numel() == 0) {
+      return;
+    }
     finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
                          to_nccl(tensor.scalar_type()), to_nccl(op), comm_, stream),
            "ncclAllReduce");
@@ -203,6 +212,9 @@ class NcclCommunicator final : public Communicator {
   void do_broadcast(const at::Tensor& tensor, int root) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const cudaStream_t stream = begin("broadcast");
+    if (tensor.numel() == 0) {
+      return;
+    }
     finish(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), bytes_of(tensor), ncclInt8, root,
                          comm_, stream),
            "ncclBroadcast");

@@ -245,6 +245,25 @@ TEST(Collectives, BarrierWaitsForEveryRank) {
   }
 }
 
+// An FSDP group whose shards are empty still takes part in every collective.
+TEST(Collectives, EmptyBuffersAreFine) {
+  Communicator& c = world();
+  at::Tensor empty = at::empty({0}, on_device(at::kFloat));
+  c.reset_stats();
+  c.all_gather(empty, empty);
+  c.reduce_scatter_mean(empty, empty);
+  c.all_reduce(empty, ReduceOp::kMax);
+  c.broadcast(empty, 0);
+  c.all_to_all_v(empty, std::vector<int64_t>(c.size(), 0), empty,
+                 std::vector<int64_t>(c.size(), 0));
+  EXPECT_EQ(c.stats().calls, 5);
+  EXPECT_EQ(c.stats().total_bytes(), 0);
+  // And the communicator still works afterwards.
+  at::Tensor one = at::ones({1}, on_device(at::kFloat));
+  c.all_reduce(one);
+  EXPECT_EQ(one.item<float>(), c.size());
+}
+
 TEST(Collectives, StatsAccumulateAcrossKindsAndReset) {
   Communicator& c = world();
   const int w = c.size();
