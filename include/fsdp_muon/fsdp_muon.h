@@ -3,6 +3,7 @@
 
 #include <fsdp_muon/config.h>
 
+#include <fsdp_muon/checkpoint/checkpoint.h>
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>

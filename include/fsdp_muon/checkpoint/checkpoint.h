@@ -1,0 +1,93 @@
+#pragma once
+// Checkpoints (DESIGN §6): sharded save and load, resharding to another world size, and a
+// full export that Python's torch.load reads.
+//
+// Layout of a checkpoint root `dir`:
+//   dir/latest                         the name of the newest complete checkpoint (one line)
+//   dir/ckpt-000007/manifest.pt        written last, by rank 0: a checkpoint is complete iff
+//                                      its manifest exists
+//   dir/ckpt-000007/rank-00002-of-00004.bin   what rank 2 of 4 held: per parameter, its held
+//                                      slice of the main weights and of each optimizer state
+// Every file is written to a temporary name in its own folder, flushed and renamed, and every
+// save goes into a fresh folder, so a crash mid-save leaves the previous checkpoint whole and
+// `latest` pointing at it.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+
+#include <fsdp_muon/fsdp/parameter_group.h>
+
+namespace fsdp_muon {
+
+struct SaveCheckpointOptions {
+  // Complete checkpoints kept in the root after a successful save, the new one included
+  // (older ones and incomplete leftovers of crashed saves are removed); 0 keeps everything.
+  TORCH_ARG(int64_t, keep_last) = 2;
+};
+
+struct ImportCheckpointOptions {
+  // Install optimizer state ("<name>.exp_avg", ...) when the file has it.
+  TORCH_ARG(bool, optimizer_state) = true;
+  // A tensor in the file that names no parameter (or no state of one) is an error; false
+  // ignores it.
+  TORCH_ARG(bool, strict) = true;
+};
+
+// Saves the main-weight shards of `groups` and the state and options of `optimizers` (each an
+// FsdpMuon, torch::optim::AdamW, Adam or SGD over sharded parameters of `groups`) into a new
+// checkpoint under `dir`, then points dir/latest at it. Collective: every rank calls it with
+// the same groups and optimizers in the same order. Returns the checkpoint folder. A failure on
+// any rank throws on every rank (with that rank's message) and leaves the previous checkpoint
+// as it was.
+std::string save_checkpoint(const std::string& dir,
+                            const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                            const std::vector<torch::optim::Optimizer*>& optimizers,
+                            const SaveCheckpointOptions& options = {});
+
+// Loads the checkpoint dir/latest names, or `dir` itself when it is one checkpoint folder (it
+// holds a manifest.pt), at any world size: parameters are matched by name, each rank reads only
+// the saved rank files whose shards overlap what it holds now, and only those byte ranges.
+// Then the model weights are refreshed and optimizer state and options installed, as the
+// optimizers would have created them. Nothing is changed unless every rank read everything it
+// needs; errors (another model, a missing or truncated file, another optimizer set-up) name
+// what is wrong and are raised on every rank.
+void load_checkpoint(const std::string& dir,
+                     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                     const std::vector<torch::optim::Optimizer*>& optimizers);
+
+// The folder dir/latest names, when it exists and holds a manifest; nullopt otherwise (no
+// checkpoint yet). Local: reads files, no communication.
+std::optional<std::string> latest_checkpoint(const std::string& dir);
+
+// Writes one file of full tensors keyed by parameter name, in LibTorch's pickle format
+// (torch::pickle_save), so that Python's torch.load(path) returns a dict of tensors: "<name>"
+// (main weights, full shape, main dtype) and, per optimizer state, "<name>.<state>"
+// (momentum_buffer, exp_avg, exp_avg_sq, max_exp_avg_sq: full shape) and "<name>.step" (0-d
+// int64). Collective (one all-gather per group and state); rank 0 writes, atomically.
+void export_full_checkpoint(const std::string& path,
+                            const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                            const std::vector<torch::optim::Optimizer*>& optimizers);
+
+// Reads such a file (or a dict of tensors Python saved with torch.save) on every rank: every
+// parameter's weights must be there with its shape; optimizer state is installed where the
+// file has it. Then the model weights are refreshed. Collective.
+void import_full_checkpoint(const std::string& path,
+                            const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                            const std::vector<torch::optim::Optimizer*>& optimizers,
+                            const ImportCheckpointOptions& options = {});
+
+namespace detail {
+// Test hook: this process completes `files` more checkpoint file writes, then the next one
+// writes half its bytes to its temporary file and throws, as a crash would leave it. Negative
+// disarms. The environment variable FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES arms it too (read
+// once, at the first save).
+void set_checkpoint_failure_injection(int64_t files);
+}  // namespace detail
+
+}  // namespace fsdp_muon

@@ -1,0 +1,185 @@
+#include "checkpoint/file_io.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+
+#include <c10/util/Exception.h>
+
+#include <fsdp_muon/checkpoint/checkpoint.h>
+
+namespace fsdp_muon {
+namespace checkpoint {
+namespace {
+
+// Failure injection: after `g_fail_after` more completed writes, the next write fails half-way.
+std::mutex g_inject_mutex;
+int64_t g_fail_after = -1;
+bool g_env_read = false;
+
+// True when this write must fail half-way (and disarms the hook).
+bool take_injected_failure() {
+  std::lock_guard<std::mutex> lock(g_inject_mutex);
+  if (!g_env_read) {
+    g_env_read = true;
+    if (const char* env = std::getenv("FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES")) {
+      char* end = nullptr;
+      const long long n = std::strtoll(env, &end, 10);
+      TORCH_CHECK(end != env && *end == '\0', "FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES='", env,
+                  "' is not an integer");
+      if (g_fail_after < 0) g_fail_after = n;
+    }
+  }
+  if (g_fail_after < 0) return false;
+  if (g_fail_after == 0) {
+    g_fail_after = -1;
+    return true;
+  }
+  --g_fail_after;
+  return false;
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+void write_all(int fd, const char* data, size_t size, const std::string& path) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n > 0, "checkpoint: writing ", path, " failed: ", errno_text());
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return;  // some file systems refuse; the rename itself is still atomic
+  ::fsync(fd);
+  ::close(fd);
+}
+
+std::array<uint32_t, 256> make_crc_table() {
+  std::array<uint32_t, 256> table{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    table[i] = c;
+  }
+  return table;
+}
+
+}  // namespace
+
+void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks) {
+  const std::filesystem::path target(path);
+  const std::string dir =
+      target.has_parent_path() ? target.parent_path().string() : std::string(".");
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const bool fail = take_injected_failure();
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "checkpoint: cannot create ", tmp, ": ", errno_text());
+  try {
+    size_t total = 0;
+    for (const Chunk& c : chunks) total += c.size;
+    size_t budget = fail ? total / 2 : total;
+    for (const Chunk& c : chunks) {
+      const size_t n = std::min(budget, c.size);
+      write_all(fd, static_cast<const char*>(c.data), n, tmp);
+      budget -= n;
+    }
+    TORCH_CHECK(!fail, "checkpoint: injected failure while writing ", path, " (", total / 2, " of ",
+                total, " bytes written to ", tmp, ")");
+    TORCH_CHECK(::fsync(fd) == 0, "checkpoint: fsync of ", tmp, " failed: ", errno_text());
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  TORCH_CHECK(::close(fd) == 0, "checkpoint: closing ", tmp, " failed: ", errno_text());
+  TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: renaming ", tmp, " to ", path,
+              " failed: ", errno_text());
+  fsync_dir(dir);
+}
+
+uint32_t crc32(const void* data, size_t size, uint32_t crc) {
+  static const std::array<uint32_t, 256> table = make_crc_table();
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
+  return ~crc;
+}
+
+std::vector<char> read_whole_file(const std::string& path) {
+  ReadFile file(path);
+  std::vector<char> bytes(static_cast<size_t>(file.size()));
+  if (!bytes.empty()) file.read(0, bytes.data(), bytes.size());
+  return bytes;
+}
+
+ReadFile::ReadFile(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd_ >= 0, "checkpoint: cannot open ", path, ": ", errno_text());
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const std::string err = errno_text();
+    ::close(fd_);
+    fd_ = -1;
+    TORCH_CHECK(false, "checkpoint: cannot stat ", path, ": ", err);
+  }
+  size_ = static_cast<int64_t>(st.st_size);
+}
+
+ReadFile::~ReadFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+ReadFile::ReadFile(ReadFile&& other) noexcept
+    : path_(std::move(other.path_)), fd_(other.fd_), size_(other.size_) {
+  other.fd_ = -1;
+}
+
+ReadFile& ReadFile::operator=(ReadFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(other.path_);
+    fd_ = other.fd_;
+    size_ = other.size_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+void ReadFile::read(int64_t offset, void* out, size_t size) const {
+  TORCH_CHECK(offset >= 0 && offset + static_cast<int64_t>(size) <= size_, "checkpoint: ", path_,
+              " is truncated: reading bytes [", offset, ", ", offset + static_cast<int64_t>(size),
+              ") but the file has ", size_, " bytes");
+  char* dst = static_cast<char*>(out);
+  while (size > 0) {
+    const ssize_t n = ::pread(fd_, dst, size, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n >= 0, "checkpoint: reading ", path_, " failed: ", errno_text());
+    TORCH_CHECK(n > 0, "checkpoint: ", path_, " is truncated: it ends at byte ", offset);
+    dst += n;
+    offset += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+}  // namespace checkpoint
+
+namespace detail {
+void set_checkpoint_failure_injection(int64_t files) {
+  std::lock_guard<std::mutex> lock(checkpoint::g_inject_mutex);
+  checkpoint::g_env_read = true;  // the explicit setting wins over the environment
+  checkpoint::g_fail_after = files;
+}
+}  // namespace detail
+
+}  // namespace fsdp_muon

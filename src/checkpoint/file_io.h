@@ -1,0 +1,49 @@
+#pragma once
+// Files of a checkpoint: atomic writes (temporary file in the same folder, fsync, rename,
+// fsync of the folder), positional reads, CRC-32, and the test hook that fails a write half-way.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp_muon::checkpoint {
+
+// Bytes to write, in order; `data` must stay valid for the duration of the write.
+struct Chunk {
+  const void* data = nullptr;
+  size_t size = 0;
+};
+
+// Writes `chunks` to `path` atomically: either the old file (if any) stays or the whole new one
+// is there. Throws naming the path and errno on failure.
+void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks);
+
+uint32_t crc32(const void* data, size_t size, uint32_t crc = 0);
+
+std::vector<char> read_whole_file(const std::string& path);
+
+// A file opened for positional reads.
+class ReadFile {
+ public:
+  ReadFile() = default;
+  explicit ReadFile(const std::string& path);  // throws when it cannot be opened
+  ~ReadFile();
+  ReadFile(ReadFile&& other) noexcept;
+  ReadFile& operator=(ReadFile&& other) noexcept;
+  ReadFile(const ReadFile&) = delete;
+  ReadFile& operator=(const ReadFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  int64_t size() const { return size_; }
+  // Reads exactly `size` bytes at `offset`; a short read (the file ends earlier) throws saying
+  // the file is truncated.
+  void read(int64_t offset, void* out, size_t size) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t size_ = 0;
+};
+
+}  // namespace fsdp_muon::checkpoint

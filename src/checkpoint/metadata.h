@@ -1,0 +1,97 @@
+#pragma once
+// The metadata of sharded checkpoints: what the manifest and each rank file's header say about
+// the layout and the optimizers, built from the live model and parsed back (with errors that
+// name the file when a field is missing or of the wrong type).
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+
+#include "checkpoint/model_index.h"
+
+namespace fsdp_muon::checkpoint {
+
+constexpr int64_t kFormatVersion = 1;
+constexpr const char* kFormatName = "fsdp_muon.checkpoint";
+constexpr const char* kManifestName = "manifest.pt";
+constexpr const char* kLatestName = "latest";
+
+std::string rank_file_name(int rank, int world_size);
+
+// Layout and optimizer description of the live model on this rank (optimizer state as this
+// rank sees it: step and which state tensors exist).
+c10::impl::GenericDict describe(const ModelIndex& model, const std::vector<OptimizerEntry>& opts);
+
+struct SavedParam {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t offset = 0;
+};
+
+struct SavedGroup {
+  std::string name;
+  int64_t padded_numel = 0;
+  int64_t shard_numel = 0;
+  std::vector<SavedParam> params;
+};
+
+struct SavedState {
+  int64_t step = 0;
+  std::vector<std::string> keys;
+};
+
+struct SavedOptimizer {
+  std::string kind;
+  std::vector<std::vector<std::string>> param_groups;  // parameter names
+  std::vector<std::vector<char>> options;              // per param group
+  std::unordered_map<std::string, SavedState> state;   // by parameter name
+};
+
+struct SavedMeta {
+  std::string path;  // for messages
+  int world_size = 0;
+  std::vector<SavedGroup> groups;
+  std::unordered_map<std::string, std::pair<size_t, size_t>> by_name;
+  std::vector<SavedOptimizer> optimizers;
+  // manifest only
+  int64_t sequence = 0;
+  std::vector<std::string> rank_files;
+  std::vector<int64_t> rank_file_bytes;
+};
+
+// Elements [first, last) of `param` that saved rank `rank` held.
+std::pair<int64_t, int64_t> saved_held_range(const SavedGroup& group, const SavedParam& param,
+                                             int rank);
+
+// Parses the fields describe() writes; `manifest` also requires the manifest-only ones.
+SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest);
+
+// Accessors that throw "<path> is corrupt ..." naming the missing field.
+class Fields {
+ public:
+  Fields(const c10::IValue& value, std::string path, std::string where = "");
+  const c10::IValue& at(const char* key) const;
+  bool has(const char* key) const;
+  int64_t integer(const char* key) const;
+  std::string str(const char* key) const;
+  std::vector<int64_t> ints(const char* key) const;
+  std::vector<c10::IValue> list(const char* key) const;
+  Fields dict(const char* key) const;
+  const c10::impl::GenericDict& raw() const { return dict_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  c10::impl::GenericDict dict_;
+  std::string path_;
+  std::string where_;
+};
+
+[[noreturn]] void corrupt(const std::string& path, const std::string& detail);
+
+}  // namespace fsdp_muon::checkpoint
