@@ -1,0 +1,128 @@
+// The elementwise math gives the same bits on any contiguous split of a parameter: the contract
+// FsdpMuon relies on to match single-device Muon bitwise (see src/muon/muon_math.h).
+
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fsdp_muon/muon/muon_options.h>
+
+#include "muon/muon_math.h"
+
+namespace fsdp_muon {
+namespace {
+
+struct MathCase {
+  WeightDecayMethod method;
+  bool nesterov;
+  c10::ScalarType dtype;
+};
+
+class MuonMathShards : public ::testing::TestWithParam<MathCase> {};
+
+// Applies the elementwise steps to the whole flattened tensor and to pieces cut at offsets chosen
+// to land on every alignment (odd starts, pieces shorter than one SIMD vector), for several
+// steps, and requires identical bits.
+TEST_P(MuonMathShards, PiecesEqualWholeBitwise) {
+  const MathCase c = GetParam();
+  const MuonOptions o = MuonOptions(0.03)
+                            .momentum(0.9)
+                            .nesterov(c.nesterov)
+                            .weight_decay(0.07)
+                            .weight_decay_method(c.method);
+  const int64_t n = 1037;
+  const std::vector<int64_t> cuts{0, 1, 4, 5, 13, 20, 21, 64, 100, 517, 1030, n};
+  at::manual_seed(11);
+  at::Tensor w_full = at::randn({n}).to(c.dtype);
+  at::Tensor w_pieces = w_full.clone();
+  at::Tensor b_full = at::zeros_like(w_full);
+  at::Tensor b_pieces = at::zeros_like(w_full);
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor g = at::randn({n}).to(c.dtype);
+    const at::Tensor g_before = g.clone();
+    const at::Tensor u_full = detail::muon_momentum_input(w_full, g, b_full, o);
+    const at::Tensor fake_update = u_full.mul(1.7);  // stands in for NS(U) * scale
+    detail::muon_apply_update(w_full, fake_update, o);
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      const int64_t lo = cuts[k];
+      const int64_t len = cuts[k + 1] - lo;
+      at::Tensor w = w_pieces.narrow(0, lo, len);
+      at::Tensor b = b_pieces.narrow(0, lo, len);
+      const at::Tensor u = detail::muon_momentum_input(w, g.narrow(0, lo, len), b, o);
+      ASSERT_TRUE(at::equal(u, u_full.narrow(0, lo, len))) << "U differs in piece " << k;
+      detail::muon_apply_update(w, fake_update.narrow(0, lo, len), o);
+    }
+    ASSERT_TRUE(at::equal(g, g_before)) << "the gradient was modified";
+    ASSERT_TRUE(at::equal(b_full, b_pieces)) << "momentum differs at step " << step;
+    ASSERT_TRUE(at::equal(w_full, w_pieces)) << "parameters differ at step " << step;
+  }
+}
+
+std::vector<MathCase> math_cases() {
+  std::vector<MathCase> cases;
+  for (auto method : {WeightDecayMethod::kDecoupled, WeightDecayMethod::kIndependent,
+                      WeightDecayMethod::kL2, WeightDecayMethod::kPalm}) {
+    for (bool nesterov : {true, false}) {
+      for (auto dtype : {at::kFloat, at::kBFloat16}) {
+        cases.push_back({method, nesterov, dtype});
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllModes, MuonMathShards, ::testing::ValuesIn(math_cases()),
+                         [](const ::testing::TestParamInfo<MathCase>& info) {
+                           return std::string(to_string(info.param.method)) +
+                                  (info.param.nesterov ? "_nesterov_" : "_plain_") +
+                                  (info.param.dtype == at::kFloat ? "fp32" : "bf16");
+                         });
+
+TEST(MuonMath, MomentumInputFormulas) {
+  // Exact small numbers: mu = 0.5, G = 2, B0 = 4 -> B = 3; Nesterov U = 1 + 1.5 = 2.5.
+  const MuonOptions o = MuonOptions(0.1).momentum(0.5);
+  at::Tensor w = at::full({2, 2}, 1.0);
+  at::Tensor g = at::full({2, 2}, 2.0);
+  at::Tensor b = at::full({2, 2}, 4.0);
+  at::Tensor u = detail::muon_momentum_input(w, g, b, o);
+  EXPECT_TRUE(at::equal(b, at::full({2, 2}, 3.0)));
+  EXPECT_TRUE(at::equal(u, at::full({2, 2}, 2.5)));
+  // Without Nesterov U is a copy of B, not an alias.
+  at::Tensor b2 = at::full({2, 2}, 4.0);
+  at::Tensor u2 =
+      detail::muon_momentum_input(w, g, b2, MuonOptions(0.1).momentum(0.5).nesterov(false));
+  EXPECT_TRUE(at::equal(u2, b2));
+  EXPECT_NE(u2.data_ptr(), b2.data_ptr());
+  u2.add_(1.0);
+  EXPECT_TRUE(at::equal(b2, at::full({2, 2}, 3.0)));
+}
+
+TEST(MuonMath, WeightDecayModes) {
+  // lr = 0.5, wd = 0.25: decoupled 1 - 0.125, independent 1 - 0.25, palm 1 - 0.0625.
+  auto run = [](WeightDecayMethod m) {
+    at::Tensor w = at::full({1, 3}, 8.0);
+    at::Tensor g = at::zeros({1, 3});
+    at::Tensor b = at::zeros({1, 3});
+    const at::Tensor u = detail::muon_momentum_input(
+        w, g, b, MuonOptions(0.5).momentum(0.0).weight_decay(0.25).weight_decay_method(m));
+    return std::make_pair(w, u);
+  };
+  EXPECT_TRUE(at::equal(run(WeightDecayMethod::kDecoupled).first, at::full({1, 3}, 7.0)));
+  EXPECT_TRUE(at::equal(run(WeightDecayMethod::kIndependent).first, at::full({1, 3}, 6.0)));
+  EXPECT_TRUE(at::equal(run(WeightDecayMethod::kPalm).first, at::full({1, 3}, 7.5)));
+  // L2 leaves W alone and feeds wd * W = 2 into the gradient (mu = 0: U = G + 2).
+  const auto l2 = run(WeightDecayMethod::kL2);
+  EXPECT_TRUE(at::equal(l2.first, at::full({1, 3}, 8.0)));
+  EXPECT_TRUE(at::equal(l2.second, at::full({1, 3}, 2.0)));
+}
+
+TEST(MuonMath, ApplyUpdate) {
+  at::Tensor w = at::full({3, 2}, 1.0);
+  detail::muon_apply_update(w, at::full({3, 2}, 4.0), MuonOptions(0.25));
+  EXPECT_TRUE(at::equal(w, at::zeros({3, 2})));
+}
+
+}  // namespace
+}  // namespace fsdp_muon

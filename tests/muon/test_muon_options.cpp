@@ -1,0 +1,189 @@
+// MuonOptions: defaults, validation messages, archive round trip, scale formulas.
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <torch/serialize/archive.h>
+
+#include <fsdp_muon/muon/muon.h>
+#include <fsdp_muon/muon/muon_options.h>
+
+#include "muon/muon_math.h"
+#include "muon/muon_test_util.h"
+
+namespace fsdp_muon {
+namespace {
+
+using test::expect_error;
+
+TEST(MuonOptions, DefaultsAreTheDesignDefaults) {
+  const MuonOptions o;
+  EXPECT_EQ(o.lr(), 0.02);
+  EXPECT_EQ(o.momentum(), 0.95);
+  EXPECT_TRUE(o.nesterov());
+  EXPECT_EQ(o.weight_decay(), 0.0);
+  EXPECT_EQ(o.weight_decay_method(), WeightDecayMethod::kDecoupled);
+  EXPECT_EQ(o.ns_steps(), 5);
+  EXPECT_EQ(o.coefficients(), NsCoefficients::kQuintic);
+  EXPECT_TRUE(o.custom_coefficients().empty());
+  EXPECT_EQ(o.scale_mode(), ScaleMode::kShapeScaling);
+  EXPECT_EQ(o.extra_scale_factor(), 1.0);
+  EXPECT_EQ(o.eps(), 1e-7);
+  EXPECT_EQ(o.ns_dtype(), at::kBFloat16);
+  EXPECT_FALSE(o.skip_non_matrix());
+  EXPECT_EQ(MuonOptions(0.5).lr(), 0.5);
+  EXPECT_NO_THROW(o.validate());
+}
+
+TEST(MuonOptions, GetSetLr) {
+  MuonOptions o(0.1);
+  torch::optim::OptimizerOptions& base = o;
+  EXPECT_EQ(base.get_lr(), 0.1);
+  base.set_lr(0.25);
+  EXPECT_EQ(o.lr(), 0.25);
+}
+
+TEST(MuonOptions, ValidationNamesTheOptionAndTheFix) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  expect_error([] { MuonOptions(-1.0).validate(); }, {"lr", "-1", ">= 0"});
+  expect_error([&] { MuonOptions(nan).validate(); }, {"lr"});
+  expect_error([] { MuonOptions().weight_decay(-0.1).validate(); }, {"weight_decay", ">= 0"});
+  expect_error([] { MuonOptions().momentum(1.0).validate(); }, {"momentum", "[0, 1)"});
+  expect_error([] { MuonOptions().momentum(-0.5).validate(); }, {"momentum", "[0, 1)"});
+  expect_error([] { MuonOptions().ns_steps(0).validate(); }, {"ns_steps", "at least 1"});
+  expect_error([] { MuonOptions().eps(0.0).validate(); }, {"eps", "> 0"});
+  expect_error([] { MuonOptions().eps(-1e-7).validate(); }, {"eps", "> 0"});
+  expect_error([] { MuonOptions().ns_dtype(at::kHalf).validate(); },
+               {"ns_dtype", "at::kBFloat16", "at::kFloat"});
+  expect_error([] { MuonOptions().ns_dtype(at::kDouble).validate(); }, {"ns_dtype"});
+  expect_error([&] { MuonOptions().extra_scale_factor(inf).validate(); },
+               {"extra_scale_factor", "finite"});
+  expect_error([&] { MuonOptions().extra_scale_factor(nan).validate(); }, {"extra_scale_factor"});
+  expect_error([] { MuonOptions().coefficients(NsCoefficients::kCubic5).ns_steps(6).validate(); },
+               {"cubic5"});
+  expect_error(
+      [&] {
+        MuonOptions().custom_coefficients({{1.0, nan, 0.0}}).validate();
+      },
+      {"custom_coefficients"});
+  // Boundaries that are valid.
+  EXPECT_NO_THROW(MuonOptions(0.0).momentum(0.0).weight_decay(0.0).ns_steps(1).validate());
+  EXPECT_NO_THROW(MuonOptions().ns_dtype(at::kFloat).extra_scale_factor(-2.0).validate());
+}
+
+TEST(MuonOptions, MuonConstructorRejectsInvalidOptions) {
+  auto w = torch::zeros({4, 4}, torch::requires_grad());
+  expect_error([&] { Muon({w}, MuonOptions(-0.1)); }, {"lr"});
+  expect_error([&] { Muon({w}, MuonOptions().momentum(1.5)); }, {"momentum"});
+  expect_error([&] { Muon({w}, MuonOptions().ns_steps(0)); }, {"ns_steps"});
+  expect_error([&] { Muon({w}, MuonOptions().weight_decay(-1)); }, {"weight_decay"});
+}
+
+TEST(MuonOptions, ArchiveRoundTripKeepsEveryField) {
+  const MuonOptions written = MuonOptions(0.125)
+                                  .momentum(0.5)
+                                  .nesterov(false)
+                                  .weight_decay(0.01)
+                                  .weight_decay_method(WeightDecayMethod::kPalm)
+                                  .ns_steps(7)
+                                  .coefficients(NsCoefficients::kPolarExpress)
+                                  .custom_coefficients({{3.0, -3.2, 1.2}, {2.0, -1.5, 0.5}})
+                                  .scale_mode(ScaleMode::kMatchRmsAdamW)
+                                  .extra_scale_factor(0.75)
+                                  .eps(1e-9)
+                                  .ns_dtype(at::kFloat)
+                                  .skip_non_matrix(true);
+  torch::serialize::OutputArchive out;
+  written.serialize(out);
+  std::stringstream bytes;
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  MuonOptions read(0.0);
+  EXPECT_FALSE(read == written);
+  read.serialize(in);
+  EXPECT_TRUE(read == written);
+
+  // Defaults (empty custom list) survive too.
+  torch::serialize::OutputArchive out2;
+  MuonOptions().serialize(out2);
+  std::stringstream bytes2;
+  out2.save_to(bytes2);
+  torch::serialize::InputArchive in2;
+  in2.load_from(bytes2);
+  MuonOptions read2(1.0);
+  read2.custom_coefficients({{1, 2, 3}});
+  read2.serialize(in2);
+  EXPECT_TRUE(read2 == MuonOptions());
+}
+
+TEST(MuonOptions, EqualityComparesEveryField) {
+  const MuonOptions base;
+  EXPECT_TRUE(base == MuonOptions());
+  EXPECT_FALSE(base == MuonOptions(0.03));
+  EXPECT_FALSE(base == MuonOptions().momentum(0.9));
+  EXPECT_FALSE(base == MuonOptions().nesterov(false));
+  EXPECT_FALSE(base == MuonOptions().weight_decay(0.1));
+  EXPECT_FALSE(base == MuonOptions().weight_decay_method(WeightDecayMethod::kL2));
+  EXPECT_FALSE(base == MuonOptions().ns_steps(6));
+  EXPECT_FALSE(base == MuonOptions().coefficients(NsCoefficients::kSimple));
+  EXPECT_FALSE(base == MuonOptions().custom_coefficients({{1, 0, 0}}));
+  EXPECT_FALSE(base == MuonOptions().scale_mode(ScaleMode::kNone));
+  EXPECT_FALSE(base == MuonOptions().extra_scale_factor(2));
+  EXPECT_FALSE(base == MuonOptions().eps(1e-8));
+  EXPECT_FALSE(base == MuonOptions().ns_dtype(at::kFloat));
+  EXPECT_FALSE(base == MuonOptions().skip_non_matrix(true));
+}
+
+TEST(MuonOptions, NewtonSchulzOptionsCarryTheMuonSettings) {
+  const auto ns = MuonOptions()
+                      .ns_steps(8)
+                      .coefficients(NsCoefficients::kCans)
+                      .custom_coefficients({{2, -1.5, 0.5}})
+                      .eps(1e-5)
+                      .ns_dtype(at::kFloat)
+                      .newton_schulz_options();
+  EXPECT_EQ(ns.steps(), 8);
+  EXPECT_EQ(ns.coefficients(), NsCoefficients::kCans);
+  ASSERT_EQ(ns.custom_coefficients().size(), 1u);
+  EXPECT_EQ(ns.custom_coefficients()[0][1], -1.5);
+  EXPECT_EQ(ns.eps(), 1e-5);
+  EXPECT_EQ(ns.compute_dtype(), at::kFloat);
+}
+
+TEST(MuonOptions, EnumNames) {
+  EXPECT_STREQ(to_string(ScaleMode::kSpectral), "spectral");
+  EXPECT_STREQ(to_string(ScaleMode::kShapeScaling), "shape_scaling");
+  EXPECT_STREQ(to_string(ScaleMode::kUnitRmsNorm), "unit_rms_norm");
+  EXPECT_STREQ(to_string(ScaleMode::kMatchRmsAdamW), "match_rms_adamw");
+  EXPECT_STREQ(to_string(ScaleMode::kNone), "none");
+  EXPECT_STREQ(to_string(WeightDecayMethod::kDecoupled), "decoupled");
+  EXPECT_STREQ(to_string(WeightDecayMethod::kIndependent), "independent");
+  EXPECT_STREQ(to_string(WeightDecayMethod::kL2), "l2");
+  EXPECT_STREQ(to_string(WeightDecayMethod::kPalm), "palm");
+}
+
+TEST(MuonScale, FormulasForSquareWideAndTall) {
+  using detail::muon_scale;
+  // square 64x64, wide 16x64 (out < in), tall 64x16 (out > in)
+  EXPECT_DOUBLE_EQ(muon_scale(64, 64, ScaleMode::kSpectral), 8.0);
+  EXPECT_DOUBLE_EQ(muon_scale(16, 64, ScaleMode::kSpectral), 8.0);
+  EXPECT_DOUBLE_EQ(muon_scale(64, 16, ScaleMode::kSpectral), 8.0);
+  EXPECT_DOUBLE_EQ(muon_scale(64, 64, ScaleMode::kShapeScaling), 1.0);
+  EXPECT_DOUBLE_EQ(muon_scale(16, 64, ScaleMode::kShapeScaling), 1.0);
+  EXPECT_DOUBLE_EQ(muon_scale(64, 16, ScaleMode::kShapeScaling), 2.0);
+  EXPECT_DOUBLE_EQ(muon_scale(64, 64, ScaleMode::kUnitRmsNorm), 1.0);
+  EXPECT_DOUBLE_EQ(muon_scale(16, 64, ScaleMode::kUnitRmsNorm), 0.5);
+  EXPECT_DOUBLE_EQ(muon_scale(64, 16, ScaleMode::kUnitRmsNorm), 2.0);
+  EXPECT_DOUBLE_EQ(muon_scale(64, 64, ScaleMode::kMatchRmsAdamW), 1.6);
+  EXPECT_DOUBLE_EQ(muon_scale(16, 64, ScaleMode::kMatchRmsAdamW), 1.6);
+  EXPECT_DOUBLE_EQ(muon_scale(64, 16, ScaleMode::kMatchRmsAdamW), 1.6);
+  EXPECT_DOUBLE_EQ(muon_scale(16, 64, ScaleMode::kNone), 1.0);
+  EXPECT_DOUBLE_EQ(muon_scale(64, 16, ScaleMode::kNone), 1.0);
+}
+
+}  // namespace
+}  // namespace fsdp_muon
