@@ -55,13 +55,13 @@ class GlooCommunicator final : public Communicator {
     at::Tensor out = recv;
     std::vector<int64_t> in_counts = send_counts;
     std::vector<int64_t> out_counts = recv_counts;
-    pg_->alltoall_base(out, in, out_counts, in_counts)->wait();
+    wait("all_to_all_v", [&] { return pg_->alltoall_base(out, in, out_counts, in_counts); });
   }
 
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
     at::Tensor in = send;
     at::Tensor out = recv;
-    pg_->_allgather_base(out, in)->wait();
+    wait("all_gather", [&] { return pg_->_allgather_base(out, in); });
   }
 
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
@@ -73,7 +73,7 @@ class GlooCommunicator final : public Communicator {
     at::Tensor blocks = at::empty({send.numel()}, send.options());
     std::vector<int64_t> counts(size(), n);
     std::vector<int64_t> counts_out = counts;
-    pg_->alltoall_base(blocks, in, counts_out, counts)->wait();
+    wait("reduce_scatter_mean", [&] { return pg_->alltoall_base(blocks, in, counts_out, counts); });
     at::Tensor out = recv;
     const int64_t rank_dim = 0;
     at::sum_out(out, blocks.view({size(), n}), at::IntArrayRef(rank_dim));
@@ -88,19 +88,33 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
-    pg_->allreduce(tensors, opts)->wait();
+    wait("all_reduce", [&] { return pg_->allreduce(tensors, opts); });
   }
 
   void do_broadcast(const at::Tensor& tensor, int root) override {
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
-    pg_->broadcast(tensors, opts)->wait();
+    wait("broadcast", [&] { return pg_->broadcast(tensors, opts); });
   }
 
-  void do_barrier() override { pg_->barrier()->wait(); }
+  void do_barrier() override {
+    wait("barrier", [&] { return pg_->barrier(); });
+  }
 
  private:
+  // Runs one c10d call to completion; its errors (a peer gone, a timeout) name the collective.
+  template <typename Start>
+  void wait(const char* what, Start&& start) {
+    try {
+      start()->wait();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(
+          false, "fsdp_muon gloo ", what, " failed on rank ", rank(), " of ", size(),
+          " (a rank stopped, timed out, or called collectives in another order): ", e.what());
+    }
+  }
+
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
 };
 
