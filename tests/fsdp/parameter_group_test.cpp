@@ -170,6 +170,47 @@ TEST(FsdpParameterGroup, UnusedParameterAfterSetToNoneReducesAsZero) {
   EXPECT_TRUE(torch::equal(group->sharded_parameter(1).grad(), torch::full({3}, 2.0)));
 }
 
+TEST(FsdpParameterGroup, GradientsReplacedByAutogradAreCopiedBack) {
+  // create_graph=true makes AccumulateGrad replace .grad() (grad + new) instead of adding in
+  // place; Module::zero_grad(false) swaps in a detached alias. Both must still reduce right.
+  auto w = torch::ones({4}, torch::requires_grad());
+  auto group = std::make_shared<FsdpParameterGroup>(
+      std::vector<std::pair<std::string, at::Tensor>>{{"w", w}}, local());
+  (w * 2).sum().backward();
+  (w * w).sum().backward({}, /*retain_graph=*/true, /*create_graph=*/true);
+  EXPECT_FALSE(inside(w.grad(), group->full_grad_buffer()));
+  group->reduce_scatter_grads();
+  EXPECT_TRUE(inside(w.grad(), group->full_grad_buffer()));
+  EXPECT_TRUE(torch::equal(group->sharded_parameter(0).grad(), torch::full({4}, 4.0)));
+
+  struct Holder : torch::nn::Module {
+    explicit Holder(const at::Tensor& t) { register_parameter("w", t); }
+  } holder(w);
+  holder.zero_grad(/*set_to_none=*/false);
+  (w * 3).sum().backward();
+  group->reduce_scatter_grads();
+  EXPECT_TRUE(torch::equal(group->sharded_parameter(0).grad(), torch::full({4}, 3.0)));
+}
+
+TEST(FsdpParameterGroup, FrozenParametersGetNoGradient) {
+  auto frozen = torch::ones({3});  // requires_grad false
+  auto w = torch::ones({3}, torch::requires_grad());
+  auto group = std::make_shared<FsdpParameterGroup>(
+      std::vector<std::pair<std::string, at::Tensor>>{{"frozen", frozen}, {"w", w}}, local());
+  EXPECT_FALSE(group->sharded_parameter(0).requires_grad());
+  EXPECT_FALSE(group->sharded_parameter(0).grad().defined());
+  EXPECT_TRUE(group->sharded_parameter(1).requires_grad());
+  torch::optim::AdamW adamw(group->sharded_parameters(),
+                            torch::optim::AdamWOptions(0.1).weight_decay(0.5));
+  (w * frozen).sum().backward();
+  group->reduce_scatter_grads();
+  EXPECT_FALSE(frozen.grad().defined());
+  adamw.step();
+  group->refresh_model_weights();
+  EXPECT_TRUE(torch::equal(frozen, torch::ones({3})));  // skipped: no decay, no update
+  EXPECT_FALSE(torch::equal(w, torch::ones({3})));
+}
+
 TEST(FsdpParameterGroup, RefreshCopiesMainWeightsIntoTheModuleParameters) {
   torch::manual_seed(3);
   Net net;
