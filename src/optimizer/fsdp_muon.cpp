@@ -358,13 +358,16 @@ void FsdpMuon::build() {
     d.matrices.push_back(std::move(m));
     plan_groups[p.group_ordinal].matrices.push_back(std::move(pm));
   }
-  d.plan = plan_owners(plan_groups, w, OwnerPlanOptions().policy(d.config.owner_policy()));
+  d.plan = plan_owners(plan_groups, w,
+                       OwnerPlanOptions()
+                           .policy(d.config.owner_policy())
+                           .prefetch_budget_bytes(d.config.prefetch_budget_bytes()));
   for (size_t g = 0; g < d.groups.size(); ++g) {
     for (size_t j = 0; j < d.group_matrices[g].size(); ++j) {
       d.matrices[d.group_matrices[g][j]].owner = d.plan.owner[g][j];
     }
   }
-  d.windows = prefetch_windows(d.plan, d.config.prefetch_budget_bytes());
+  d.windows = d.plan.windows;
   d.exchanges.assign(d.groups.size(), Impl::Exchange{});
   for (const auto& group : param_groups_) {
     std::vector<const c10::TensorImpl*> impls;

@@ -44,6 +44,110 @@ void validate_matrix(const PlanMatrix& m, size_t g, size_t i, int world_size) {
 
 double ratio(double value, double ideal) { return ideal > 0 ? value / ideal : 1.0; }
 
+int64_t group_element_bytes(const PlanGroup& group, const OwnerPlan& plan) {
+  return group.element_bytes > 0 ? group.element_bytes : plan.element_bytes;
+}
+
+// Owners for the matrices of groups [first, last), balanced among themselves (fresh loads):
+// ranks meet at every window, so only the load inside a window is on the critical path. Local
+// matrices go to their only holder first; the others, by descending cost (ties: group, then
+// index), to the least-loaded eligible rank.
+void assign_window(const std::vector<PlanGroup>& groups, size_t first, size_t last,
+                   OwnerPlan& plan) {
+  const int world_size = plan.world_size;
+  std::vector<int64_t> load(world_size, 0);
+  struct Candidate {
+    int64_t cost;
+    size_t group;
+    size_t index;
+  };
+  std::vector<Candidate> boundary;
+  for (size_t g = first; g < last; ++g) {
+    const auto& matrices = groups[g].matrices;
+    for (size_t i = 0; i < matrices.size(); ++i) {
+      const PlanMatrix& m = matrices[i];
+      plan.owner[g][i] = -1;
+      if (m.rows * m.cols == 0) continue;  // nothing to orthogonalize, nobody owns it
+      int holders = 0;
+      int only = -1;
+      for (int r = 0; r < world_size; ++r) {
+        if (held_numel(m, r) > 0) {
+          ++holders;
+          only = r;
+        }
+      }
+      if (holders == 1) {
+        plan.owner[g][i] = only;
+        load[only] += plan.cost[g][i];
+      } else {
+        boundary.push_back({plan.cost[g][i], g, i});
+      }
+    }
+  }
+  std::stable_sort(boundary.begin(), boundary.end(), [](const Candidate& a, const Candidate& b) {
+    return std::make_tuple(-a.cost, a.group, a.index) < std::make_tuple(-b.cost, b.group, b.index);
+  });
+  for (const Candidate& c : boundary) {
+    const PlanMatrix& m = groups[c.group].matrices[c.index];
+    int best = -1;
+    for (int r = 0; r < world_size; ++r) {
+      const int64_t held = held_numel(m, r);
+      if (plan.policy == OwnerPolicy::kHoldersOnly && held == 0) continue;
+      if (best < 0 || load[r] < load[best]) {
+        best = r;
+      } else if (plan.policy == OwnerPolicy::kAnyRank && load[r] == load[best] &&
+                 held > held_numel(m, best)) {
+        // Equal load: the rank already holding more of the matrix moves fewer bytes.
+        best = r;
+      }
+    }
+    plan.owner[c.group][c.index] = best;
+    load[best] += c.cost;
+  }
+}
+
+// Largest per-rank sum of owned full-matrix bytes over groups [first, last).
+int64_t window_peak_bytes(const std::vector<PlanGroup>& groups, size_t first, size_t last,
+                          const OwnerPlan& plan) {
+  std::vector<int64_t> bytes(plan.world_size, 0);
+  for (size_t g = first; g < last; ++g) {
+    const int64_t element_bytes = group_element_bytes(groups[g], plan);
+    for (size_t i = 0; i < groups[g].matrices.size(); ++i) {
+      const PlanMatrix& m = groups[g].matrices[i];
+      if (plan.owner[g][i] >= 0) bytes[plan.owner[g][i]] += m.rows * m.cols * element_bytes;
+    }
+  }
+  return *std::max_element(bytes.begin(), bytes.end());
+}
+
+// Per-rank and per-group totals and bytes of a plan whose owners are set.
+void finish_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
+  const int world_size = plan.world_size;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& matrices = groups[g].matrices;
+    const int64_t element_bytes = group_element_bytes(groups[g], plan);
+    for (size_t i = 0; i < matrices.size(); ++i) {
+      const int o = plan.owner[g][i];
+      if (o < 0) continue;
+      const PlanMatrix& m = matrices[i];
+      plan.cost_per_rank[o] += plan.cost[g][i];
+      plan.group_cost_per_rank[g][o] += plan.cost[g][i];
+      plan.group_full_bytes_per_rank[g][o] += m.rows * m.cols * element_bytes;
+      for (int r = 0; r < world_size; ++r) {
+        if (r == o) continue;
+        const int64_t bytes = held_numel(m, r) * element_bytes;
+        plan.gather_bytes_per_rank[r] += bytes;   // r sends its piece to the owner
+        plan.scatter_bytes_per_rank[o] += bytes;  // and the owner sends r its update slice
+      }
+    }
+    const auto& per_rank = plan.group_cost_per_rank[g];
+    const int64_t total = std::accumulate(per_rank.begin(), per_rank.end(), int64_t{0});
+    const int64_t largest = *std::max_element(per_rank.begin(), per_rank.end());
+    plan.group_balance.push_back(
+        ratio(static_cast<double>(largest), static_cast<double>(total) / world_size));
+  }
+}
+
 }  // namespace
 
 const char* to_string(OwnerPolicy policy) {
@@ -80,86 +184,53 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   plan.gather_bytes_per_rank.assign(world_size, 0);
   plan.scatter_bytes_per_rank.assign(world_size, 0);
 
-  // Local matrices first: they have no choice, and their load is what the boundary matrices
-  // balance around.
-  struct Candidate {
-    int64_t cost;
-    size_t group;
-    size_t index;
-  };
-  std::vector<Candidate> boundary;
   for (size_t g = 0; g < num_groups; ++g) {
+    TORCH_CHECK(groups[g].element_bytes >= 0, "fsdp_muon owner plan: group '", groups[g].name,
+                "' has negative element_bytes");
     const auto& matrices = groups[g].matrices;
     plan.owner[g].assign(matrices.size(), -1);
     plan.cost[g].assign(matrices.size(), 0);
     for (size_t i = 0; i < matrices.size(); ++i) {
       const PlanMatrix& m = matrices[i];
       validate_matrix(m, g, i, world_size);
-      if (m.rows * m.cols == 0) continue;  // nothing to orthogonalize, nobody owns it
       plan.cost[g][i] = newton_schulz_flops(m.rows, m.cols, m.ns_steps);
-      int holders = 0;
-      int only = -1;
-      for (int r = 0; r < world_size; ++r) {
-        if (held_numel(m, r) > 0) {
-          ++holders;
-          only = r;
-        }
-      }
-      if (holders == 1) {
-        plan.owner[g][i] = only;
-        plan.cost_per_rank[only] += plan.cost[g][i];
-      } else {
-        boundary.push_back({plan.cost[g][i], g, i});
-      }
     }
-  }
-  std::stable_sort(boundary.begin(), boundary.end(), [](const Candidate& a, const Candidate& b) {
-    return std::make_tuple(-a.cost, a.group, a.index) < std::make_tuple(-b.cost, b.group, b.index);
-  });
-  for (const Candidate& c : boundary) {
-    const PlanMatrix& m = groups[c.group].matrices[c.index];
-    int best = -1;
-    for (int r = 0; r < world_size; ++r) {
-      const int64_t held = held_numel(m, r);
-      if (plan.policy == OwnerPolicy::kHoldersOnly && held == 0) continue;
-      if (best < 0 || plan.cost_per_rank[r] < plan.cost_per_rank[best]) {
-        best = r;
-      } else if (plan.policy == OwnerPolicy::kAnyRank &&
-                 plan.cost_per_rank[r] == plan.cost_per_rank[best] && held > held_numel(m, best)) {
-        // Equal load: the rank already holding more of the matrix moves fewer bytes.
-        best = r;
-      }
-    }
-    plan.owner[c.group][c.index] = best;
-    plan.cost_per_rank[best] += c.cost;
   }
 
-  for (size_t g = 0; g < num_groups; ++g) {
-    const auto& matrices = groups[g].matrices;
-    TORCH_CHECK(groups[g].element_bytes >= 0, "fsdp_muon owner plan: group '", groups[g].name,
-                "' has negative element_bytes");
-    const int64_t element_bytes =
-        groups[g].element_bytes > 0 ? groups[g].element_bytes : plan.element_bytes;
-    for (size_t i = 0; i < matrices.size(); ++i) {
-      const int o = plan.owner[g][i];
-      if (o < 0) continue;
-      const PlanMatrix& m = matrices[i];
-      plan.group_cost_per_rank[g][o] += plan.cost[g][i];
-      plan.group_full_bytes_per_rank[g][o] += m.rows * m.cols * element_bytes;
-      for (int r = 0; r < world_size; ++r) {
-        if (r == o) continue;
-        const int64_t bytes = held_numel(m, r) * element_bytes;
-        plan.gather_bytes_per_rank[r] += bytes;   // r sends its piece to the owner
-        plan.scatter_bytes_per_rank[o] += bytes;  // and the owner sends r its update slice
-      }
-    }
-    const auto& per_rank = plan.group_cost_per_rank[g];
-    const int64_t total = std::accumulate(per_rank.begin(), per_rank.end(), int64_t{0});
-    const int64_t largest = *std::max_element(per_rank.begin(), per_rank.end());
-    plan.group_balance.push_back(
-        ratio(static_cast<double>(largest), static_cast<double>(total) / world_size));
+  const int64_t budget = options.prefetch_budget_bytes();
+  TORCH_CHECK(budget >= 0, "fsdp_muon owner plan: the prefetch budget must be >= 0 bytes, got ",
+              budget, " (use kUnlimitedPrefetch for no limit)");
+  // DESIGN §3's plan: loads carried across all groups, then cut into windows by the budget.
+  OwnerPlan carried = plan;
+  assign_window(groups, 0, num_groups, carried);
+  finish_plan(groups, carried);
+  if (budget == kUnlimitedPrefetch) {
+    carried.windows = {{0, num_groups}};
+    return carried;
   }
-  return plan;
+  carried.windows = prefetch_windows(carried, budget);
+
+  // Window by window: grow a window one group at a time, re-planning it, while every rank's
+  // owned full matrices in it fit the budget (a group that alone exceeds it runs alone).
+  OwnerPlan windowed = plan;
+  size_t first = 0;
+  while (first < num_groups) {
+    assign_window(groups, first, first + 1, windowed);
+    size_t last = first + 1;
+    while (last < num_groups) {
+      OwnerPlan trial = windowed;
+      assign_window(groups, first, last + 1, trial);
+      if (window_peak_bytes(groups, first, last + 1, trial) > budget) break;
+      windowed = std::move(trial);
+      ++last;
+    }
+    windowed.windows.emplace_back(first, last);
+    first = last;
+  }
+  finish_plan(groups, windowed);
+  // Both are greedy; neither wins everywhere (LPT under holder constraints is no optimum), so
+  // keep the shorter critical path, the carried plan on a tie. Every rank picks the same one.
+  return windowed.critical_path_planned() < carried.critical_path_planned() ? windowed : carried;
 }
 
 int64_t OwnerPlan::total_cost() const {
@@ -191,6 +262,12 @@ int64_t OwnerPlan::critical_path(const std::vector<std::pair<size_t, size_t>>& w
     path += slowest;
   }
   return path;
+}
+
+int64_t OwnerPlan::critical_path_planned() const { return critical_path(windows); }
+
+double OwnerPlan::critical_path_ratio_planned() const {
+  return ratio(static_cast<double>(critical_path_planned()), ideal_cost());
 }
 
 int64_t OwnerPlan::critical_path_budget0() const {
@@ -230,8 +307,9 @@ std::string OwnerPlan::summary() const {
   std::ostringstream out;
   out << "owner plan: policy " << to_string(policy) << ", world size " << world_size << ", "
       << owner.size() << " groups, total " << static_cast<double>(total_cost()) << " NS FLOPs\n"
-      << "  critical path / ideal: budget 0 " << critical_path_ratio_budget0() << ", unlimited "
-      << critical_path_ratio_unlimited() << ", floor " << floor_ratio() << "\n"
+      << "  critical path / ideal: planned windows (" << windows.size() << ") "
+      << critical_path_ratio_planned() << ", one group at a time " << critical_path_ratio_budget0()
+      << ", all at once " << critical_path_ratio_unlimited() << ", floor " << floor_ratio() << "\n"
       << "  gather + scatter bytes per rank:";
   for (int r = 0; r < world_size; ++r) {
     out << " " << gather_bytes_per_rank[r] + scatter_bytes_per_rank[r];

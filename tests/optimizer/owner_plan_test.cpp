@@ -169,9 +169,54 @@ TEST(OwnerPlanTest, PrefetchWindowsFollowTheBudget) {
   EXPECT_EQ(prefetch_windows(plan, 384), (W{{0, 4}}));
   EXPECT_EQ(prefetch_windows(plan, kUnlimitedPrefetch), (W{{0, 4}}));
   EXPECT_THROW(prefetch_windows(plan, -1), c10::Error);
+  // All matrices are local, so the owners are fixed and planning with a budget cuts the same
+  // windows.
+  for (int64_t budget :
+       {int64_t{0}, int64_t{64}, int64_t{128}, int64_t{300}, int64_t{384}, kUnlimitedPrefetch}) {
+    EXPECT_EQ(plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(budget)).windows,
+              prefetch_windows(plan, budget))
+        << budget;
+  }
   // a, b, c, d cost 1920 each, e 15360: pairing g0 with g1 saves one 1920 wait.
   EXPECT_EQ(plan.critical_path_budget0(), 1920 * 3 + 15360);
   EXPECT_EQ(plan.critical_path(prefetch_windows(plan, 64)), 1920 * 2 + 15360);
+}
+
+// W=2: g0 = {X, Y} (384 each), g1 = {Z} (448), all split evenly between the ranks. Carrying
+// loads across both groups puts Z on rank 0 first, then X and Y both on rank 1: g0 waits 768.
+// Planned one window at a time (budget 0), g0 is balanced on its own: 384 + 448.
+TEST(OwnerPlanTest, WindowedPlanBalancesEachWindow) {
+  std::vector<PlanGroup> groups = {
+      {"g0", {matrix("X", 4, 4, 2, {{0, 8}, {1, 8}}), matrix("Y", 4, 4, 2, {{0, 8}, {1, 8}})}},
+      {"g1", {matrix("Z", 4, 5, 2, {{0, 10}, {1, 10}})}}};
+  for (auto& g : groups) {
+    for (auto& m : g.matrices) m.ns_steps = 1;
+  }
+  const OwnerPlan carried = plan_owners(groups, 2);
+  EXPECT_EQ(carried.cost[0], (std::vector<int64_t>{384, 384}));
+  EXPECT_EQ(carried.cost[1], (std::vector<int64_t>{448}));
+  EXPECT_EQ(carried.windows, (std::vector<std::pair<size_t, size_t>>{{0, 2}}));
+  EXPECT_EQ(carried.owner[0], (std::vector<int>{1, 1}));
+  EXPECT_EQ(carried.owner[1], (std::vector<int>{0}));
+  EXPECT_EQ(carried.critical_path_planned(), 768);
+  EXPECT_EQ(carried.critical_path_budget0(), 768 + 448);
+
+  const OwnerPlan windowed = plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(0));
+  EXPECT_EQ(windowed.windows, (std::vector<std::pair<size_t, size_t>>{{0, 1}, {1, 2}}));
+  EXPECT_EQ(windowed.owner[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(windowed.owner[1], (std::vector<int>{0}));
+  EXPECT_EQ(windowed.critical_path_planned(), 384 + 448);
+  EXPECT_EQ(windowed.cost_per_rank, (std::vector<int64_t>{832, 384}));
+
+  // A budget that fits both groups on every rank: one window, the carried plan. Owned bytes of
+  // the carried plan are 80 (Z) on rank 0 and 128 (X, Y) on rank 1.
+  const OwnerPlan both = plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(128));
+  EXPECT_EQ(both.windows, carried.windows);
+  EXPECT_EQ(both.owner, carried.owner);
+  // 127 bytes: g0 alone is balanced (64 each); adding g1 would need 128 on one rank.
+  const OwnerPlan tight = plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(127));
+  EXPECT_EQ(tight.windows, windowed.windows);
+  EXPECT_THROW(plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(-1)), c10::Error);
 }
 
 TEST(OwnerPlanTest, GroupFromShapesUsesTheFlatLayout) {
@@ -215,10 +260,25 @@ TEST(OwnerPlanTest, Llama3_8BCriticalPaths) {
     const OwnerPlan any = plan_owners(groups, w, OwnerPlanOptions().policy(OwnerPolicy::kAnyRank));
     std::cout << "Llama-3-8B W=" << w << " holders-only: " << holders.summary()
               << "Llama-3-8B W=" << w << " any-rank: " << any.summary();
-    for (int64_t budget_mib : {256, 512, 1024, 2048}) {
-      const auto windows = prefetch_windows(holders, budget_mib << 20);
-      std::cout << "  holders-only budget " << budget_mib << " MiB: " << windows.size()
-                << " windows, critical path " << holders.critical_path_ratio(windows) << "\n";
+    double previous = 1e9;
+    for (int64_t budget_mib : {0, 256, 512, 1024, 2048}) {
+      for (OwnerPolicy policy : {OwnerPolicy::kHoldersOnly, OwnerPolicy::kAnyRank}) {
+        const OwnerPlan planned = plan_owners(
+            groups, w, OwnerPlanOptions().policy(policy).prefetch_budget_bytes(budget_mib << 20));
+        std::cout << "  " << to_string(policy) << " budget " << budget_mib
+                  << " MiB: " << planned.windows.size() << " windows, critical path "
+                  << planned.critical_path_ratio_planned() << "\n";
+        if (policy == OwnerPolicy::kHoldersOnly) {
+          // More budget, fewer and larger windows: never a longer critical path here.
+          EXPECT_LE(planned.critical_path_ratio_planned(), previous + 1e-9);
+          previous = planned.critical_path_ratio_planned();
+          if (budget_mib == 0 && w == 8) {
+            // Each layer balanced on its own reaches the floor of its largest matrix (2.1x at
+            // W=8, the design's number), below the carried plan's 2.26x.
+            EXPECT_LT(planned.critical_path_ratio_planned(), holders.critical_path_ratio_budget0());
+          }
+        }
+      }
     }
     // Every element of a 7-matrix layer is held by someone; under holders-only, each rank's
     // traffic is bounded by twice its shard of the matrices.

@@ -57,6 +57,11 @@ struct OwnerPlanOptions {
   TORCH_ARG(OwnerPolicy, policy) = OwnerPolicy::kHoldersOnly;
   // Bytes of one element moved by the gather and scatter (the momentum-input dtype, fp32).
   TORCH_ARG(int64_t, element_bytes) = 4;
+  // Bytes of full matrices one rank may hold at once (FsdpMuonConfig::prefetch_budget_bytes):
+  // the groups are cut into consecutive windows that are gathered and orthogonalized together.
+  // Each window is balanced on its own, since ranks meet at every window. kUnlimitedPrefetch:
+  // one window, loads carried across all groups (DESIGN §3).
+  TORCH_ARG(int64_t, prefetch_budget_bytes) = kUnlimitedPrefetch;
 };
 
 struct OwnerPlan {
@@ -64,6 +69,8 @@ struct OwnerPlan {
   OwnerPolicy policy = OwnerPolicy::kHoldersOnly;
   int64_t element_bytes = 4;
 
+  // The windows [first, last) over the groups the plan was balanced for, in order.
+  std::vector<std::pair<size_t, size_t>> windows;
   // [group][matrix]: the owning rank (-1 for an empty matrix, which nobody needs to own).
   std::vector<std::vector<int>> owner;
   // [group][matrix]: Newton–Schulz FLOPs.
@@ -89,10 +96,12 @@ struct OwnerPlan {
   // Critical path of the orthogonalize phase when the groups run in windows [first, last):
   // sum over windows of the largest per-rank cost inside the window.
   int64_t critical_path(const std::vector<std::pair<size_t, size_t>>& windows) const;
+  int64_t critical_path_planned() const;    // over `windows`
   int64_t critical_path_budget0() const;    // one group per window
   int64_t critical_path_unlimited() const;  // one window: the largest per-rank total
   // The above over ideal_cost() (1 when there is no cost at all).
   double critical_path_ratio(const std::vector<std::pair<size_t, size_t>>& windows) const;
+  double critical_path_ratio_planned() const;
   double critical_path_ratio_budget0() const;
   double critical_path_ratio_unlimited() const;
   // max(ideal, largest matrix) / ideal: no whole-matrix ownership beats it.
@@ -102,18 +111,23 @@ struct OwnerPlan {
   std::string summary() const;
 };
 
-// Plans owners over a fixed, ordered set of groups (DESIGN §3). Holders-only: a matrix held by
-// one rank goes to it; every other matrix, all groups sorted together by descending cost (ties
-// by group, then index), goes to the least-loaded of its holders (ties: lowest rank), loads
-// carried across groups. Any-rank: the same, but boundary matrices may go to any rank (ties:
-// the rank holding most of the matrix, then the lowest rank).
+// Plans owners over a fixed, ordered set of groups (DESIGN §3), window by window (one window,
+// all groups, under the default unlimited budget). Holders-only: a matrix held by one rank goes
+// to it; every other matrix of the window, all its groups sorted together by descending cost
+// (ties by group, then index), goes to the least-loaded of its holders (ties: lowest rank),
+// loads carried across the window's groups. Any-rank: the same, but boundary matrices may go to
+// any rank (ties: the rank holding most of the matrix, then the lowest rank).
+//
+// With a finite budget, a window grows group by group (re-planned each time) while every rank's
+// owned full-matrix bytes in it fit the budget.
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
                       const OwnerPlanOptions& options = {});
 
-// Splits the groups, in order, into consecutive windows gathered together: a window grows while
-// the largest per-rank sum of owned full-matrix bytes in it stays within budget_bytes, and
-// always holds at least one group. Budget 0 gives one group per window; kUnlimitedPrefetch one
-// window. Every rank computes the same windows from the same plan.
+// What-if analysis for a fixed plan: the windows a budget would cut with these owners (a window
+// grows while the largest per-rank sum of owned full-matrix bytes in it stays within
+// budget_bytes, and always holds at least one group). Budget 0 gives one group per window;
+// kUnlimitedPrefetch one window. plan_owners() with the budget in its options plans owners for
+// its windows instead, which is what FsdpMuon runs.
 std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
                                                         int64_t budget_bytes);
 
