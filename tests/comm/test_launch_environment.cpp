@@ -11,9 +11,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/config.h>
 
 namespace fsdp_muon {
 namespace {
@@ -378,6 +380,40 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvBackendChoice) {
   options.backend = "auto";
   options.timeout_seconds = 0;
   EXPECT_THROW(init_from_env(options), c10::Error);
+}
+
+// Asking for NCCL: a clear error without a GPU; with one (world of one, cuda:0) every
+// collective runs on the current stream and gives the single-rank answers.
+TEST_F(LaunchEnvironmentTest, InitFromEnvNccl) {
+  InitOptions options;
+  options.backend = "nccl";
+  options.timeout_seconds = 60;
+  if (!FSDP_MUON_WITH_CUDA || !torch::cuda::is_available()) {
+    try {
+      init_from_env(options);
+      ADD_FAILURE() << "NCCL without CUDA accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("asks for NCCL but"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  auto comm = init_from_env(options);
+  EXPECT_EQ(comm->backend_name(), "nccl");
+  EXPECT_EQ(comm->device(), c10::Device(c10::kCUDA, 0));
+  const auto on = at::TensorOptions().device(comm->device());
+  at::Tensor t = at::arange(5, on.dtype(at::kFloat));
+  comm->all_reduce(t, ReduceOp::kMax);
+  at::Tensor out = at::zeros({5}, on);
+  comm->reduce_scatter_mean(t, out);
+  EXPECT_TRUE(at::equal(out.cpu(), at::arange(5, at::kFloat)));
+  comm->all_gather(t, out.zero_());
+  EXPECT_TRUE(at::equal(out.cpu(), at::arange(5, at::kFloat)));
+  at::Tensor recv = at::zeros({5}, on);
+  comm->all_to_all_v(t, {5}, recv, {5});
+  EXPECT_TRUE(at::equal(recv.cpu(), at::arange(5, at::kFloat)));
+  comm->broadcast(t, 0);
+  comm->barrier();
+  EXPECT_EQ(comm->stats().total_bytes(), 0);
 }
 
 }  // namespace

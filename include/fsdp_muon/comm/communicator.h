@@ -81,7 +81,9 @@ class Communicator {
 
 // Which launcher environment a process was started from, as read by init_from_env().
 struct LaunchEnvironment {
-  std::string launcher;  // "torchrun", "mpirun", "srun", "pmi", or "single" (no launcher)
+  // "torchrun" (also RANK/WORLD_SIZE set by hand), "mpirun" (Open MPI), "srun", "pmi", or
+  // "single" (no launcher: a world of one).
+  std::string launcher;
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
