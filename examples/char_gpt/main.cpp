@@ -33,12 +33,7 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>
 #include <fsdp_muon/muon/muon_options.h>
-#if __has_include(<fsdp_muon/optimizer/fsdp_muon.h>)
 #include <fsdp_muon/optimizer/fsdp_muon.h>
-#define CHAR_GPT_HAS_FSDP_MUON 1
-#else
-#define CHAR_GPT_HAS_FSDP_MUON 0
-#endif
 
 #include "checkpoint_hook.h"
 #include "corpus.h"
@@ -313,9 +308,9 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
       auto it = name_of.find(module_param.unsafeGetTensorImpl());
       const std::string& name = it != name_of.end() ? it->second : slot.name;
       const bool hidden = slot.shape.size() == 2 && is_hidden_matrix(name, module_param);
+      if (hidden) muon_numel += slot.numel;
       if (use_muon && hidden) {
         muon_params.push_back(group->sharded_parameter(i));
-        muon_numel += slot.numel;
         muon_refreshes = true;
       } else {
         adamw_params.push_back(group->sharded_parameter(i));
@@ -328,17 +323,12 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   torch::optim::AdamW adamw(adamw_params, torch::optim::AdamWOptions(flags.adamw_lr)
                                               .betas(std::make_tuple(0.9, 0.95))
                                               .weight_decay(0.0));
-#if CHAR_GPT_HAS_FSDP_MUON
   std::unique_ptr<fsdp_muon::FsdpMuon> muon;
   if (use_muon) {
     muon = std::make_unique<fsdp_muon::FsdpMuon>(
         muon_params, fsdp_muon::MuonOptions(flags.lr).ns_dtype(
                          flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat));
   }
-#else
-  std::unique_ptr<torch::optim::Optimizer> muon;
-  TORCH_CHECK(!use_muon, "char_gpt: this build has no FsdpMuon yet; use --optimizer adamw");
-#endif
 
   if (rank0) {
     std::ostringstream ss;

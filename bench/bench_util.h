@@ -1,0 +1,45 @@
+#pragma once
+// Small shared pieces of the benchmarks: flags, table formatting, the round-robin baseline plan.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fsdp_muon/optimizer/owner_plan.h>
+
+#include "model_shapes.h"
+
+namespace fsdp_muon_bench {
+
+// --key value / --key=value / --flag. Unknown keys are an error at finish().
+class Flags {
+ public:
+  Flags(int argc, char** argv, const std::string& usage);
+  bool has(const std::string& key);  // a bare --key (consumed)
+  std::string get(const std::string& key, const std::string& fallback);
+  int64_t get_int(const std::string& key, int64_t fallback);
+  double get_double(const std::string& key, double fallback);
+  std::vector<int64_t> get_ints(const std::string& key, const std::vector<int64_t>& fallback);
+  void finish() const;  // throws on anything not consumed
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::string usage_;
+};
+
+// printf into a std::string.
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// The PlanGroups FsdpMuon would build for `model` at `world_size` (DESIGN §2 layout of the
+// compute dtype, 16-byte alignment; gathers move fp32).
+std::vector<fsdp_muon::PlanGroup> plan_groups(const ModelShapes& model, int world_size,
+                                              int64_t ns_steps = 5,
+                                              c10::ScalarType compute_dtype = at::kBFloat16);
+
+// The naive baseline: matrix k (counting every matrix of every group in order) goes to rank
+// k % W whether or not it holds any of it. Costs and bytes are accounted as in plan_owners().
+fsdp_muon::OwnerPlan round_robin_plan(const std::vector<fsdp_muon::PlanGroup>& groups,
+                                      int world_size, int64_t element_bytes = 4);
+
+}  // namespace fsdp_muon_bench

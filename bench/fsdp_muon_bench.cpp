@@ -1,0 +1,41 @@
+// fsdp_muon_bench: FsdpMuon on model-shape presets (launch with torchrun/mpirun), or the owner
+// plan alone for real models at large world sizes (--plan-only, no processes).
+
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "bench.h"
+#include "bench_util.h"
+
+namespace {
+const char* kUsage = R"(usage:
+  fsdp_muon_bench --plan-only [--models llama3-8b,qwen3-30b-a3b,gpt2]
+                  [--world-sizes 8,16,32,64,128,256] [--prefetch-mib 1024] [--ns-steps 5]
+  torchrun --standalone --no-python --nproc_per_node=W fsdp_muon_bench
+                  [--preset llama3-layer|gpt2|moe] [--layers N] [--scale S] [--experts E]
+                  [--steps 5] [--warmup 1] [--ns-dtype bf16|fp32]
+                  [--policy holders-only|any-rank] [--prefetch-mib 1024|unlimited]
+                  [--threads N] [--compare]
+  Presets (full size on a GPU; on a CPU --scale defaults to 8 for llama3-layer and moe and
+  gpt2 runs 2 layers): gpt2 = GPT-2 124M layers; llama3-layer = one Llama-3-8B layer (widths
+  divided by --scale); moe = one Qwen3-30B-A3B layer with --experts experts (default 16).
+)";
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    for (int i = 1; i < argc; ++i) {
+      if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+        std::printf("%s", kUsage);
+        return 0;
+      }
+    }
+    fsdp_muon_bench::Flags flags(argc, argv, kUsage);
+    if (flags.has("plan-only")) return fsdp_muon_bench::run_plan_only(flags);
+    return fsdp_muon_bench::run_measure(flags);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp_muon_bench: error: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,302 @@
+// fsdp_muon_bench (default mode): FsdpMuon steps on model-shape presets, on the ranks of a
+// launcher (torchrun, mpirun, srun; a single process works too). Reports per-phase times, the
+// Newton-Schulz FLOP rate against a GEMM measured in the same run, balance, bytes against the
+// DESIGN §7 minimum and transient memory; --compare also times single-device Muon.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+#include <torch/utils.h>
+
+#include <fsdp_muon/fsdp_muon.h>
+
+#include "bench.h"
+#include "bench_util.h"
+#include "model_shapes.h"
+
+namespace fsdp_muon_bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+void sync(const c10::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+ModelShapes preset_shapes(const std::string& preset, int64_t layers, int64_t scale,
+                          int64_t experts) {
+  if (preset == "gpt2") return gpt2_124m(layers > 0 ? layers : 12, 768 / scale);
+  if (preset == "llama3-layer") return llama3_8b(layers > 0 ? layers : 1, scale);
+  if (preset == "moe") return qwen3_30b_a3b(layers > 0 ? layers : 1, experts, scale);
+  TORCH_CHECK(false, "--preset: unknown preset '", preset, "' (gpt2, llama3-layer, moe)");
+}
+
+// Per-phase seconds in a fixed order, for cross-rank reductions.
+enum Phase {
+  kCheck,
+  kElementwise,
+  kGather,
+  kOrthogonalize,
+  kScatter,
+  kApply,
+  kRefresh,
+  kStep,
+  kReduceScatter,
+  kNumPhases
+};
+const char* kPhaseNames[] = {"check",         "elementwise",  "gather",
+                             "orthogonalize", "scatter",      "apply",
+                             "refresh",       "step (total)", "grad reduce-scatter"};
+
+// GEMM rate of X·Xᵀ for an m x n matrix in `dtype` (the product Newton–Schulz spends most of its
+// time in), measured now on this rank.
+double gemm_flops_per_second(int64_t m, int64_t n, c10::ScalarType dtype,
+                             const c10::Device& device) {
+  const at::Tensor x = at::randn({m, n}, at::TensorOptions().device(device)).to(dtype);
+  at::Tensor out = at::mm(x, x.t());
+  sync(device);
+  int reps = 0;
+  const auto t0 = Clock::now();
+  double elapsed = 0;
+  while (reps < 3 || elapsed < 0.5) {
+    out = at::mm(x, x.t());
+    sync(device);
+    ++reps;
+    elapsed = seconds_since(t0);
+  }
+  return 2.0 * m * m * n * reps / elapsed;
+}
+
+}  // namespace
+
+int run_measure(Flags& flags) {
+  const std::string preset = flags.get("preset", "llama3-layer");
+  const int64_t layers = flags.get_int("layers", 0);
+  const int64_t experts = flags.get_int("experts", 16);
+  const int64_t steps = flags.get_int("steps", 5);
+  const int64_t warmup = flags.get_int("warmup", 1);
+  const std::string ns_dtype_name = flags.get("ns-dtype", "bf16");
+  const std::string policy_name = flags.get("policy", "holders-only");
+  const std::string prefetch = flags.get("prefetch-mib", "1024");
+  const int64_t threads = flags.get_int("threads", 0);
+  const bool compare = flags.has("compare");
+  const std::string scale_flag = flags.get("scale", "");
+  flags.finish();
+
+  TORCH_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
+  TORCH_CHECK(ns_dtype_name == "bf16" || ns_dtype_name == "fp32", "--ns-dtype: bf16 or fp32");
+  TORCH_CHECK(policy_name == "holders-only" || policy_name == "any-rank",
+              "--policy: holders-only or any-rank");
+  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+  const c10::ScalarType ns_dtype = ns_dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
+
+  const auto comm = fsdp_muon::init_from_env();
+  const c10::Device device = comm->device();
+  const int rank = comm->rank(), world = comm->size();
+  // On a CPU the default presets are scaled down to run in seconds; on a GPU they are full size.
+  const int64_t default_scale = device.is_cuda() ? 1 : (preset == "gpt2" ? 1 : 8);
+  const int64_t scale = scale_flag.empty() ? default_scale : std::stoll(scale_flag);
+  TORCH_CHECK(scale >= 1, "--scale must be >= 1");
+  const ModelShapes model =
+      preset_shapes(preset, layers > 0 ? layers : (preset == "gpt2" && !device.is_cuda() ? 2 : 0),
+                    scale, experts);
+
+  // The groups: parameters as a model would hold them, gradients filled at random per rank.
+  torch::manual_seed(1);
+  std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> groups;
+  std::vector<at::Tensor> matrices;
+  for (const auto& [name, shapes] : model.groups) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& [pname, shape] : shapes) {
+      named.emplace_back(pname, (at::randn(shape) * 0.02).to(device).requires_grad_(true));
+    }
+    groups.push_back(std::make_shared<fsdp_muon::FsdpParameterGroup>(
+        named, comm, fsdp_muon::FsdpParameterGroupOptions().name(name)));
+    for (size_t i = 0; i < groups.back()->num_parameters(); ++i) {
+      if (groups.back()->slot(i).shape.size() == 2) {
+        matrices.push_back(groups.back()->sharded_parameter(i));
+      }
+    }
+  }
+  const int64_t budget = prefetch == "unlimited" ? fsdp_muon::kUnlimitedPrefetch
+                                                 : static_cast<int64_t>(std::stoll(prefetch)) << 20;
+  fsdp_muon::FsdpMuon muon(
+      matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype),
+      fsdp_muon::FsdpMuonConfig()
+          .owner_policy(policy_name == "any-rank" ? fsdp_muon::OwnerPolicy::kAnyRank
+                                                  : fsdp_muon::OwnerPolicy::kHoldersOnly)
+          .prefetch_budget_bytes(budget));
+  const fsdp_muon::OwnerPlan& plan = muon.owner_plan();
+
+  torch::manual_seed(1000 + rank);
+  std::vector<double> sum(kNumPhases, 0.0);
+  int64_t gather_bytes = 0, scatter_bytes = 0, transient = 0;
+  for (int64_t s = 0; s < warmup + steps; ++s) {
+    for (const auto& g : groups) {
+      g->zero_grad();
+      g->full_grad_buffer().normal_();
+    }
+    sync(device);
+    auto t0 = Clock::now();
+    for (const auto& g : groups) g->reduce_scatter_grads();
+    sync(device);
+    const double rs = seconds_since(t0);
+    t0 = Clock::now();
+    muon.step();
+    sync(device);
+    const double step = seconds_since(t0);
+    if (s < warmup) continue;
+    const auto& st = muon.last_step_stats();
+    const double phases[kNumPhases] = {st.check_seconds,
+                                       st.elementwise_seconds,
+                                       st.gather_seconds,
+                                       st.orthogonalize_seconds,
+                                       st.scatter_seconds,
+                                       st.apply_seconds,
+                                       st.refresh_seconds,
+                                       step,
+                                       rs};
+    for (int p = 0; p < kNumPhases; ++p) sum[p] += phases[p] / steps;
+    gather_bytes = st.gather_bytes;
+    scatter_bytes = st.scatter_bytes;
+    transient = std::max(transient, st.max_transient_bytes);
+  }
+
+  // GEMM rate of the largest matrix's X·Xᵀ, measured on every rank at once (as NS ran).
+  int64_t big_m = 1, big_n = 1;
+  for (const auto& group : model.groups) {
+    for (const auto& p : group.second) {
+      if (p.second.size() != 2) continue;
+      const int64_t m = std::min(p.second[0], p.second[1]), n = std::max(p.second[0], p.second[1]);
+      if (m * m * n > big_m * big_m * big_n) big_m = m, big_n = n;
+    }
+  }
+  comm->barrier();
+  const double gemm_rate = gemm_flops_per_second(big_m, big_n, ns_dtype, device);
+
+  // Single-device Muon on the same full matrices, every rank at once (what each rank of a
+  // replicated data-parallel job would do).
+  double muon_step = 0.0;
+  if (compare) {
+    std::vector<at::Tensor> full;
+    torch::manual_seed(1);
+    for (const auto& group : model.groups) {
+      for (const auto& p : group.second) {
+        if (p.second.size() != 2) continue;
+        at::Tensor t = (at::randn(p.second) * 0.02).to(device);
+        t.mutable_grad() = at::randn_like(t);
+        full.push_back(t);
+      }
+    }
+    fsdp_muon::Muon reference(full, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype));
+    comm->barrier();
+    for (int64_t s = 0; s < warmup + steps; ++s) {
+      sync(device);
+      const auto t0 = Clock::now();
+      reference.step();
+      sync(device);
+      if (s >= warmup) muon_step += seconds_since(t0) / steps;
+    }
+  }
+
+  // Cross-rank: max and mean of every phase, bytes, rates.
+  std::vector<double> local(sum);
+  local.push_back(static_cast<double>(gather_bytes + scatter_bytes));
+  local.push_back(
+      static_cast<double>(plan.gather_bytes_per_rank[rank] + plan.scatter_bytes_per_rank[rank]));
+  local.push_back(static_cast<double>(transient));
+  local.push_back(gemm_rate);
+  local.push_back(static_cast<double>(plan.cost_per_rank[rank]));
+  local.push_back(muon_step);
+  const at::Tensor mine = at::tensor(local, at::kDouble).to(device);
+  at::Tensor maxes = mine.clone(), sums = mine.clone();
+  comm->all_reduce(maxes, fsdp_muon::ReduceOp::kMax);
+  comm->all_reduce(sums, fsdp_muon::ReduceOp::kSum);
+  // Per-rank measured/minimum bytes, worst rank.
+  at::Tensor byte_ratio =
+      at::tensor({local[kNumPhases + 1] > 0 ? local[kNumPhases] / local[kNumPhases + 1]
+                                            : (local[kNumPhases] > 0 ? 1e9 : 1.0)},
+                 at::kDouble)
+          .to(device);
+  comm->all_reduce(byte_ratio, fsdp_muon::ReduceOp::kMax);
+  maxes = maxes.cpu();
+  sums = sums.cpu();
+  const double worst_byte_ratio = byte_ratio.cpu().item<double>();
+  if (rank != 0) return 0;
+
+  auto mx = [&](int i) { return maxes[i].item<double>(); };
+  auto mean = [&](int i) { return sums[i].item<double>() / world; };
+  const double total_flops = static_cast<double>(plan.total_cost());
+  const double ortho_sum = sums[kOrthogonalize].item<double>();
+  const double ns_rate = ortho_sum > 0 ? total_flops / ortho_sum : 0.0;  // per rank-second
+  const double gemm_mean = mean(kNumPhases + 3);
+
+  std::printf(
+      "fsdp_muon_bench: %s, %lld groups, %lld matrices (%.1f M elements), W=%d on %s [%s],"
+      " NS %s, policy %s, prefetch %s MiB, %lld steps after %lld warm-up\n",
+      model.name.c_str(), static_cast<long long>(model.groups.size()),
+      static_cast<long long>(model.num_matrices()), model.num_elements() / 1e6, world,
+      device.str().c_str(), comm->backend_name().c_str(), ns_dtype_name.c_str(),
+      policy_name.c_str(), prefetch.c_str(), static_cast<long long>(steps),
+      static_cast<long long>(warmup));
+  if (device.is_cuda()) {
+    std::printf("(CUDA: phase times are host enqueue times; the step total is synchronized)\n");
+  }
+  std::printf("\n%-22s %12s %12s\n", "phase (ms per step)", "max rank", "mean rank");
+  for (int p = 0; p < kNumPhases; ++p) {
+    std::printf("%-22s %12.3f %12.3f\n", kPhaseNames[p], mx(p) * 1e3, mean(p) * 1e3);
+  }
+  std::printf("\n%-44s %12s\n", "measure", "value");
+  std::printf("%-44s %12.2f\n", "NS GFLOP/s per rank (owned FLOPs / NS time)", ns_rate / 1e9);
+  std::printf("%-44s %12.2f\n",
+              format("GEMM GFLOP/s per rank (%lldx%lld X*X^T)", static_cast<long long>(big_m),
+                     static_cast<long long>(big_n))
+                  .c_str(),
+              gemm_mean / 1e9);
+  std::printf("%-44s %12.2f\n", "NS rate / GEMM rate", gemm_mean > 0 ? ns_rate / gemm_mean : 0.0);
+  const double ortho_mean = mean(kOrthogonalize);
+  std::printf("%-44s %12.2f\n", "balance: max / mean orthogonalize time",
+              ortho_mean > 0 ? mx(kOrthogonalize) / ortho_mean : 1.0);
+  std::printf("%-44s %12.2f\n", "plan: NS critical path / ideal (these windows)",
+              plan.critical_path_ratio(muon.windows()));
+  std::printf("%-44s %12.2f\n", "plan: max / mean NS FLOPs per rank",
+              total_flops > 0 ? mx(kNumPhases + 4) / (total_flops / world) : 1.0);
+  std::printf("%-44s %12.3f\n", "MiB sent per rank, gather + scatter (max)", mx(kNumPhases) / kMiB);
+  std::printf("%-44s %12.3f\n", "MiB minimum (DESIGN 7) for this plan (max)",
+              mx(kNumPhases + 1) / kMiB);
+  std::printf("%-44s %12.3f\n", "bytes sent / minimum (worst rank)", worst_byte_ratio);
+  std::printf("%-44s %12.3f\n", "transient full-matrix MiB per rank (max)",
+              mx(kNumPhases + 2) / kMiB);
+  const double fsdp_step = mx(kStep);
+  if (compare) {
+    std::printf("%-44s %12.3f\n", "single-device Muon step ms (max rank)",
+                mx(kNumPhases + 5) * 1e3);
+    std::printf("%-44s %12.3f\n", "FsdpMuon step ms (max rank)", fsdp_step * 1e3);
+  }
+  std::string headline = format(
+      "headline: %s W=%d: FsdpMuon step %.1f ms (orthogonalize %.1f ms max rank), NS %.0f%% of "
+      "GEMM rate, bytes %.2fx minimum",
+      model.name.c_str(), world, fsdp_step * 1e3, mx(kOrthogonalize) * 1e3,
+      gemm_mean > 0 ? 100.0 * ns_rate / gemm_mean : 0.0, worst_byte_ratio);
+  if (compare) {
+    headline += format(", %.2fx faster than single-device Muon",
+                       fsdp_step > 0 ? mx(kNumPhases + 5) / fsdp_step : 0.0);
+  }
+  std::printf("\n%s\n", headline.c_str());
+  return 0;
+}
+
+}  // namespace fsdp_muon_bench
