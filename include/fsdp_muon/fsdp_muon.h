@@ -1,10 +1,12 @@
 #pragma once
-// Umbrella header: everything a training program needs from fsdp_muon.
+// Umbrella header: every public header of fsdp_muon.
 
 #include <fsdp_muon/config.h>
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/gloo_communicator.h>
+#include <fsdp_muon/comm/nccl_communicator.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>
 #include <fsdp_muon/muon/muon.h>
