@@ -39,8 +39,7 @@ std::unordered_map<const c10::TensorImpl*, RegistryEntry>& registry() {
 // no view metadata, exactly like a parameter.
 at::Tensor alias(const at::Tensor& buffer, int64_t offset, at::IntArrayRef shape) {
   at::Tensor t = at::empty({0}, buffer.options());
-  t.set_(buffer.storage(), buffer.storage_offset() + offset, shape,
-         c10::contiguous_strides(shape));
+  t.set_(buffer.storage(), buffer.storage_offset() + offset, shape, c10::contiguous_strides(shape));
   return t;
 }
 
