@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -34,7 +33,6 @@
 #include "checkpoint/model_index.h"
 
 namespace fsdp_muon {
-namespace fs = std::filesystem;
 using namespace checkpoint;
 
 namespace {
@@ -104,17 +102,14 @@ std::vector<int64_t> all_gather_int(Communicator& comm, int64_t value) {
 
 // Rank 0: creates `dir` and a fresh checkpoint folder with the next sequence number.
 int64_t create_folder(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  TORCH_CHECK(!ec, "save_checkpoint: cannot create ", dir, ": ", ec.message());
+  make_directories(dir);
   int64_t last = 0;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    last = std::max(last, folder_sequence(entry.path().filename().string()));
+  for (const std::string& name : list_directory(dir)) {
+    last = std::max(last, folder_sequence(name));
   }
   const int64_t sequence = last + 1;
-  const fs::path folder = fs::path(dir) / folder_name(sequence);
-  TORCH_CHECK(fs::create_directory(folder, ec) && !ec, "save_checkpoint: cannot create ",
-              folder.string(), ec ? ": " + ec.message() : std::string(" (it exists)"));
+  const std::string folder = join_path(dir, folder_name(sequence));
+  TORCH_CHECK(make_directory(folder), "save_checkpoint: cannot create ", folder, " (it exists)");
   return sequence;
 }
 
@@ -126,7 +121,7 @@ struct Entry {
 };
 
 // Writes this rank's file; returns its size in bytes.
-int64_t write_rank_file(const fs::path& folder, const ModelIndex& model,
+int64_t write_rank_file(const std::string& folder, const ModelIndex& model,
                         const std::vector<OptimizerEntry>& opts) {
   const int me = model.comm->rank();
   const int world = model.comm->size();
@@ -186,7 +181,7 @@ int64_t write_rank_file(const fs::path& folder, const ModelIndex& model,
   header.insert("held", held);
   header.insert("entries", table);
   header.insert("data_bytes", data_bytes);
-  const std::vector<char> header_bytes = torch::pickle_save(header);
+  const std::vector<char> header_bytes = pickle_save_plain(header);
 
   const int64_t data_start = align_up(kPrefixBytes + static_cast<int64_t>(header_bytes.size()));
   char prefix[kPrefixBytes];
@@ -207,7 +202,7 @@ int64_t write_rank_file(const fs::path& folder, const ModelIndex& model,
     chunks.push_back({e.data.data_ptr(), nbytes});
     at = e.offset + static_cast<int64_t>(nbytes);
   }
-  write_file_atomic((folder / rank_file_name(me, world)).string(), chunks);
+  write_file_atomic(join_path(folder, rank_file_name(me, world)), chunks);
   return data_start + data_bytes;
 }
 
@@ -218,20 +213,19 @@ void write_text_atomic(const std::string& path, const std::string& text) {
 // Rank 0, after the new checkpoint is complete: removes older checkpoints beyond `keep_last`
 // and leftovers of saves that never finished. Best effort: the new checkpoint is already safe.
 void prune(const std::string& dir, int64_t current, int64_t keep_last) {
-  std::vector<std::pair<int64_t, fs::path>> complete;
-  std::vector<fs::path> remove;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
+  std::vector<std::pair<int64_t, std::string>> complete;
+  std::vector<std::string> remove;
+  for (const std::string& name : list_directory(dir)) {
+    const std::string path = join_path(dir, name);
     const int64_t seq = folder_sequence(name);
-    if (seq >= 0 && seq <= current && entry.is_directory()) {
-      if (fs::exists(entry.path() / kManifestName)) {
-        complete.emplace_back(seq, entry.path());
+    if (seq >= 0 && seq <= current && is_directory(path)) {
+      if (path_exists(join_path(path, kManifestName))) {
+        complete.emplace_back(seq, path);
       } else if (seq < current) {
-        remove.push_back(entry.path());
+        remove.push_back(path);
       }
     } else if (name.rfind(std::string(kLatestName) + ".tmp.", 0) == 0) {
-      remove.push_back(entry.path());
+      remove.push_back(path);
     }
   }
   std::sort(complete.begin(), complete.end(),
@@ -241,31 +235,29 @@ void prune(const std::string& dir, int64_t current, int64_t keep_last) {
       remove.push_back(complete[i].second);
     }
   }
-  for (const fs::path& p : remove) fs::remove_all(p, ec);
+  for (const std::string& p : remove) remove_tree(p);
 }
 
 // ---- load ----
 
 std::string resolve_folder(const std::string& dir, const char* fn) {
-  const fs::path root(dir);
-  if (fs::exists(root / kManifestName)) return root.string();
-  const fs::path latest = root / kLatestName;
-  if (fs::exists(latest)) {
+  if (path_exists(join_path(dir, kManifestName))) return dir;
+  const std::string latest = join_path(dir, kLatestName);
+  if (path_exists(latest)) {
     std::ifstream in(latest);
     std::string name;
     std::getline(in, name);
-    TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos, fn, ": ", latest.string(),
+    TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos, fn, ": ", latest,
                 " does not name a checkpoint folder");
-    const fs::path folder = root / name;
-    TORCH_CHECK(fs::exists(folder / kManifestName), fn, ": ", latest.string(), " names '", name,
-                "', but ", (folder / kManifestName).string(), " does not exist");
-    return folder.string();
+    const std::string folder = join_path(dir, name);
+    TORCH_CHECK(path_exists(join_path(folder, kManifestName)), fn, ": ", latest, " names '", name,
+                "', but ", join_path(folder, kManifestName), " does not exist");
+    return folder;
   }
-  TORCH_CHECK(fs::exists(root), fn, ": ", dir, " does not exist");
+  TORCH_CHECK(path_exists(dir), fn, ": ", dir, " does not exist");
   bool has_rank_files = false;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    if (entry.path().filename().string().rfind("rank-", 0) == 0) has_rank_files = true;
+  for (const std::string& name : list_directory(dir)) {
+    if (name.rfind("rank-", 0) == 0) has_rank_files = true;
   }
   TORCH_CHECK(!has_rank_files, fn, ": ", dir,
               " is an incomplete checkpoint: it has rank files "
@@ -276,7 +268,7 @@ std::string resolve_folder(const std::string& dir, const char* fn) {
 }
 
 SavedMeta read_manifest(const std::string& folder) {
-  const std::string path = (fs::path(folder) / kManifestName).string();
+  const std::string path = join_path(folder, kManifestName);
   const std::vector<char> bytes = read_whole_file(path);
   c10::IValue value;
   try {
@@ -387,9 +379,8 @@ struct RankFile {
 
 RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, int rank,
                         const char* fn) {
-  const fs::path path = fs::path(folder) / manifest.rank_files[rank];
-  const std::string p = path.string();
-  TORCH_CHECK(fs::exists(path), fn, ": missing rank file ", p, " (saved rank ", rank, " of ",
+  const std::string p = join_path(folder, manifest.rank_files[rank]);
+  TORCH_CHECK(path_exists(p), fn, ": missing rank file ", p, " (saved rank ", rank, " of ",
               manifest.world_size, "); this rank needs its shards");
   RankFile rf;
   rf.file = ReadFile(p);
@@ -509,7 +500,7 @@ std::string save_checkpoint(const std::string& dir,
     if (comm.rank() == 0) sequence = create_folder(dir);
   });
   sequence = broadcast_int(comm, sequence);
-  const fs::path folder = fs::path(dir) / folder_name(sequence);
+  const std::string folder = join_path(dir, folder_name(sequence));
   int64_t bytes = 0;
   run_agreed(comm, fn, [&] { bytes = write_rank_file(folder, model, opts); });
   const std::vector<int64_t> sizes = all_gather_int(comm, bytes);
@@ -528,24 +519,23 @@ std::string save_checkpoint(const std::string& dir,
     }
     manifest.insert("rank_files", files);
     manifest.insert("rank_file_bytes", file_bytes);
-    const std::vector<char> data = torch::pickle_save(manifest);
-    write_file_atomic((folder / kManifestName).string(), {{data.data(), data.size()}});
-    write_text_atomic((fs::path(dir) / kLatestName).string(), folder_name(sequence) + "\n");
+    const std::vector<char> data = pickle_save_plain(manifest);
+    write_file_atomic(join_path(folder, kManifestName), {{data.data(), data.size()}});
+    write_text_atomic(join_path(dir, kLatestName), folder_name(sequence) + "\n");
     prune(dir, sequence, options.keep_last());
   });
-  return folder.string();
+  return folder;
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& dir) {
-  const fs::path latest = fs::path(dir) / kLatestName;
-  std::ifstream in(latest);
+  std::ifstream in(join_path(dir, kLatestName));
   if (!in) return std::nullopt;
   std::string name;
   std::getline(in, name);
   if (name.empty()) return std::nullopt;
-  const fs::path folder = fs::path(dir) / name;
-  if (!fs::exists(folder / kManifestName)) return std::nullopt;
-  return folder.string();
+  const std::string folder = join_path(dir, name);
+  if (!path_exists(join_path(folder, kManifestName))) return std::nullopt;
+  return folder;
 }
 
 void load_checkpoint(const std::string& dir,

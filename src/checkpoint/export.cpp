@@ -169,7 +169,7 @@ void export_full_checkpoint(const std::string& path,
         for (const auto& [key, t] : by_param[name]) add(key, t);
       }
     }
-    const std::vector<char> bytes = torch::pickle_save(c10::IValue(out));
+    const std::vector<char> bytes = pickle_save_plain(c10::IValue(out));
     write_file_atomic(path, {{bytes.data(), bytes.size()}});
   });
 }

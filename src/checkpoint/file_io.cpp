@@ -1,5 +1,6 @@
 #include "checkpoint/file_io.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -9,10 +10,12 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <mutex>
 
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
 
@@ -78,10 +81,64 @@ std::array<uint32_t, 256> make_crc_table() {
 
 }  // namespace
 
+std::string join_path(const std::string& dir, const std::string& name) {
+  if (dir.empty()) return name;
+  return dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+bool path_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+bool is_directory(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool make_directory(const std::string& path) {
+  if (::mkdir(path.c_str(), 0755) == 0) return true;
+  TORCH_CHECK(errno == EEXIST, "checkpoint: cannot create ", path, ": ", errno_text());
+  TORCH_CHECK(is_directory(path), "checkpoint: ", path, " exists and is not a folder");
+  return false;
+}
+
+void make_directories(const std::string& path) {
+  for (size_t pos = path.find('/', 1); pos != std::string::npos; pos = path.find('/', pos + 1)) {
+    const std::string prefix = path.substr(0, pos);
+    if (!is_directory(prefix)) make_directory(prefix);
+  }
+  if (!path.empty() && !is_directory(path)) make_directory(path);
+}
+
+std::vector<std::string> list_directory(const std::string& path) {
+  std::vector<std::string> names;
+  DIR* dir = ::opendir(path.c_str());
+  if (dir == nullptr) return names;
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(dir);
+  return names;
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (S_ISDIR(st.st_mode)) {
+    for (const std::string& name : list_directory(path)) remove_tree(join_path(path, name));
+    ::rmdir(path.c_str());
+  } else {
+    ::unlink(path.c_str());
+  }
+}
+
 void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks) {
-  const std::filesystem::path target(path);
-  const std::string dir =
-      target.has_parent_path() ? target.parent_path().string() : std::string(".");
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? std::string(".")
+                          : slash == 0               ? std::string("/")
+                                                     : path.substr(0, slash);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const bool fail = take_injected_failure();
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -106,6 +163,27 @@ void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks
   TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: renaming ", tmp, " to ", path,
               " failed: ", errno_text());
   fsync_dir(dir);
+}
+
+std::vector<char> pickle_save_plain(const c10::IValue& value) {
+  std::vector<char> pickle_data;
+  torch::jit::Pickler pickler(
+      [&](const char* buf, size_t size) { pickle_data.insert(pickle_data.end(), buf, buf + size); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  std::vector<char> container;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+    const char* p = static_cast<const char*>(data);
+    container.insert(container.end(), p, p + size);
+    return size;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickle_data.data(), pickle_data.size(),
+                                     pickler.tensorData(), writer);
+  writer.writeEndOfFile();
+  return container;
 }
 
 uint32_t crc32(const void* data, size_t size, uint32_t crc) {

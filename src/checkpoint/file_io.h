@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/ivalue.h>
+
 namespace fsdp_muon::checkpoint {
 
 // Bytes to write, in order; `data` must stay valid for the duration of the write.
@@ -18,6 +20,25 @@ struct Chunk {
 // Writes `chunks` to `path` atomically: either the old file (if any) stays or the whole new one
 // is there. Throws naming the path and errno on failure.
 void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks);
+
+// torch::pickle_save without the type tags (torch.jit._pickle.restore_type_tag) it wraps
+// dicts and lists in: Python's torch.load refuses those under weights_only=True (its default
+// since 2.6), and torch::pickle_load does not need them.
+std::vector<char> pickle_save_plain(const c10::IValue& value);
+
+// Paths without std::filesystem: libtorch.so exports its own copy of some std::filesystem
+// functions, which the dynamic linker may bind our calls to, and its remove_all() crashes.
+std::string join_path(const std::string& dir, const std::string& name);
+bool path_exists(const std::string& path);
+bool is_directory(const std::string& path);
+// mkdir -p; throws naming the path on failure.
+void make_directories(const std::string& path);
+// mkdir; false when it already exists, throws on other failures.
+bool make_directory(const std::string& path);
+// Names in `path` (no "." or ".."); empty when it cannot be read.
+std::vector<std::string> list_directory(const std::string& path);
+// rm -rf, best effort.
+void remove_tree(const std::string& path);
 
 uint32_t crc32(const void* data, size_t size, uint32_t crc = 0);
 

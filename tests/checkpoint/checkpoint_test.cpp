@@ -1,0 +1,635 @@
+// Checkpoints across real processes (CTest starts this under torchrun and mpirun).
+//
+// CheckpointSave.*   (world size 4, a CTest fixture): 3 steps of FsdpMuon + AdamW, then a sharded
+//                    checkpoint and a full export into $FSDP_MUON_CHECKPOINT_DIR, plus a plain
+//                    text reference of the export for the Python check.
+// CheckpointResume.* (world sizes 1-4): loads that checkpoint into a differently initialized
+//                    model with fresh optimizers, runs 3 more steps, and must equal an
+//                    uninterrupted 6-step single-device run bit for bit (fp32 Newton–Schulz).
+// CheckpointFailures.* (own scratch folder): interrupted saves, bad inputs, export/import.
+//
+// Gradients are the same full tensors on every rank, written into the gradient shards, so the
+// single-device reference (Muon + AdamW on full tensors) sees exactly what the shards see.
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/serialize.h>
+
+#include <fsdp_muon/checkpoint/checkpoint.h>
+#include <fsdp_muon/fsdp_muon.h>
+
+#include "checkpoint/file_io.h"
+#include "comm/distributed_main.h"
+
+namespace fsdp_muon {
+namespace {
+
+// No std::filesystem: libtorch.so exports a copy of parts of it that crashes (see file_io.h).
+using checkpoint::is_directory;
+using checkpoint::join_path;
+using checkpoint::list_directory;
+using checkpoint::path_exists;
+using checkpoint::remove_tree;
+
+int64_t file_size(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return static_cast<int64_t>(st.st_size);
+}
+
+void copy_tree(const std::string& from, const std::string& to) {
+  checkpoint::make_directories(to);
+  for (const std::string& name : list_directory(from)) {
+    const std::string src = join_path(from, name);
+    if (is_directory(src)) {
+      copy_tree(src, join_path(to, name));
+    } else {
+      const std::vector<char> bytes = checkpoint::read_whole_file(src);
+      std::ofstream(join_path(to, name), std::ios::binary).write(bytes.data(), bytes.size());
+    }
+  }
+}
+using testing::world;
+using testing::world_ptr;
+
+struct Spec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Awkward shapes: sizes no world size up to 4 divides, a row and a column of 1, 1-D parameters
+// between matrices, a matrix trained by AdamW, ranks that hold nothing of some parameters.
+std::vector<std::vector<Spec>> specs(bool renamed = false, bool reshaped = false) {
+  return {{{renamed ? "blk0.w1x" : "blk0.w1", {5, reshaped ? 8 : 7}},
+           {"blk0.b1", {7}},
+           {"blk0.row", {1, 9}},
+           {"blk0.w2", {13, 3}}},
+          {{"blk1.w", {3, 11}}, {"blk1.norm", {5}}, {"blk1.big", {17, 6}}},
+          {{"head.embed", {7, 5}}, {"head.col", {9, 1}}, {"head.bias", {3}}}};
+}
+
+bool muon_param(const std::string& name, size_t dim) { return dim == 2 && name != "head.embed"; }
+
+const MuonOptions kMuon = MuonOptions(0.02).weight_decay(0.01).ns_dtype(at::kFloat);
+const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(0.01).weight_decay(0.01);
+
+std::vector<torch::optim::OptimizerParamGroup> muon_groups(const std::vector<at::Tensor>& p) {
+  const size_t half = p.size() / 2;
+  MuonOptions second = kMuon;
+  second.lr(0.01).nesterov(false);
+  return {torch::optim::OptimizerParamGroup({p.begin(), p.begin() + half},
+                                            std::make_unique<MuonOptions>(kMuon)),
+          torch::optim::OptimizerParamGroup({p.begin() + half, p.end()},
+                                            std::make_unique<MuonOptions>(second))};
+}
+
+std::vector<torch::optim::OptimizerParamGroup> adamw_groups(const std::vector<at::Tensor>& p) {
+  auto second = kAdamW;
+  second.weight_decay(0.0).amsgrad(true).betas({0.8, 0.99});
+  return {torch::optim::OptimizerParamGroup({p.begin(), p.begin() + 2},
+                                            std::make_unique<torch::optim::AdamWOptions>(kAdamW)),
+          torch::optim::OptimizerParamGroup({p.begin() + 2, p.end()},
+                                            std::make_unique<torch::optim::AdamWOptions>(second))};
+}
+
+// The sharded model and its optimizers.
+struct Sharded {
+  std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
+  std::unique_ptr<FsdpMuon> muon;
+  std::unique_ptr<torch::optim::AdamW> adamw;
+  std::vector<torch::optim::Optimizer*> optimizers() { return {muon.get(), adamw.get()}; }
+};
+
+Sharded make_sharded(uint64_t seed, bool renamed = false, bool reshaped = false) {
+  at::manual_seed(seed);
+  Sharded s;
+  const auto all = specs(renamed, reshaped);
+  std::vector<at::Tensor> matrices, others;
+  for (size_t g = 0; g < all.size(); ++g) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const Spec& spec : all[g]) {
+      named.emplace_back(spec.name, at::randn(spec.shape).mul_(0.5).requires_grad_(true));
+    }
+    auto options =
+        FsdpParameterGroupOptions().broadcast_from_rank0(false).name("g" + std::to_string(g));
+    // A bf16 compute group: its model weights are the rounded main weights.
+    if (g == 1) options.compute_dtype(at::kBFloat16);
+    if (g == 1) {
+      for (auto& [name, t] : named) t = t.detach().to(at::kBFloat16).requires_grad_(true);
+    }
+    auto group = std::make_shared<FsdpParameterGroup>(std::move(named), world_ptr(), options);
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const auto& slot = group->slot(i);
+      (muon_param(slot.name, slot.shape.size()) ? matrices : others)
+          .push_back(group->sharded_parameter(i));
+    }
+    s.groups.push_back(group);
+  }
+  s.muon = std::make_unique<FsdpMuon>(muon_groups(matrices), kMuon);
+  s.adamw = std::make_unique<torch::optim::AdamW>(adamw_groups(others), kAdamW);
+  return s;
+}
+
+// The single-device reference: full fp32 tensors, Muon + AdamW.
+struct Reference {
+  std::vector<std::pair<std::string, at::Tensor>> params;  // model order
+  std::unique_ptr<Muon> muon;
+  std::unique_ptr<torch::optim::AdamW> adamw;
+
+  const at::Tensor& operator[](const std::string& name) const {
+    for (const auto& [n, t] : params) {
+      if (n == name) return t;
+    }
+    throw std::runtime_error("no parameter " + name);
+  }
+};
+
+Reference make_reference(uint64_t seed) {
+  at::manual_seed(seed);
+  Reference r;
+  std::vector<at::Tensor> matrices, others;
+  const auto all = specs();
+  for (size_t g = 0; g < all.size(); ++g) {
+    for (const Spec& spec : all[g]) {
+      at::Tensor t = at::randn(spec.shape).mul_(0.5);
+      // The sharded model's group 1 starts from bf16 values (its module tensors are bf16).
+      if (g == 1) t = t.to(at::kBFloat16).to(at::kFloat);
+      t.requires_grad_(true);
+      r.params.emplace_back(spec.name, t);
+      (muon_param(spec.name, spec.shape.size()) ? matrices : others).push_back(t);
+    }
+  }
+  r.muon = std::make_unique<Muon>(muon_groups(matrices), kMuon);
+  r.adamw = std::make_unique<torch::optim::AdamW>(adamw_groups(others), kAdamW);
+  return r;
+}
+
+// Step `step` (1-based) with the same full gradients for both; lr changes at step 2, as a
+// schedule would, so a resumed run must restore the options too.
+void train_step(Sharded* s, Reference* r, int step) {
+  if (step == 2) {
+    if (s) {
+      s->adamw->param_groups()[0].options().set_lr(0.007);
+      s->muon->param_groups()[1].options().set_lr(0.015);
+    }
+    if (r) {
+      r->adamw->param_groups()[0].options().set_lr(0.007);
+      r->muon->param_groups()[1].options().set_lr(0.015);
+    }
+  }
+  at::manual_seed(1000 + step);
+  std::vector<at::Tensor> grads;
+  for (const auto& group_specs : specs()) {
+    for (const Spec& spec : group_specs) grads.push_back(at::randn(spec.shape));
+  }
+  if (r) {
+    for (size_t k = 0; k < r->params.size(); ++k)
+      r->params[k].second.mutable_grad() = grads[k].clone();
+    r->adamw->step();
+    r->muon->step();
+  }
+  if (s) {
+    size_t k = 0;
+    for (auto& group : s->groups) {
+      group->zero_grad();
+      for (size_t i = 0; i < group->num_parameters(); ++i, ++k) {
+        const auto [a, b] = group->held_range(i);
+        group->sharded_parameter(i).grad().copy_(grads[k].reshape({-1}).slice(0, a, b));
+      }
+    }
+    s->adamw->step();
+    s->muon->step();
+    // Group 2 holds only AdamW parameters apart from head.col: FsdpMuon refreshes the groups it
+    // touched; refreshing all is harmless and keeps this independent of which those are.
+    for (auto& group : s->groups) group->refresh_model_weights();
+  }
+}
+
+// Every shard and model weight equals the reference's slice; so do the optimizer states.
+void expect_equal(const Sharded& s, const Reference& r, const std::string& what) {
+  const int me = world().rank();
+  for (const auto& group : s.groups) {
+    const auto model = group->model_parameters();
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const std::string& name = group->slot(i).name;
+      const at::Tensor full = r[name].detach();
+      const auto [a, b] = group->held_range(i);
+      const at::Tensor expected = full.reshape({-1}).slice(0, a, b);
+      const at::Tensor& shard = group->sharded_parameter(i);
+      EXPECT_TRUE(at::equal(shard, expected))
+          << what << ": shard of " << name << " on rank " << me << " of " << world().size()
+          << " differs by " << (shard - expected).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(model[i].detach(), full.to(group->compute_dtype())))
+          << what << ": model weight " << name << " on rank " << me;
+    }
+  }
+}
+
+void expect_states_equal(Sharded& s, const Reference& r, const std::string& what) {
+  for (const auto& group : s.groups) {
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const std::string& name = group->slot(i).name;
+      const at::Tensor& p = group->sharded_parameter(i);
+      const auto [a, b] = group->held_range(i);
+      const at::Tensor& ref = r[name];
+      auto slice = [&](const at::Tensor& t) { return t.reshape({-1}).slice(0, a, b); };
+      if (muon_param(name, group->slot(i).shape.size())) {
+        auto& mine = static_cast<MuonParamState&>(*s.muon->state().at(p.unsafeGetTensorImpl()));
+        auto& theirs = static_cast<MuonParamState&>(*r.muon->state().at(ref.unsafeGetTensorImpl()));
+        EXPECT_EQ(mine.step(), theirs.step()) << what << " " << name;
+        EXPECT_TRUE(at::equal(mine.momentum_buffer(), slice(theirs.momentum_buffer())))
+            << what << ": momentum of " << name;
+      } else {
+        auto& mine = static_cast<torch::optim::AdamWParamState&>(
+            *s.adamw->state().at(p.unsafeGetTensorImpl()));
+        auto& theirs = static_cast<torch::optim::AdamWParamState&>(
+            *r.adamw->state().at(ref.unsafeGetTensorImpl()));
+        EXPECT_EQ(mine.step(), theirs.step()) << what << " " << name;
+        EXPECT_TRUE(at::equal(mine.exp_avg(), slice(theirs.exp_avg()))) << what << " " << name;
+        EXPECT_TRUE(at::equal(mine.exp_avg_sq(), slice(theirs.exp_avg_sq())))
+            << what << " " << name;
+        EXPECT_EQ(mine.max_exp_avg_sq().defined(), theirs.max_exp_avg_sq().defined()) << name;
+        if (theirs.max_exp_avg_sq().defined()) {
+          EXPECT_TRUE(at::equal(mine.max_exp_avg_sq(), slice(theirs.max_exp_avg_sq()))) << name;
+        }
+      }
+    }
+  }
+}
+
+std::string env_dir(const char* var) {
+  const char* v = std::getenv(var);
+  if (v == nullptr || *v == '\0') {
+    ADD_FAILURE() << var << " is not set (CTest sets it)";
+    return "";
+  }
+  return v;
+}
+
+// Runs `fn`, which must throw a c10::Error whose message contains every needle.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles,
+                  const std::string& what) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    for (const auto& needle : needles) {
+      EXPECT_NE(msg.find(needle), std::string::npos)
+          << what << ": message lacks '" << needle << "' on rank " << world().rank() << ": " << msg;
+    }
+    return;
+  }
+  ADD_FAILURE() << what << ": no error on rank " << world().rank();
+}
+
+// ---- the fixture: save at world size 4 ----
+
+void write_reference_text(const Reference& r, const std::string& path) {
+  std::ofstream out(path);
+  auto write = [&](const std::string& key, const at::Tensor& t) {
+    const at::Tensor flat = t.detach().reshape({-1}).to(at::kDouble).contiguous();
+    out << key << '\t';
+    for (int64_t d = 0; d < t.dim(); ++d) out << (d ? "," : "") << t.size(d);
+    out << '\t' << (t.scalar_type() == at::kLong ? "int64" : "float32") << '\t';
+    const double* v = flat.data_ptr<double>();
+    char buf[64];
+    for (int64_t k = 0; k < flat.numel(); ++k) {
+      std::snprintf(buf, sizeof(buf), "%a", v[k]);
+      out << (k ? " " : "") << buf;
+    }
+    out << '\n';
+  };
+  for (const auto& [name, t] : r.params) {
+    write(name, t);
+    auto m = r.muon->state().find(t.unsafeGetTensorImpl());
+    if (m != r.muon->state().end()) {
+      auto& st = static_cast<MuonParamState&>(*m->second);
+      write(name + ".momentum_buffer", st.momentum_buffer());
+      write(name + ".step", at::scalar_tensor(st.step(), at::kLong));
+    }
+    auto a = r.adamw->state().find(t.unsafeGetTensorImpl());
+    if (a != r.adamw->state().end()) {
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*a->second);
+      write(name + ".exp_avg", st.exp_avg());
+      write(name + ".exp_avg_sq", st.exp_avg_sq());
+      if (st.max_exp_avg_sq().defined()) write(name + ".max_exp_avg_sq", st.max_exp_avg_sq());
+      write(name + ".step", at::scalar_tensor(st.step(), at::kLong));
+    }
+  }
+}
+
+TEST(CheckpointSave, ShardedCheckpointAndExportAfterThreeSteps) {
+  const std::string dir = env_dir("FSDP_MUON_CHECKPOINT_DIR");
+  ASSERT_FALSE(dir.empty());
+  if (world().rank() == 0) remove_tree(dir);
+  world().barrier();
+  Sharded s = make_sharded(7);
+  Reference r = make_reference(7);
+  for (int step = 1; step <= 3; ++step) train_step(&s, &r, step);
+  expect_equal(s, r, "before saving");
+
+  const std::string folder = save_checkpoint(dir + "/sharded", s.groups, s.optimizers());
+  EXPECT_EQ(folder, dir + "/sharded/ckpt-000001");
+  EXPECT_EQ(latest_checkpoint(dir + "/sharded"), folder);
+  EXPECT_TRUE(path_exists(folder + "/manifest.pt"));
+  for (int rank = 0; rank < world().size(); ++rank) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "/rank-%05d-of-%05d.bin", rank, world().size());
+    EXPECT_TRUE(path_exists(folder + name)) << name;
+  }
+  export_full_checkpoint(dir + "/export.pt", s.groups, s.optimizers());
+  if (world().rank() == 0) write_reference_text(r, dir + "/export_reference.txt");
+  world().barrier();
+}
+
+// ---- loads at world sizes 1-4 ----
+
+TEST(CheckpointResume, ContinuesLikeAnUninterruptedRun) {
+  const std::string dir = env_dir("FSDP_MUON_CHECKPOINT_DIR");
+  ASSERT_FALSE(dir.empty());
+  ASSERT_TRUE(latest_checkpoint(dir + "/sharded").has_value())
+      << "run the checkpoint_save test first (it is this test's CTest fixture)";
+  Sharded s = make_sharded(12345);  // other initial values: the load must replace them
+  Reference r = make_reference(7);
+  for (int step = 1; step <= 3; ++step) train_step(nullptr, &r, step);
+
+  load_checkpoint(dir + "/sharded", s.groups, s.optimizers());
+  expect_equal(s, r, "after loading");
+  expect_states_equal(s, r, "after loading");
+  EXPECT_DOUBLE_EQ(s.adamw->param_groups()[0].options().get_lr(), 0.007);
+  EXPECT_DOUBLE_EQ(s.muon->param_groups()[1].options().get_lr(), 0.015);
+  EXPECT_TRUE(
+      static_cast<torch::optim::AdamWOptions&>(s.adamw->param_groups()[1].options()).amsgrad());
+
+  for (int step = 4; step <= 6; ++step) train_step(&s, &r, step);
+  expect_equal(s, r, "6 steps with a reload after 3");
+  expect_states_equal(s, r, "after 6 steps");
+}
+
+// ---- failures ----
+
+std::string scratch(const std::string& leaf) {
+  const std::string base = env_dir("FSDP_MUON_CHECKPOINT_SCRATCH");
+  const std::string dir = base + "/" + leaf;
+  if (world().rank() == 0) remove_tree(dir);
+  world().barrier();
+  return dir;
+}
+
+struct Snapshot {
+  std::vector<at::Tensor> shards;
+  std::vector<at::Tensor> momentum;
+  std::vector<int64_t> steps;
+};
+
+Snapshot snapshot(Sharded& s) {
+  Snapshot snap;
+  for (const auto& group : s.groups) {
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const at::Tensor& p = group->sharded_parameter(i);
+      snap.shards.push_back(p.detach().clone());
+      if (!muon_param(group->slot(i).name, group->slot(i).shape.size())) continue;
+      auto& st = static_cast<MuonParamState&>(*s.muon->state().at(p.unsafeGetTensorImpl()));
+      snap.momentum.push_back(st.momentum_buffer().clone());
+      snap.steps.push_back(st.step());
+    }
+  }
+  return snap;
+}
+
+void expect_snapshot(Sharded& s, const Snapshot& want, const std::string& what) {
+  const Snapshot have = snapshot(s);
+  ASSERT_EQ(have.shards.size(), want.shards.size());
+  for (size_t k = 0; k < have.shards.size(); ++k) {
+    EXPECT_TRUE(at::equal(have.shards[k], want.shards[k])) << what << ": shard " << k;
+  }
+  ASSERT_EQ(have.momentum.size(), want.momentum.size());
+  for (size_t k = 0; k < have.momentum.size(); ++k) {
+    EXPECT_TRUE(at::equal(have.momentum[k], want.momentum[k])) << what << ": momentum " << k;
+    EXPECT_EQ(have.steps[k], want.steps[k]) << what;
+  }
+}
+
+TEST(CheckpointFailures, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
+  const int me = world().rank();
+  const int last = world().size() - 1;
+  const std::string dir = scratch("interrupted");
+  Sharded s = make_sharded(7);
+  for (int step = 1; step <= 2; ++step) train_step(&s, nullptr, step);
+  const std::string first = save_checkpoint(dir, s.groups, s.optimizers());
+  const Snapshot saved = snapshot(s);
+  train_step(&s, nullptr, 3);
+
+  // The last rank dies half-way through its rank file.
+  if (me == last) detail::set_checkpoint_failure_injection(0);
+  expect_error(
+      [&] { save_checkpoint(dir, s.groups, s.optimizers()); },
+      {me == last ? "injected failure while writing" : "save_checkpoint failed on rank", "rank-"},
+      "rank file write failure");
+  EXPECT_EQ(latest_checkpoint(dir), first);
+  EXPECT_TRUE(path_exists(dir + "/ckpt-000002"));
+  EXPECT_FALSE(path_exists(dir + "/ckpt-000002/manifest.pt"));
+
+  // Rank 0 dies half-way through the manifest: every rank file is complete, but the
+  // checkpoint is not.
+  if (me == 0) detail::set_checkpoint_failure_injection(1);
+  expect_error([&] { save_checkpoint(dir, s.groups, s.optimizers()); }, {"manifest.pt"},
+               "manifest write failure");
+  EXPECT_EQ(latest_checkpoint(dir), first);
+  EXPECT_FALSE(path_exists(dir + "/ckpt-000003/manifest.pt"));
+  expect_error([&] { load_checkpoint(dir + "/ckpt-000003", s.groups, s.optimizers()); },
+               {"is an incomplete checkpoint", "no manifest.pt"}, "loading the incomplete one");
+
+  // The previous checkpoint loads, bit for bit.
+  load_checkpoint(dir, s.groups, s.optimizers());
+  expect_snapshot(s, saved, "after the interrupted saves");
+
+  // The next good save cleans up the leftovers and keeps the last two complete ones.
+  train_step(&s, nullptr, 3);
+  const std::string next = save_checkpoint(dir, s.groups, s.optimizers());
+  EXPECT_EQ(next, dir + "/ckpt-000004");
+  EXPECT_EQ(latest_checkpoint(dir), next);
+  world().barrier();
+  EXPECT_TRUE(path_exists(first + "/manifest.pt"));
+  EXPECT_FALSE(path_exists(dir + "/ckpt-000002"));
+  EXPECT_FALSE(path_exists(dir + "/ckpt-000003"));
+  save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions().keep_last(1));
+  world().barrier();
+  EXPECT_FALSE(path_exists(first));
+  EXPECT_FALSE(path_exists(next));
+  EXPECT_TRUE(path_exists(dir + "/ckpt-000005/manifest.pt"));
+}
+
+TEST(CheckpointFailures, BadInputsGiveMessagesThatNameTheProblem) {
+  const int me = world().rank();
+  const int w = world().size();
+  const std::string dir = scratch("bad");
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string folder = save_checkpoint(dir + "/good", s.groups, s.optimizers());
+  char last_file[64];
+  std::snprintf(last_file, sizeof(last_file), "rank-%05d-of-%05d.bin", w - 1, w);
+  if (me == 0) {
+    for (const char* leaf : {"truncated", "missing", "bad_manifest"}) {
+      copy_tree(folder, dir + "/" + leaf);
+    }
+    const std::string victim = dir + "/truncated/" + last_file;
+    ASSERT_EQ(::truncate(victim.c_str(), file_size(victim) / 2), 0);
+    ASSERT_EQ(::unlink((dir + "/missing/" + last_file).c_str()), 0);
+    const std::string manifest = dir + "/bad_manifest/manifest.pt";
+    ASSERT_EQ(::truncate(manifest.c_str(), file_size(manifest) - 100), 0);
+    checkpoint::make_directories(dir + "/empty");
+  }
+  world().barrier();
+  const Snapshot before = snapshot(s);
+
+  expect_error([&] { load_checkpoint(dir + "/truncated", s.groups, s.optimizers()); },
+               {"is truncated", last_file}, "truncated rank file");
+  expect_error([&] { load_checkpoint(dir + "/missing", s.groups, s.optimizers()); },
+               {"missing rank file", last_file}, "missing rank file");
+  expect_error([&] { load_checkpoint(dir + "/bad_manifest", s.groups, s.optimizers()); },
+               {"manifest.pt is truncated or corrupt"}, "truncated manifest");
+  expect_error([&] { load_checkpoint(dir + "/empty", s.groups, s.optimizers()); },
+               {"no checkpoint in"}, "empty folder");
+  {
+    Sharded other = make_sharded(7, /*renamed=*/true);
+    expect_error([&] { load_checkpoint(dir + "/good", other.groups, other.optimizers()); },
+                 {"is a checkpoint of another model",
+                  "parameter 'blk0.w1x' (shape [5, 7]) is not in the checkpoint",
+                  "checkpoint parameter 'blk0.w1' (shape [5, 7]) is not in this model"},
+                 "renamed parameter");
+  }
+  {
+    Sharded other = make_sharded(7, /*renamed=*/false, /*reshaped=*/true);
+    expect_error([&] { load_checkpoint(dir + "/good", other.groups, other.optimizers()); },
+                 {"parameter 'blk0.w1' has shape [5, 7] in the checkpoint but [5, 8] in this "
+                  "model"},
+                 "reshaped parameter");
+  }
+  expect_error(
+      [&] {
+        load_checkpoint(dir + "/good", s.groups, {s.adamw.get(), s.muon.get()});
+      },
+      {"optimizer 0 is 'fsdp_muon' in the checkpoint but 'adamw' here"}, "swapped optimizers");
+  expect_error([&] { load_checkpoint(dir + "/good", s.groups, {s.muon.get()}); },
+               {"holds 2 optimizer(s) [fsdp_muon, adamw] but 1 were given"}, "one optimizer");
+  {
+    torch::optim::RMSprop rms(s.groups[1]->sharded_parameters());
+    expect_error([&] { save_checkpoint(dir + "/x", s.groups, {&rms}); },
+                 {"optimizer 0 is of an unsupported type", "torch::optim::AdamW"},
+                 "unsupported optimizer");
+  }
+  {
+    at::Tensor stray = at::zeros({3}, at::kFloat);
+    torch::optim::AdamW foreign(std::vector<at::Tensor>{stray});
+    expect_error([&] { save_checkpoint(dir + "/x", s.groups, {&foreign}); },
+                 {"is not a sharded parameter of the given FsdpParameterGroups"},
+                 "foreign parameter");
+  }
+  // Nothing was changed by the failed loads.
+  expect_snapshot(s, before, "after the failed loads");
+}
+
+// Python writes a dict of tensors with torch.save (rank 0), every rank waits for it.
+void python_save(const std::string& code) {
+  if (world().rank() == 0) {
+    const char* python = std::getenv("FSDP_MUON_PYTHON");
+    ASSERT_NE(python, nullptr) << "FSDP_MUON_PYTHON is not set";
+    const std::string script = env_dir("FSDP_MUON_CHECKPOINT_SCRATCH") + "/write.py";
+    std::ofstream(script) << "import torch\n" << code << "\n";
+    const std::string cmd = std::string(python) + " " + script;
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  world().barrier();
+}
+
+TEST(CheckpointFailures, ExportImportRoundTripAndPythonWeights) {
+  const std::string dir = scratch("import");
+  Sharded s = make_sharded(7);
+  for (int step = 1; step <= 2; ++step) train_step(&s, nullptr, step);
+  export_full_checkpoint(dir + "/full.pt", s.groups, s.optimizers());
+
+  // Weights and optimizer state come back exactly; training continues identically.
+  Sharded t = make_sharded(99);
+  t.adamw->param_groups()[0].options().set_lr(0.007);
+  t.muon->param_groups()[1].options().set_lr(0.015);
+  import_full_checkpoint(dir + "/full.pt", t.groups, t.optimizers());
+  expect_snapshot(t, snapshot(s), "after import");
+  train_step(&s, nullptr, 3);
+  train_step(&t, nullptr, 3);
+  expect_snapshot(t, snapshot(s), "one step after import");
+
+  // Weights trained elsewhere: a plain dict Python saved, weights only.
+  std::string code = "names = {";
+  for (const auto& group_specs : specs()) {
+    for (const Spec& spec : group_specs) {
+      code += "'" + spec.name + "': (";
+      for (int64_t d : spec.shape) code += std::to_string(d) + ",";
+      code += "), ";
+    }
+  }
+  code +=
+      "}\n"
+      "d = {n: torch.arange(torch.Size(s).numel(), dtype=torch.float32).reshape(s) / 100 + i"
+      " for i, (n, s) in enumerate(names.items())}\n";
+  python_save(code + "torch.save(d, '" + dir + "/py.pt')\n" +
+              "bad = dict(d); del bad['blk1.norm']; torch.save(bad, '" + dir +
+              "/py_missing.pt')\n" +
+              "bad = dict(d); bad['blk0.w2'] = torch.zeros(3, 13); torch.save(bad, '" + dir +
+              "/py_shape.pt')\n" +
+              "bad = dict(d); bad['blk0.w1.exp_avg'] = torch.zeros(5, 7); "
+              "torch.save(bad, '" +
+              dir + "/py_extra.pt')\n" +
+              "bad = dict(d); bad['head.bias.exp_avg'] = torch.zeros(3); torch.save(bad, '" + dir +
+              "/py_partial.pt')\n");
+  Sharded u = make_sharded(5);
+  train_step(&u, nullptr, 1);
+  import_full_checkpoint(dir + "/py.pt", u.groups, u.optimizers());
+  int64_t k = 0;
+  for (const auto& group : u.groups) {
+    const auto model = group->model_parameters();
+    for (size_t i = 0; i < group->num_parameters(); ++i, ++k) {
+      const auto& slot = group->slot(i);
+      const at::Tensor full = at::arange(slot.numel, at::kFloat).reshape(slot.shape) / 100 + k;
+      const auto [a, b] = group->held_range(i);
+      EXPECT_TRUE(at::equal(group->sharded_parameter(i), full.reshape({-1}).slice(0, a, b)))
+          << slot.name;
+      EXPECT_TRUE(at::equal(model[i].detach(), full.to(group->compute_dtype()))) << slot.name;
+    }
+  }
+  expect_error([&] { import_full_checkpoint(dir + "/py_missing.pt", u.groups, u.optimizers()); },
+               {"has no tensor 'blk1.norm'", "shape [5]"}, "missing name");
+  expect_error([&] { import_full_checkpoint(dir + "/py_shape.pt", u.groups, u.optimizers()); },
+               {"tensor 'blk0.w2' has shape [3, 13] but the parameter has shape [13, 3]"},
+               "misshaped");
+  expect_error([&] { import_full_checkpoint(dir + "/py_extra.pt", u.groups, u.optimizers()); },
+               {"name no parameter of this model or state of its optimizers: 'blk0.w1.exp_avg'"},
+               "state a Muon parameter cannot have");
+  expect_error([&] { import_full_checkpoint(dir + "/py_partial.pt", u.groups, u.optimizers()); },
+               {"has optimizer state of 'head.bias' for a adamw optimizer but lacks "
+                "'head.bias.exp_avg_sq', 'head.bias.max_exp_avg_sq', 'head.bias.step'"},
+               "partial AdamW state");
+  if (world().rank() == 0) {
+    std::ofstream(dir + "/garbage.pt") << "not a pickle";
+  }
+  world().barrier();
+  expect_error([&] { import_full_checkpoint(dir + "/garbage.pt", u.groups, u.optimizers()); },
+               {"is not a readable torch.save / pickle file"}, "garbage");
+}
+
+}  // namespace
+}  // namespace fsdp_muon
