@@ -169,6 +169,8 @@ void export_full_checkpoint(const std::string& path,
         for (const auto& [key, t] : by_param[name]) add(key, t);
       }
     }
+    const auto slash = path.rfind('/');
+    if (slash != std::string::npos && slash > 0) make_directories(path.substr(0, slash));
     const std::vector<char> bytes = pickle_save_plain(c10::IValue(out));
     write_file_atomic(path, {{bytes.data(), bytes.size()}});
   });
