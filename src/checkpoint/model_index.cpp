@@ -258,6 +258,9 @@ void run_agreed(Communicator& comm, const std::string& what, const std::function
   } catch (const std::exception& e) {
     error = e.what();
     own = std::current_exception();
+  } catch (...) {
+    error = "unknown exception";
+    own = std::current_exception();
   }
   // One flag byte and the start of the message per rank, so every rank can say what failed.
   constexpr int64_t kSlot = 1024;
