@@ -292,6 +292,25 @@ TEST(Muon, ParametersWithoutGradientAreSkipped) {
   EXPECT_EQ(opt.state().count(a.unsafeGetTensorImpl()), 1u);
 }
 
+TEST(Muon, MomentumIsLazyAndHasTheParameterDtype) {
+  auto w32 = torch::randn({6, 4}, torch::requires_grad());
+  auto w16 = torch::randn({4, 6}, torch::dtype(torch::kBFloat16).requires_grad(true));
+  Muon opt({w32, w16}, MuonOptions());
+  EXPECT_TRUE(opt.state().empty());
+  w32.mutable_grad() = torch::randn({6, 4});
+  w16.mutable_grad() = torch::randn({4, 6}).to(torch::kBFloat16);
+  const auto w16_before = w16.detach().clone();
+  opt.step();
+  auto& s32 = static_cast<MuonParamState&>(*opt.state().at(w32.unsafeGetTensorImpl()));
+  auto& s16 = static_cast<MuonParamState&>(*opt.state().at(w16.unsafeGetTensorImpl()));
+  EXPECT_EQ(s32.momentum_buffer().scalar_type(), torch::kFloat);
+  EXPECT_EQ(s16.momentum_buffer().scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(s16.momentum_buffer().sizes(), w16.sizes());
+  EXPECT_EQ(w16.scalar_type(), torch::kBFloat16);
+  EXPECT_FALSE(torch::equal(w16.detach(), w16_before));
+  EXPECT_EQ(s32.step(), 1);
+}
+
 TEST(Muon, SparseGradientIsAnErrorAndChangesNothing) {
   auto a = torch::randn({4, 4}, torch::requires_grad());
   auto b = torch::randn({4, 4}, torch::requires_grad());
