@@ -19,7 +19,7 @@ if(FSDP_MUON_WITH_CUDA)
   find_path(NCCL_INCLUDE_DIR nccl.h
     HINTS "${_fsdp_muon_site_packages}/nvidia/nccl/include" ENV NCCL_HOME
     PATH_SUFFIXES include)
-  find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2
+  find_library(NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
     HINTS "${_fsdp_muon_site_packages}/nvidia/nccl/lib" ENV NCCL_HOME
     PATH_SUFFIXES lib lib64)
   if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
