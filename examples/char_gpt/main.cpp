@@ -69,8 +69,10 @@ const char* kUsage =
   --threads N              intra-op threads per rank (default: as launched, OMP_NUM_THREADS)
   --max-val-loss X         fail unless the final validation loss is below X
                            (default: the corpus' unigram entropy)
-  --checkpoint DIR         write a checkpoint to DIR at the end
-  --resume DIR             continue from the checkpoint in DIR
+  --checkpoint DIR         write a checkpoint under DIR at the end (DIR/latest names it)
+  --resume DIR             continue from the newest checkpoint under DIR (any world size)
+  --stop-at N              stop after step N (the schedule still spans --steps), e.g. to
+                           checkpoint and --resume later
 )";
 
 struct Flags {
@@ -96,6 +98,7 @@ struct Flags {
   double max_val_loss = NAN;
   std::string checkpoint;
   std::string resume;
+  int64_t stop_at = 0;
 };
 
 Flags parse_flags(int argc, char** argv) {
@@ -157,6 +160,7 @@ Flags parse_flags(int argc, char** argv) {
   take("max-val-loss", f.max_val_loss);
   take_string("checkpoint", f.checkpoint);
   take_string("resume", f.resume);
+  take("stop-at", f.stop_at);
   TORCH_CHECK(kv.empty(), "char_gpt: unknown option --", kv.begin()->first, "\n", kUsage);
   TORCH_CHECK(f.optimizer == "muon" || f.optimizer == "adamw", "char_gpt: --optimizer must be ",
               "muon or adamw, got '", f.optimizer, "'");
@@ -168,6 +172,9 @@ Flags parse_flags(int argc, char** argv) {
   TORCH_CHECK(!(f.compare && (!f.checkpoint.empty() || !f.resume.empty())),
               "char_gpt: --compare runs two trainings; use --checkpoint/--resume with one "
               "--optimizer at a time");
+  TORCH_CHECK(f.stop_at >= 0 && f.stop_at <= f.steps, "char_gpt: --stop-at must be in [0, ",
+              "--steps]");
+  if (f.stop_at == 0) f.stop_at = f.steps;
   if (f.log_every <= 0) f.log_every = std::max<int64_t>(1, f.steps / 10);
   return f;
 }
@@ -259,12 +266,22 @@ double validation_loss(CharGpt& model, const Batch& windows, fsdp_muon::Communic
   return totals[0].item<double>() / totals[1].item<double>();
 }
 
+// splitmix64 of (seed, rank, step): well-spread generator seeds for neighbouring steps.
+uint64_t batch_seed(uint64_t seed, int rank, int64_t step) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(rank) * 0xBF58476D1CE4E5B9ULL +
+               static_cast<uint64_t>(step) * 0x94D049BB133111EBULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
 struct RunResult {
   std::string optimizer;
   double initial_val_loss = 0.0;
   double final_val_loss = 0.0;
   double seconds = 0.0;
   double tokens_per_second = 0.0;
+  int64_t steps_run = 0;
 };
 
 RunResult train(const Flags& flags, const std::string& optimizer_name, const Corpus& corpus,
@@ -344,7 +361,6 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   state.groups = groups;
   state.muon = muon.get();
   state.adamw = &adamw;
-  state.data_gen = at::detail::createCPUGenerator(flags.seed * 1000003ULL + comm->rank() + 1);
   if (!flags.resume.empty()) {
     load_checkpoint(flags.resume, state);
     if (rank0)
@@ -364,11 +380,12 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   }
 
   // Linear warm-up, constant, then a linear decay to zero over the last `cooldown` of the run.
+  // Base rates from the flags, not from the optimizers: a resumed optimizer carries the decayed
+  // rate it was saved with.
   std::vector<std::pair<torch::optim::OptimizerOptions*, double>> base_lrs;
-  for (torch::optim::Optimizer* opt : {static_cast<torch::optim::Optimizer*>(&adamw),
-                                       static_cast<torch::optim::Optimizer*>(muon.get())}) {
-    if (opt == nullptr) continue;
-    for (auto& g : opt->param_groups()) base_lrs.emplace_back(&g.options(), g.options().get_lr());
+  for (auto& g : adamw.param_groups()) base_lrs.emplace_back(&g.options(), flags.adamw_lr);
+  if (muon) {
+    for (auto& g : muon->param_groups()) base_lrs.emplace_back(&g.options(), flags.lr);
   }
   auto lr_scale = [&](int64_t step) {
     double s = std::min(1.0, static_cast<double>(step + 1) / std::max<int64_t>(1, flags.warmup));
@@ -379,6 +396,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     return s;
   };
 
+  at::Generator data_gen = at::detail::createCPUGenerator();
   const int64_t tokens_per_step = comm->size() * flags.batch * flags.seq_len;
   const int64_t vocab = corpus.vocab_size();
   const int64_t first_step = state.step;
@@ -386,11 +404,13 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   double val = result.initial_val_loss;
   progress.start(first_step);
   const auto t0 = Clock::now();
-  while (state.step < flags.steps) {
+  while (state.step < flags.stop_at) {
     const int64_t step = state.step;
     for (auto& [options, base] : base_lrs) options->set_lr(base * lr_scale(step));
 
-    const Batch batch = sample_batch(corpus.train, flags.batch, flags.seq_len, state.data_gen);
+    // The batch is a function of (seed, rank, step): a resumed run sees the same data.
+    data_gen.set_current_seed(batch_seed(flags.seed, comm->rank(), step));
+    const Batch batch = sample_batch(corpus.train, flags.batch, flags.seq_len, data_gen);
     // Never optimizer.zero_grad(): it would detach the sharded parameters' gradients from the
     // group's gradient shard. The group zeroes its buffers in place.
     for (const auto& group : groups) group->zero_grad();
@@ -407,7 +427,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     const double l = loss.item<double>();
     smoothed = std::isnan(smoothed) ? l : 0.9 * smoothed + 0.1 * l;
     progress.update(state.step, smoothed, tokens_per_step);
-    const bool last = state.step == flags.steps;
+    const bool last = state.step == flags.stop_at;
     if (last || (flags.eval_every > 0 && state.step % flags.eval_every == 0)) {
       val = validation_loss(model, val_windows, *comm, device);
       if (rank0) {
@@ -420,12 +440,13 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   }
   result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   result.final_val_loss = val;
+  result.steps_run = state.step - first_step;
   result.tokens_per_second =
       result.seconds > 0 ? (state.step - first_step) * tokens_per_step / result.seconds : 0.0;
 
   if (!flags.checkpoint.empty()) {
-    save_checkpoint(flags.checkpoint, state);
-    if (rank0) progress.message("checkpoint written to " + flags.checkpoint);
+    const std::string folder = save_checkpoint(flags.checkpoint, state);
+    if (rank0) progress.message("checkpoint written to " + folder);
   }
   return result;
 }
@@ -460,12 +481,16 @@ int run(int argc, char** argv) {
   for (const auto& name : optimizers) {
     const RunResult r = train(flags, name, corpus, comm);
     results.push_back(r);
-    const bool learned = r.final_val_loss < threshold && r.final_val_loss < r.initial_val_loss;
+    // A run stopped early (--stop-at) only has to have improved; a full one must also beat the
+    // unigram entropy (or --max-val-loss).
+    const bool full = flags.stop_at == flags.steps;
+    const bool learned = (!full || r.final_val_loss < threshold) &&
+                         (r.final_val_loss < r.initial_val_loss || r.steps_run == 0);
     ok = ok && learned;
     if (rank0) {
       std::fflush(stderr);
       std::printf(
-          "%s: val loss %.4f -> %.4f nats/char in %.1f s (%.1fk tok/s); unigram entropy "
+          "%s: val loss %.4f -> %.6f nats/char in %.1f s (%.1fk tok/s); unigram entropy "
           "%.4f: %s\n",
           name.c_str(), r.initial_val_loss, r.final_val_loss, r.seconds,
           r.tokens_per_second / 1000.0, corpus.unigram_entropy,
