@@ -380,6 +380,29 @@ TEST(CheckpointResume, ContinuesLikeAnUninterruptedRun) {
   expect_states_equal(s, r, "after 6 steps");
 }
 
+// At world size 2, rank 0 holds the first half of every group, which the saved ranks 0 and 1 of 4
+// held: with saved rank 3's file gone it must not notice, only rank 1 does.
+TEST(CheckpointResume, ReadsOnlyTheRankFilesItsShardsOverlap) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at world size 2";
+  const std::string dir = env_dir("FSDP_MUON_CHECKPOINT_DIR");
+  const auto saved = latest_checkpoint(dir + "/sharded");
+  ASSERT_TRUE(saved.has_value());
+  const std::string partial = dir + "/partial_w2";
+  if (world().rank() == 0) {
+    remove_tree(partial);
+    copy_tree(*saved, partial);
+    ASSERT_EQ(::unlink((partial + "/rank-00003-of-00004.bin").c_str()), 0);
+  }
+  world().barrier();
+  Sharded s = make_sharded(12345);
+  expect_error([&] { load_checkpoint(partial, s.groups, s.optimizers()); },
+               {world().rank() == 0 ? "load_checkpoint failed on rank 1 of 2: load_checkpoint: "
+                                      "missing rank file "
+                                    : "load_checkpoint: missing rank file ",
+                "rank-00003-of-00004.bin (saved rank 3 of 4)"},
+               "a saved rank file only rank 1 needs");
+}
+
 // ---- failures ----
 
 std::string scratch(const std::string& leaf) {
@@ -499,8 +522,13 @@ TEST(CheckpointFailures, BadInputsGiveMessagesThatNameTheProblem) {
 
   expect_error([&] { load_checkpoint(dir + "/truncated", s.groups, s.optimizers()); },
                {"is truncated", last_file}, "truncated rank file");
-  expect_error([&] { load_checkpoint(dir + "/missing", s.groups, s.optimizers()); },
-               {"missing rank file", last_file}, "missing rank file");
+  // Only the last rank needs its own file at the same world size: the others report its error.
+  const std::string on_last =
+      "load_checkpoint failed on rank " + std::to_string(w - 1) + " of " + std::to_string(w);
+  expect_error(
+      [&] { load_checkpoint(dir + "/missing", s.groups, s.optimizers()); },
+      {"missing rank file", last_file, me == w - 1 ? "this rank needs its shards" : on_last},
+      "missing rank file");
   expect_error([&] { load_checkpoint(dir + "/bad_manifest", s.groups, s.optimizers()); },
                {"manifest.pt is truncated or corrupt"}, "truncated manifest");
   expect_error([&] { load_checkpoint(dir + "/empty", s.groups, s.optimizers()); },
