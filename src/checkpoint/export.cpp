@@ -306,16 +306,7 @@ void import_full_checkpoint(const std::string& path,
     }
   });
 
-  {
-    at::NoGradGuard no_grad;
-    for (size_t g = 0; g < model.groups.size(); ++g) {
-      for (size_t i = 0; i < model.groups[g]->num_parameters(); ++i) {
-        const at::Tensor& shard = model.groups[g]->sharded_parameter(i);
-        if (shard.numel() > 0) shard.copy_(weights[g][i]);
-      }
-    }
-  }
-  for (const auto& group : model.groups) group->refresh_model_weights();
+  install_weights(model, weights);
   for (size_t o = 0; o < opts.size(); ++o) {
     size_t k = 0;
     for (const auto& refs : opts[o].param_groups) {

@@ -295,4 +295,17 @@ void run_agreed(Communicator& comm, const std::string& what, const std::function
               std::string(msg, strnlen(msg, kSlot - 1)));
 }
 
+void install_weights(const ModelIndex& model, const std::vector<std::vector<at::Tensor>>& weights) {
+  {
+    at::NoGradGuard no_grad;
+    for (size_t g = 0; g < model.groups.size(); ++g) {
+      for (size_t i = 0; i < model.groups[g]->num_parameters(); ++i) {
+        const at::Tensor& shard = model.groups[g]->sharded_parameter(i);
+        if (shard.numel() > 0) shard.copy_(weights[g][i]);
+      }
+    }
+  }
+  for (const auto& group : model.groups) group->refresh_model_weights();
+}
+
 }  // namespace fsdp_muon::checkpoint

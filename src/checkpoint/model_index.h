@@ -51,6 +51,10 @@ struct ModelIndex {
 ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                        const char* fn);
 
+// Copies this rank's slice of every parameter ([group][param], any device) into its main-weight
+// shard and refreshes the model weights of every group: the last step of every load.
+void install_weights(const ModelIndex& model, const std::vector<std::vector<at::Tensor>>& weights);
+
 struct OptimizerEntry {
   OptimizerKind kind = OptimizerKind::kAdamW;
   torch::optim::Optimizer* optimizer = nullptr;

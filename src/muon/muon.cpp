@@ -160,14 +160,7 @@ at::Tensor Muon::step(LossClosure closure) {
       if (!g.defined() || p.dim() != 2) {  // non-2-D only reach here with skip_non_matrix
         continue;
       }
-      auto& slot = state_[p.unsafeGetTensorImpl()];
-      if (!slot) {
-        auto fresh = std::make_unique<MuonParamState>();
-        fresh->momentum_buffer(at::zeros_like(p, at::MemoryFormat::Contiguous));
-        slot = std::move(fresh);
-      }
-      auto& state = static_cast<MuonParamState&>(*slot);
-      state.step(state.step() + 1);
+      MuonParamState& state = detail::advance_muon_state(state_, p);
       at::Tensor buffer = state.momentum_buffer();
       const at::Tensor u = detail::muon_momentum_input(p, g, buffer, options);
       const at::Tensor update = detail::muon_orthogonalized_update(u, options);

@@ -91,4 +91,16 @@ void muon_apply_update(const at::Tensor& param, const at::Tensor& update,
   param.sub_(update.mul(options.lr()));
 }
 
+MuonParamState& advance_muon_state(OptimizerStateMap& state, const at::Tensor& param) {
+  auto& slot = state[param.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto fresh = std::make_unique<MuonParamState>();
+    fresh->momentum_buffer(at::zeros_like(param, at::MemoryFormat::Contiguous));
+    slot = std::move(fresh);
+  }
+  auto& muon_state = static_cast<MuonParamState&>(*slot);
+  muon_state.step(muon_state.step() + 1);
+  return muon_state;
+}
+
 }  // namespace fsdp_muon::detail

@@ -14,9 +14,12 @@
 // element in every code path. Keep it that way when editing muon_math.cpp.
 
 #include <cstdint>
+#include <memory>
 
 #include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
 
+#include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/muon/muon_options.h>
 
 namespace fsdp_muon::detail {
@@ -46,5 +49,12 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
 // `update` may be a slice of the full update matching a local shard of the parameter.
 void muon_apply_update(const at::Tensor& param, const at::Tensor& update,
                        const MuonOptions& options);
+
+// The MuonParamState of `param` in an optimizer's state map, created lazily on its first step
+// (momentum: zeros with the parameter's shape and dtype), with its step counter advanced. Muon
+// and FsdpMuon share it so their state is created, and saved, the same way.
+using OptimizerStateMap =
+    ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>;
+MuonParamState& advance_muon_state(OptimizerStateMap& state, const at::Tensor& param);
 
 }  // namespace fsdp_muon::detail

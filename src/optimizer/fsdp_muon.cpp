@@ -489,14 +489,7 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
         if (!f.active[j]) continue;
         const FsdpMuonMatrix& mat = d.matrices[local[j]];
         const at::Tensor& p = mat.sharded_parameter;
-        auto& slot = state_[p.unsafeGetTensorImpl()];
-        if (!slot) {
-          auto fresh = std::make_unique<MuonParamState>();
-          fresh->momentum_buffer(at::zeros_like(p, at::MemoryFormat::Contiguous));
-          slot = std::move(fresh);
-        }
-        auto& state = static_cast<MuonParamState&>(*slot);
-        state.step(state.step() + 1);
+        MuonParamState& state = detail::advance_muon_state(state_, p);
         if (p.numel() == 0) continue;  // this rank holds none of it
         const MuonOptions& options =
             muon_options_of(param_groups_[mat.param_group], mat.param_group);
