@@ -110,9 +110,13 @@ int run_measure(Flags& flags) {
   const int64_t default_scale = device.is_cuda() ? 1 : (preset == "gpt2" ? 1 : 8);
   const int64_t scale = scale_flag.empty() ? default_scale : std::stoll(scale_flag);
   TORCH_CHECK(scale >= 1, "--scale must be >= 1");
-  const ModelShapes model =
+  ModelShapes model =
       preset_shapes(preset, layers > 0 ? layers : (preset == "gpt2" && !device.is_cuda() ? 2 : 0),
                     scale, experts);
+
+  if (preset == "gpt2" && model.groups.size() != 12) {
+    model.name += format(" (%zu of 12 layers)", model.groups.size());
+  }
 
   // The groups: parameters as a model would hold them, gradients filled at random per rank.
   torch::manual_seed(1);
