@@ -6,7 +6,9 @@ set(FSDP_MUON_GTEST_SOURCE_DIR "" CACHE PATH "Build GoogleTest from this source 
 if(FSDP_MUON_GTEST_SOURCE_DIR)
   set(INSTALL_GTEST OFF CACHE BOOL "" FORCE)
   add_subdirectory(${FSDP_MUON_GTEST_SOURCE_DIR} ${PROJECT_BINARY_DIR}/_googletest EXCLUDE_FROM_ALL)
-  add_library(GTest::gtest_main ALIAS gtest_main)
+  if(NOT TARGET GTest::gtest_main)  # googletest >= 1.11 defines it itself
+    add_library(GTest::gtest_main ALIAS gtest_main)
+  endif()
 else()
   find_package(GTest REQUIRED)
 endif()
