@@ -13,25 +13,25 @@ namespace fsdp_muon::detail {
 const char* cublas_status_string(cublasStatus_t status);
 }  // namespace fsdp_muon::detail
 
-#define FSDP_MUON_CHECK_CUDA(expr)                                                         \
-  do {                                                                                     \
-    const cudaError_t fsdp_muon_status_ = (expr);                                          \
-    TORCH_CHECK(fsdp_muon_status_ == cudaSuccess, __FILE__, ":", __LINE__, ": CUDA call ", \
-                #expr, " failed: ", cudaGetErrorString(fsdp_muon_status_));                \
+#define FSDP_MUON_CHECK_CUDA(expr)                                                                \
+  do {                                                                                            \
+    const cudaError_t fsdp_muon_status_ = (expr);                                                 \
+    TORCH_CHECK(fsdp_muon_status_ == cudaSuccess, __FILE__, ":", __LINE__, ": CUDA call ", #expr, \
+                " failed: ", cudaGetErrorString(fsdp_muon_status_));                              \
   } while (0)
 
-#define FSDP_MUON_CHECK_CUBLAS(expr)                                              \
-  do {                                                                            \
-    const cublasStatus_t fsdp_muon_status_ = (expr);                              \
-    TORCH_CHECK(fsdp_muon_status_ == CUBLAS_STATUS_SUCCESS, __FILE__, ":", __LINE__, \
-                ": cuBLAS call ", #expr, " failed: ",                             \
-                ::fsdp_muon::detail::cublas_status_string(fsdp_muon_status_));    \
+#define FSDP_MUON_CHECK_CUBLAS(expr)                                                        \
+  do {                                                                                      \
+    const cublasStatus_t fsdp_muon_status_ = (expr);                                        \
+    TORCH_CHECK(fsdp_muon_status_ == CUBLAS_STATUS_SUCCESS, __FILE__, ":", __LINE__,        \
+                ": cuBLAS call ", #expr,                                                    \
+                " failed: ", ::fsdp_muon::detail::cublas_status_string(fsdp_muon_status_)); \
   } while (0)
 
-#define FSDP_MUON_CHECK_NCCL(expr)                                                       \
-  do {                                                                                   \
-    const ncclResult_t fsdp_muon_status_ = (expr);                                       \
-    TORCH_CHECK(fsdp_muon_status_ == ncclSuccess || fsdp_muon_status_ == ncclInProgress, \
-                __FILE__, ":", __LINE__, ": NCCL call ", #expr, " failed: ",             \
-                ncclGetErrorString(fsdp_muon_status_));                                  \
+#define FSDP_MUON_CHECK_NCCL(expr)                                                                 \
+  do {                                                                                             \
+    const ncclResult_t fsdp_muon_status_ = (expr);                                                 \
+    TORCH_CHECK(fsdp_muon_status_ == ncclSuccess || fsdp_muon_status_ == ncclInProgress, __FILE__, \
+                ":", __LINE__, ": NCCL call ", #expr,                                              \
+                " failed: ", ncclGetErrorString(fsdp_muon_status_));                               \
   } while (0)
