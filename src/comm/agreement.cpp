@@ -90,4 +90,33 @@ void run_agreed(Communicator& comm, const std::string& what, const std::function
   agree_on_sum(comm, what, 0, [&](std::vector<int64_t>&) { fn(); });
 }
 
+namespace {
+
+// FNV-1a: stable across builds and processes, unlike std::hash.
+int64_t stable_hash(const std::string& text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h);
+}
+
+}  // namespace
+
+std::vector<int> ranks_that_differ(Communicator& comm, const std::string& description) {
+  const int world = comm.size();
+  if (world == 1) return {};
+  at::Tensor mine = at::full({1}, stable_hash(description), at::TensorOptions().dtype(at::kLong));
+  at::Tensor all = at::empty({world}, mine.options().device(comm.device()));
+  comm.all_gather(mine.to(comm.device()), all);
+  const at::Tensor host = all.cpu();
+  const int64_t* hashes = host.data_ptr<int64_t>();
+  std::vector<int> differ;
+  for (int r = 1; r < world; ++r) {
+    if (hashes[r] != hashes[0]) differ.push_back(r);
+  }
+  return differ;
+}
+
 }  // namespace fsdp_muon::detail

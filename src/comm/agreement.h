@@ -31,4 +31,8 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
 // anywhere.
 void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn);
 
+// The ranks whose `description` differs from rank 0's (empty when all agree), through one
+// all-gather of a stable 64-bit hash of it. For checking that every rank built the same thing.
+std::vector<int> ranks_that_differ(Communicator& comm, const std::string& description);
+
 }  // namespace fsdp_muon::detail

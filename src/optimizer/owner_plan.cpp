@@ -18,27 +18,27 @@ int64_t held_numel(const PlanMatrix& m, int rank) {
 }
 
 void validate_matrix(const PlanMatrix& m, size_t g, size_t i, int world_size) {
-  TORCH_CHECK(m.rows >= 0 && m.cols >= 0, "fsdp_muon owner plan: matrix '", m.name, "' (group ", g,
-              ", index ", i, ") has negative shape [", m.rows, ", ", m.cols, "]");
-  TORCH_CHECK(m.ns_steps >= 1, "fsdp_muon owner plan: matrix '", m.name, "' has ns_steps ",
+  TORCH_CHECK(m.rows >= 0 && m.cols >= 0, "fsdp_muon::plan_owners: matrix '", m.name, "' (group ",
+              g, ", index ", i, ") has negative shape [", m.rows, ", ", m.cols, "]");
+  TORCH_CHECK(m.ns_steps >= 1, "fsdp_muon::plan_owners: matrix '", m.name, "' has ns_steps ",
               m.ns_steps, "; it needs at least 1");
-  TORCH_CHECK(static_cast<int>(m.held.size()) == world_size, "fsdp_muon owner plan: matrix '",
+  TORCH_CHECK(static_cast<int>(m.held.size()) == world_size, "fsdp_muon::plan_owners: matrix '",
               m.name, "' has ", m.held.size(), " held ranges; it needs one per rank (", world_size,
               ")");
   int64_t covered = 0;
   for (int r = 0; r < world_size; ++r) {
     const auto [first, second] = m.held[r];
     TORCH_CHECK(first <= second && first >= 0 && second <= m.rows * m.cols,
-                "fsdp_muon owner plan: matrix '", m.name, "' has an invalid held range [", first,
+                "fsdp_muon::plan_owners: matrix '", m.name, "' has an invalid held range [", first,
                 ", ", second, ") on rank ", r);
     if (first < second) {
-      TORCH_CHECK(first == covered, "fsdp_muon owner plan: the held ranges of matrix '", m.name,
+      TORCH_CHECK(first == covered, "fsdp_muon::plan_owners: the held ranges of matrix '", m.name,
                   "' do not tile it in rank order (rank ", r, " starts at ", first, ", expected ",
                   covered, ")");
       covered = second;
     }
   }
-  TORCH_CHECK(covered == m.rows * m.cols, "fsdp_muon owner plan: the held ranges of matrix '",
+  TORCH_CHECK(covered == m.rows * m.cols, "fsdp_muon::plan_owners: the held ranges of matrix '",
               m.name, "' cover ", covered, " of its ", m.rows * m.cols, " elements");
 }
 
@@ -168,9 +168,9 @@ int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps) {
 
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
                       const OwnerPlanOptions& options) {
-  TORCH_CHECK(world_size >= 1, "fsdp_muon owner plan: world size must be at least 1, got ",
+  TORCH_CHECK(world_size >= 1, "fsdp_muon::plan_owners: world size must be at least 1, got ",
               world_size);
-  TORCH_CHECK(options.element_bytes() >= 1, "fsdp_muon owner plan: element_bytes must be >= 1");
+  TORCH_CHECK(options.element_bytes() >= 1, "fsdp_muon::plan_owners: element_bytes must be >= 1");
   const size_t num_groups = groups.size();
   OwnerPlan plan;
   plan.world_size = world_size;
@@ -185,7 +185,7 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   plan.scatter_bytes_per_rank.assign(world_size, 0);
 
   for (size_t g = 0; g < num_groups; ++g) {
-    TORCH_CHECK(groups[g].element_bytes >= 0, "fsdp_muon owner plan: group '", groups[g].name,
+    TORCH_CHECK(groups[g].element_bytes >= 0, "fsdp_muon::plan_owners: group '", groups[g].name,
                 "' has negative element_bytes");
     const auto& matrices = groups[g].matrices;
     plan.owner[g].assign(matrices.size(), -1);
@@ -198,9 +198,10 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   }
 
   const int64_t budget = options.prefetch_budget_bytes();
-  TORCH_CHECK(budget >= 0, "fsdp_muon owner plan: the prefetch budget must be >= 0 bytes, got ",
+  TORCH_CHECK(budget >= 0, "fsdp_muon::plan_owners: the prefetch budget must be >= 0 bytes, got ",
               budget, " (use kUnlimitedPrefetch for no limit)");
-  // DESIGN §3's plan: loads carried across all groups, then cut into windows by the budget.
+  // The plan of docs/DESIGN.md §3: loads carried across all groups, then cut into windows by the
+  // budget.
   OwnerPlan carried = plan;
   assign_window(groups, 0, num_groups, carried);
   finish_plan(groups, carried);
@@ -251,8 +252,8 @@ int64_t OwnerPlan::critical_path(const std::vector<std::pair<size_t, size_t>>& w
   int64_t path = 0;
   for (const auto& [first, last] : windows) {
     TORCH_CHECK(first <= last && last <= group_cost_per_rank.size(),
-                "fsdp_muon owner plan: window [", first, ", ", last, ") outside the ",
-                group_cost_per_rank.size(), " groups");
+                "fsdp_muon::OwnerPlan::critical_path_ratio: window [", first, ", ", last,
+                ") outside the ", group_cost_per_rank.size(), " groups");
     int64_t slowest = 0;
     for (int r = 0; r < world_size; ++r) {
       int64_t load = 0;
@@ -322,7 +323,8 @@ std::string OwnerPlan::summary() const {
 
 std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
                                                         int64_t budget_bytes) {
-  TORCH_CHECK(budget_bytes >= 0, "fsdp_muon: the prefetch budget must be >= 0 bytes, got ",
+  TORCH_CHECK(budget_bytes >= 0,
+              "fsdp_muon::prefetch_windows: the prefetch budget must be >= 0 bytes, got ",
               budget_bytes, " (use kUnlimitedPrefetch for no limit)");
   const size_t num_groups = plan.group_full_bytes_per_rank.size();
   std::vector<std::pair<size_t, size_t>> windows;

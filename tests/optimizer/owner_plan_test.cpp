@@ -1,4 +1,4 @@
-// Owner planner against hand-computed cases (DESIGN §3, §7), and plan statistics on real
+// Owner planner against hand-computed cases (docs/DESIGN.md §3, §7), and plan statistics on real
 // model shapes (Llama-3-8B) against the numbers the design quotes.
 
 #include <fsdp_muon/optimizer/owner_plan.h>
@@ -232,7 +232,7 @@ TEST(OwnerPlanTest, GroupFromShapesUsesTheFlatLayout) {
   EXPECT_EQ(g.matrices[1].held[0].first, g.matrices[1].held[0].second);
 }
 
-// Llama-3-8B decoder layers, one group per layer, bf16 model weights (DESIGN §7).
+// Llama-3-8B decoder layers, one group per layer, bf16 model weights (docs/DESIGN.md §7).
 std::vector<PlanGroup> llama3_8b(int world_size) {
   const int64_t h = 4096, kv = 1024, ffn = 14336;
   std::vector<PlanGroup> groups;
@@ -289,7 +289,7 @@ TEST(OwnerPlanTest, Llama3_8BCriticalPaths) {
     // Unlimited prefetch never loses to one group at a time.
     EXPECT_LE(holders.critical_path_unlimited(), holders.critical_path_budget0());
     EXPECT_LE(any.critical_path_unlimited(), holders.critical_path_unlimited());
-    // The design's simulation (DESIGN §7, issue 4): one group at a time costs ~2.1x ideal at
+    // The performance model of docs/DESIGN.md §7: one group at a time costs ~2.1x ideal at
     // W=8 and ~17x at W=64; global balancing with unlimited prefetch brings holders-only to
     // ~1.34x at W=8 and any-rank to ~1.00x (W=8) and ~1.06x (W=64).
     if (w == 8) {

@@ -1,7 +1,7 @@
 #pragma once
-// FsdpMuon (DESIGN §3): Muon over sharded parameters. Momentum stays sharded; every 2-D matrix is
-// orthogonalized by exactly one rank, its owner, which receives the matrix's pieces from the
-// ranks that hold them and sends each its slice of the update back. The result equals
+// FsdpMuon (docs/DESIGN.md §3): Muon over sharded parameters. Momentum stays sharded; every 2-D
+// matrix is orthogonalized by exactly one rank, its owner, which receives the matrix's pieces from
+// the ranks that hold them and sends each its slice of the update back. The result equals
 // single-device Muon on the averaged gradients, bitwise where the same kernels run.
 
 #include <cstddef>
@@ -37,9 +37,7 @@ struct FsdpMuonConfig {
   // them back to back; the owner plan balances each window. 0 is one group at a time,
   // kUnlimitedPrefetch gathers everything first. A group larger than the budget still runs,
   // alone. The result bits never depend on it.
-  // Default 1 GiB: planned on Llama-3-8B shapes (one group per layer), holders-only, it takes
-  // the Newton–Schulz critical path from 2.11x ideal (budget 0) to 1.44x at W=8 (unlimited:
-  // 1.34x, 4.2 GiB) and from 16.9x to 1.39x at W=64, for at most 1 GiB of fp32 matrices.
+  // The default, 1 GiB, was chosen from the planned critical paths in bench/RESULTS.md.
   TORCH_ARG(int64_t, prefetch_budget_bytes) = int64_t{1} << 30;
 };
 

@@ -1,7 +1,7 @@
 #pragma once
-// Owner planning for FsdpMuon (DESIGN §3, §7): which rank orthogonalizes each 2-D parameter,
-// what that costs each rank in Newton–Schulz FLOPs, and how many bytes it moves. Pure logic:
-// benchmarks and tests plan real model shapes at any world size without processes.
+// Owner planning for FsdpMuon (docs/DESIGN.md §3, §7): which rank orthogonalizes each 2-D
+// parameter, what that costs each rank in Newton–Schulz FLOPs, and how many bytes it moves. Pure
+// logic: benchmarks and tests plan real model shapes at any world size without processes.
 
 #include <cstdint>
 #include <limits>
@@ -15,7 +15,7 @@
 namespace fsdp_muon {
 
 enum class OwnerPolicy {
-  // A matrix is owned by a rank that holds part of it (the seed's rule): traffic is minimal,
+  // A matrix is owned by a rank that holds part of it: traffic is minimal,
   // each element held by a non-owner travels to its owner once and back once.
   kHoldersOnly,
   // Boundary matrices may be owned by any rank, even one that holds none of it (it then
@@ -30,7 +30,7 @@ const char* to_string(OwnerPolicy policy);
 constexpr int64_t kUnlimitedPrefetch = std::numeric_limits<int64_t>::max();
 
 // Newton–Schulz FLOPs of a rows x cols matrix: steps * (4*m*m*n + 2*m*m*m), m = min side,
-// n = max side (DESIGN §7).
+// n = max side (docs/DESIGN.md §7).
 int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps);
 
 // One 2-D parameter as the planner sees it.
@@ -60,7 +60,7 @@ struct OwnerPlanOptions {
   // Bytes of full matrices one rank may hold at once (FsdpMuonConfig::prefetch_budget_bytes):
   // the groups are cut into consecutive windows that are gathered and orthogonalized together.
   // Each window is balanced on its own, since ranks meet at every window. kUnlimitedPrefetch:
-  // one window, loads carried across all groups (DESIGN §3).
+  // one window, loads carried across all groups (docs/DESIGN.md §3).
   TORCH_ARG(int64_t, prefetch_budget_bytes) = kUnlimitedPrefetch;
 };
 
@@ -87,7 +87,7 @@ struct OwnerPlan {
   std::vector<std::vector<int64_t>> group_full_bytes_per_rank;
   // [rank]: bytes each rank sends in all gathers / all scatters of one step (every matrix
   // active). Each element held by a non-owner travels to its owner once and back once, so
-  // under holders-only this is the traffic minimum of DESIGN §7.
+  // under holders-only this is the traffic minimum of docs/DESIGN.md §7.
   std::vector<int64_t> gather_bytes_per_rank;
   std::vector<int64_t> scatter_bytes_per_rank;
   int64_t total_cost() const;
@@ -111,9 +111,9 @@ struct OwnerPlan {
   std::string summary() const;
 };
 
-// Plans owners over a fixed, ordered set of groups (DESIGN §3), window by window (one window,
-// all groups, under the default unlimited budget). Holders-only: a matrix held by one rank goes
-// to it; every other matrix of the window, all its groups sorted together by descending cost
+// Plans owners over a fixed, ordered set of groups (docs/DESIGN.md §3), window by window (one
+// window, all groups, under the default unlimited budget). Holders-only: a matrix held by one rank
+// goes to it; every other matrix of the window, all its groups sorted together by descending cost
 // (ties by group, then index), goes to the least-loaded of its holders (ties: lowest rank),
 // loads carried across the window's groups. Any-rank: the same, but boundary matrices may go to
 // any rank (ties: the rank holding most of the matrix, then the lowest rank).
@@ -131,8 +131,8 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
 std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
                                                         int64_t budget_bytes);
 
-// The PlanGroup an FsdpParameterGroup would have, from parameter shapes alone (DESIGN §2 flat
-// layout, the same function the groups use): entries that are not 2-D are left out. The
+// The PlanGroup an FsdpParameterGroup would have, from parameter shapes alone (docs/DESIGN.md §2
+// flat layout, the same function the groups use): entries that are not 2-D are left out. The
 // alignment is in bytes of the compute dtype, as in FsdpParameterGroupOptions.
 PlanGroup plan_group_from_shapes(
     const std::string& name,

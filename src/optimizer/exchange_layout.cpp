@@ -1,0 +1,44 @@
+#include "optimizer/exchange_layout.h"
+
+namespace fsdp_muon::detail {
+
+ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
+                               const std::vector<bool>& active, int rank, int world) {
+  const std::size_t n = matrices.size();
+  ExchangeLayout x;
+  x.active = active;
+  x.send_counts.assign(world, 0);
+  x.recv_counts.assign(world, 0);
+  x.send_offset.assign(n, -1);
+  x.recv_offset.assign(n, std::vector<int64_t>(world, -1));
+  // Blocks in rank order, matrices in group order inside a block: what all_to_all_v expects.
+  for (int owner = 0; owner < world; ++owner) {
+    if (owner == rank) continue;
+    for (std::size_t j = 0; j < n; ++j) {
+      const MatrixPlacement& m = matrices[j];
+      const int64_t len = m.held_numel(rank);
+      if (!active[j] || m.owner != owner || len == 0) continue;
+      x.send_offset[j] = x.send_numel;
+      x.send_numel += len;
+      x.send_counts[owner] += len;
+    }
+  }
+  for (int holder = 0; holder < world; ++holder) {
+    if (holder == rank) continue;
+    for (std::size_t j = 0; j < n; ++j) {
+      const MatrixPlacement& m = matrices[j];
+      const int64_t len = m.held_numel(holder);
+      if (!active[j] || m.owner != rank || len == 0) continue;
+      x.recv_offset[j][holder] = x.recv_numel;
+      x.recv_numel += len;
+      x.recv_counts[holder] += len;
+    }
+  }
+  for (std::size_t j = 0; j < n; ++j) {
+    const MatrixPlacement& m = matrices[j];
+    if (active[j] && m.numel() > m.held_numel(m.owner)) x.moves = true;
+  }
+  return x;
+}
+
+}  // namespace fsdp_muon::detail
