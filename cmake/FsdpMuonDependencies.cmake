@@ -14,6 +14,53 @@ get_filename_component(_fsdp_muon_site_packages "${FSDP_MUON_TORCH_ROOT}/.." ABS
 
 if(FSDP_MUON_WITH_CUDA)
   find_package(CUDAToolkit REQUIRED)
+  # The toolkit compiles our CUDA code against its headers; torch runs on the CUDA of its wheel.
+  # A toolkit of another major version would compile against an ABI torch does not load.
+  # torch.version.cuda, read from the wheel's torch/version.py (no Python needed).
+  set(FSDP_MUON_TORCH_CUDA_VERSION "")
+  if(EXISTS "${FSDP_MUON_TORCH_ROOT}/version.py")
+    file(STRINGS "${FSDP_MUON_TORCH_ROOT}/version.py" _fsdp_muon_torch_cuda REGEX "^cuda")
+    string(REGEX MATCH "[0-9]+[.][0-9]+" FSDP_MUON_TORCH_CUDA_VERSION "${_fsdp_muon_torch_cuda}")
+  endif()
+  if(FSDP_MUON_TORCH_CUDA_VERSION)
+    string(REGEX MATCH "^[0-9]+" _fsdp_muon_torch_cuda_major "${FSDP_MUON_TORCH_CUDA_VERSION}")
+    if(NOT _fsdp_muon_torch_cuda_major STREQUAL CUDAToolkit_VERSION_MAJOR)
+      message(FATAL_ERROR "fsdp_muon: the CUDA toolkit found (${CUDAToolkit_VERSION} at "
+        "${CUDAToolkit_BIN_DIR}) is CUDA ${CUDAToolkit_VERSION_MAJOR}, but torch was built with "
+        "CUDA ${FSDP_MUON_TORCH_CUDA_VERSION}. Point CMake at a CUDA "
+        "${_fsdp_muon_torch_cuda_major}.x toolkit (-DCUDAToolkit_ROOT=/usr/local/cuda-"
+        "${_fsdp_muon_torch_cuda_major}.x, or nvcc of that version first on PATH), or install the "
+        "torch wheel built for CUDA ${CUDAToolkit_VERSION_MAJOR}")
+    endif()
+  else()
+    message(STATUS "fsdp_muon: no torch/version.py beside LibTorch: the toolkit's CUDA major is "
+                   "not checked against torch's")
+  endif()
+  # cudart and cuBLAS: the copies torch loads (the nvidia wheels beside it) before the
+  # toolkit's, so one process never mixes two builds of a library. CUDA 13 wheels put every
+  # library in nvidia/cu<major>/lib; CUDA 12 wheels one package per library.
+  set(_fsdp_muon_wheel_cuda_dirs
+    "${_fsdp_muon_site_packages}/nvidia/cu${CUDAToolkit_VERSION_MAJOR}/lib"
+    "${_fsdp_muon_site_packages}/nvidia/cuda_runtime/lib"
+    "${_fsdp_muon_site_packages}/nvidia/cublas/lib")
+  find_library(FSDP_MUON_CUDART_LIBRARY NAMES libcudart.so.${CUDAToolkit_VERSION_MAJOR} cudart
+    NAMES_PER_DIR HINTS ${_fsdp_muon_wheel_cuda_dirs} ${CUDAToolkit_LIBRARY_DIR} NO_DEFAULT_PATH)
+  find_library(FSDP_MUON_CUBLAS_LIBRARY NAMES libcublas.so.${CUDAToolkit_VERSION_MAJOR} cublas
+    NAMES_PER_DIR HINTS ${_fsdp_muon_wheel_cuda_dirs} ${CUDAToolkit_LIBRARY_DIR} NO_DEFAULT_PATH)
+  if(NOT FSDP_MUON_CUDART_LIBRARY OR NOT FSDP_MUON_CUBLAS_LIBRARY)
+    message(FATAL_ERROR "fsdp_muon: cudart or cuBLAS not found beside torch "
+                        "(${_fsdp_muon_wheel_cuda_dirs}) nor in ${CUDAToolkit_LIBRARY_DIR}")
+  endif()
+  # LibTorch's config links every consumer with the toolkit's cudart (torch::cudart); point it
+  # at the copy torch loads, so the link line names one cudart and the search path is one order.
+  if(TARGET torch::cudart)
+    set_property(TARGET torch::cudart PROPERTY INTERFACE_LINK_LIBRARIES
+                 "${FSDP_MUON_CUDART_LIBRARY}")
+  endif()
+  get_filename_component(FSDP_MUON_CUDA_LIB_DIR "${FSDP_MUON_CUBLAS_LIBRARY}" DIRECTORY)
+  get_filename_component(_fsdp_muon_cudart_dir "${FSDP_MUON_CUDART_LIBRARY}" DIRECTORY)
+  list(APPEND FSDP_MUON_CUDA_LIB_DIR "${_fsdp_muon_cudart_dir}")
+  list(REMOVE_DUPLICATES FSDP_MUON_CUDA_LIB_DIR)
   # The NCCL we link must be the one torch loads (one libnccl.so.2 per process): prefer the
   # nvidia-nccl wheel that sits beside torch, then the system's.
   find_path(NCCL_INCLUDE_DIR nccl.h
@@ -27,7 +74,8 @@ if(FSDP_MUON_WITH_CUDA)
                         "torch depends on, or set NCCL_HOME")
   endif()
   get_filename_component(FSDP_MUON_NCCL_LIB_DIR "${NCCL_LIBRARY}" DIRECTORY)
-  message(STATUS "fsdp_muon: CUDA on (CUDA ${CUDAToolkit_VERSION}), NCCL ${NCCL_LIBRARY}")
+  message(STATUS "fsdp_muon: CUDA on (CUDA ${CUDAToolkit_VERSION}), cuBLAS "
+                 "${FSDP_MUON_CUBLAS_LIBRARY}, cudart ${FSDP_MUON_CUDART_LIBRARY}, NCCL ${NCCL_LIBRARY}")
 else()
   message(STATUS "fsdp_muon: LibTorch has no CUDA; building the CPU paths only")
 endif()
