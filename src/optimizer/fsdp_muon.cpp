@@ -1,7 +1,6 @@
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
 #include <algorithm>
-#include <chrono>
 #include <sstream>
 #include <unordered_map>
 
@@ -17,26 +16,14 @@
 #include "comm/agreement.h"
 #include "muon/muon_math.h"
 #include "optimizer/exchange_layout.h"
+#include "optimizer/phase_timer.h"
 
 namespace fsdp_muon {
 namespace {
 
 using detail::ExchangeLayout;
 using detail::MatrixPlacement;
-
-// Adds the wall time of its scope to one of FsdpMuonStepStats' phase times.
-class PhaseTimer {
- public:
-  explicit PhaseTimer(double& seconds) : seconds_(seconds), start_(Clock::now()) {}
-  ~PhaseTimer() { seconds_ += std::chrono::duration<double>(Clock::now() - start_).count(); }
-  PhaseTimer(const PhaseTimer&) = delete;
-  PhaseTimer& operator=(const PhaseTimer&) = delete;
-
- private:
-  using Clock = std::chrono::steady_clock;
-  double& seconds_;
-  Clock::time_point start_;
-};
+using Stats = FsdpMuonStepStats;
 
 // Runs `collective` and adds the bytes it sent (one CommStats counter) to `bytes`.
 template <typename Collective>
@@ -120,6 +107,9 @@ struct FsdpMuon::Impl {
   std::vector<std::vector<const c10::TensorImpl*>> frozen;
   std::vector<ExchangeLayout> exchanges;  // [group], laid out again when the active set changes
   FsdpMuonStepStats stats;
+  // The last step's phase times, added to `stats` when they are first read (on CUDA that waits
+  // for the step's work, so a step nobody profiles never waits).
+  std::unique_ptr<detail::PhaseTimer> timer;
 
   int rank() const { return comm->rank(); }
   int world() const { return comm->size(); }
@@ -140,11 +130,9 @@ struct FsdpMuon::Impl {
   // ---- step() phases, in order (docs/DESIGN.md §3) ----
   std::vector<bool> agree_on_gradients(FsdpMuon& self, FsdpMuonStepStats& stats);
   std::vector<GroupInFlight> momentum_inputs(FsdpMuon& self, std::pair<size_t, size_t> window,
-                                             const std::vector<bool>& active,
-                                             FsdpMuonStepStats& stats);
+                                             const std::vector<bool>& active);
   void gather_to_owners(std::vector<GroupInFlight>& flight, size_t first, FsdpMuonStepStats& stats);
-  void orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlight>& flight, size_t first,
-                           FsdpMuonStepStats& stats);
+  void orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlight>& flight, size_t first);
   void scatter_to_holders(std::vector<GroupInFlight>& flight, size_t first,
                           FsdpMuonStepStats& stats);
   void apply_and_refresh(FsdpMuon& self, std::vector<GroupInFlight>& flight, size_t first,
@@ -329,6 +317,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     }
   }
   exchanges.assign(groups.size(), ExchangeLayout{});
+  timer = std::make_unique<detail::PhaseTimer>(comm->device());
   for (const auto& group : self.param_groups_) {
     std::vector<const c10::TensorImpl*> impls;
     for (const at::Tensor& p : group.params()) impls.push_back(p.unsafeGetTensorImpl());
@@ -365,12 +354,13 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
   }
   Impl& d = *impl_;
   FsdpMuonStepStats stats;
+  d.timer->reset();
   const std::vector<bool> active = d.agree_on_gradients(*this, stats);
   for (const auto& window : d.plan.windows) {
     ++stats.windows;
-    std::vector<GroupInFlight> flight = d.momentum_inputs(*this, window, active, stats);
+    std::vector<GroupInFlight> flight = d.momentum_inputs(*this, window, active);
     d.gather_to_owners(flight, window.first, stats);
-    d.orthogonalize_owned(*this, flight, window.first, stats);
+    d.orthogonalize_owned(*this, flight, window.first);
     d.scatter_to_holders(flight, window.first, stats);
     d.apply_and_refresh(*this, flight, window.first, stats);
   }
@@ -381,7 +371,7 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
 // One all-reduce before anything changes: every rank learns whether any rank's parameter groups
 // were edited, whether any failed its checks, and which matrices have gradients everywhere.
 std::vector<bool> FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self, FsdpMuonStepStats& stats) {
-  PhaseTimer timer(stats.check_seconds);
+  const auto phase = timer->measure(&Stats::check_seconds);
   const size_t n = matrices.size();
   bool changed = self.param_groups_.size() != frozen.size();
   for (size_t gi = 0; !changed && gi < self.param_groups_.size(); ++gi) {
@@ -446,9 +436,8 @@ std::vector<bool> FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self, FsdpMuonSte
 // rest is packed into the gather's send buffer.
 std::vector<GroupInFlight> FsdpMuon::Impl::momentum_inputs(FsdpMuon& self,
                                                            std::pair<size_t, size_t> window,
-                                                           const std::vector<bool>& active,
-                                                           FsdpMuonStepStats& stats) {
-  PhaseTimer timer(stats.elementwise_seconds);
+                                                           const std::vector<bool>& active) {
+  const auto phase = timer->measure(&Stats::elementwise_seconds);
   const int me = rank();
   std::vector<GroupInFlight> flight(window.second - window.first);
   for (size_t g = window.first; g < window.second; ++g) {
@@ -483,7 +472,7 @@ std::vector<GroupInFlight> FsdpMuon::Impl::momentum_inputs(FsdpMuon& self,
 // One all-to-all-v per group, then each owner assembles its full matrices.
 void FsdpMuon::Impl::gather_to_owners(std::vector<GroupInFlight>& flight, size_t first,
                                       FsdpMuonStepStats& stats) {
-  PhaseTimer timer(stats.gather_seconds);
+  const auto phase = timer->measure(&Stats::gather_seconds);
   const int me = rank();
   int64_t transient = 0;
   for (size_t k = 0; k < flight.size(); ++k) {
@@ -516,8 +505,8 @@ void FsdpMuon::Impl::gather_to_owners(std::vector<GroupInFlight>& flight, size_t
 
 // Newton–Schulz and the scale on each full matrix this rank owns, in place.
 void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlight>& flight,
-                                         size_t first, FsdpMuonStepStats& stats) {
-  PhaseTimer timer(stats.orthogonalize_seconds);
+                                         size_t first) {
+  const auto phase = timer->measure(&Stats::orthogonalize_seconds);
   for (size_t k = 0; k < flight.size(); ++k) {
     const auto& local = group_matrices[first + k];
     for (size_t j = 0; j < local.size(); ++j) {
@@ -535,7 +524,7 @@ void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlig
 // Each owner sends every holder its slice of the update: the gather's buffers, roles swapped.
 void FsdpMuon::Impl::scatter_to_holders(std::vector<GroupInFlight>& flight, size_t first,
                                         FsdpMuonStepStats& stats) {
-  PhaseTimer timer(stats.scatter_seconds);
+  const auto phase = timer->measure(&Stats::scatter_seconds);
   const int me = rank();
   for (size_t k = 0; k < flight.size(); ++k) {
     GroupInFlight& f = flight[k];
@@ -569,7 +558,7 @@ void FsdpMuon::Impl::apply_and_refresh(FsdpMuon& self, std::vector<GroupInFlight
     GroupInFlight& f = flight[k];
     const size_t g = first + k;
     {
-      PhaseTimer timer(stats.apply_seconds);
+      const auto phase = timer->measure(&Stats::apply_seconds);
       const ExchangeLayout& x = exchange(g, f.active);
       for (size_t j = 0; j < group_matrices[g].size(); ++j) {
         const FsdpMuonMatrix& mat = matrices[group_matrices[g][j]];
@@ -584,7 +573,7 @@ void FsdpMuon::Impl::apply_and_refresh(FsdpMuon& self, std::vector<GroupInFlight
       }
       f = GroupInFlight{};
     }
-    PhaseTimer timer(stats.refresh_seconds);
+    const auto phase = timer->measure(&Stats::refresh_seconds);
     count_sent(*comm, &CommStats::all_gather_bytes, stats.refresh_bytes,
                [&] { groups[g]->refresh_model_weights(); });
   }
@@ -614,6 +603,9 @@ int FsdpMuon::owner_of(const at::Tensor& sharded_parameter) const {
   return it == impl_->matrix_of.end() ? -1 : impl_->matrices[it->second].owner;
 }
 
-const FsdpMuonStepStats& FsdpMuon::last_step_stats() const { return impl_->stats; }
+const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
+  impl_->timer->add_to(impl_->stats);
+  return impl_->stats;
+}
 
 }  // namespace fsdp_muon

@@ -52,8 +52,9 @@ struct FsdpMuonStepStats {
   // Largest sum of full-matrix bytes this rank held at once (its owned matrices in one window);
   // 0 on a rank that owns nothing.
   int64_t max_transient_bytes = 0;
-  // Host time per phase. On CUDA the work is enqueued on the caller's stream and these measure
-  // enqueueing, not execution, unless the caller synchronizes.
+  // Seconds per phase. On the CPU: wall time. On CUDA: execution time on the caller's stream,
+  // measured by CUDA events around each phase; last_step_stats() waits for the step's work the
+  // first time it is called after a step (step() itself never waits for them).
   double check_seconds = 0;
   double elementwise_seconds = 0;
   double gather_seconds = 0;
