@@ -94,6 +94,18 @@ struct GroupInFlight {
 
 }  // namespace
 
+const char* to_string(NonFiniteGradients mode) {
+  switch (mode) {
+    case NonFiniteGradients::kIgnore:
+      return "ignore";
+    case NonFiniteGradients::kSkipStep:
+      return "skip_step";
+    case NonFiniteGradients::kThrow:
+      return "throw";
+  }
+  return "?";
+}
+
 struct FsdpMuon::Impl {
   FsdpMuonConfig config;
   std::shared_ptr<Communicator> comm;
@@ -110,6 +122,7 @@ struct FsdpMuon::Impl {
   // The last step's phase times, added to `stats` when they are first read (on CUDA that waits
   // for the step's work, so a step nobody profiles never waits).
   std::unique_ptr<detail::PhaseTimer> timer;
+  int64_t skipped_steps = 0;
 
   int rank() const { return comm->rank(); }
   int world() const { return comm->size(); }
@@ -129,6 +142,8 @@ struct FsdpMuon::Impl {
 
   // ---- step() phases, in order (docs/DESIGN.md §3) ----
   std::vector<bool> agree_on_gradients(FsdpMuon& self, FsdpMuonStepStats& stats);
+  void reject_non_finite(const std::vector<int64_t>& sums, std::vector<bool>& active,
+                         FsdpMuonStepStats& stats);
   std::vector<GroupInFlight> momentum_inputs(FsdpMuon& self, std::pair<size_t, size_t> window,
                                              const std::vector<bool>& active);
   void gather_to_owners(std::vector<GroupInFlight>& flight, size_t first, FsdpMuonStepStats& stats);
@@ -330,7 +345,8 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
 std::string FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
   std::ostringstream desc;
   desc << "world " << world() << "; policy " << to_string(config.owner_policy()) << "; budget "
-       << config.prefetch_budget_bytes() << ";";
+       << config.prefetch_budget_bytes() << "; non-finite "
+       << to_string(config.non_finite_gradients()) << ";";
   for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
     const auto& options = static_cast<const MuonOptions&>(self.param_groups_[gi].options());
     desc << " group " << gi << " ns_steps " << options.ns_steps() << " {";
@@ -381,16 +397,21 @@ std::vector<bool> FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self, FsdpMuonSte
       changed = params[i].unsafeGetTensorImpl() != frozen[gi][i];
     }
   }
-  // [changed, has a gradient per matrix], summed over ranks.
+  const NonFiniteGradients non_finite = config.non_finite_gradients();
+  const bool check_finite = non_finite != NonFiniteGradients::kIgnore;
+  // [changed, has a gradient per matrix, (checked:) non-finite gradient per matrix], summed.
   std::vector<int64_t> sums;
   count_sent(*comm, &CommStats::all_reduce_bytes, stats.check_bytes, [&] {
     sums = detail::agree_on_sum(
-        *comm, "fsdp_muon::FsdpMuon::step", n + 1, [&](std::vector<int64_t>& mine) {
+        *comm, "fsdp_muon::FsdpMuon::step", check_finite ? 2 * n + 1 : n + 1,
+        [&](std::vector<int64_t>& mine) {
           mine[0] = changed ? 1 : 0;
           if (changed) return;  // the checks below assume the constructed groups
           for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
             muon_options_of(self.param_groups_[gi], gi).validate();  // may have been edited
           }
+          std::vector<size_t> checked;
+          std::vector<at::Tensor> not_finite;
           for (size_t m = 0; m < n; ++m) {
             const at::Tensor& p = matrices[m].sharded_parameter;
             const at::Tensor& g = p.grad();
@@ -402,6 +423,16 @@ std::vector<bool> FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self, FsdpMuonSte
                         "; FsdpMuon expects the group's gradient-shard slice "
                         "(FsdpParameterGroup::reduce_scatter_grads())");
             mine[m + 1] = 1;
+            if (check_finite) {
+              checked.push_back(m);
+              not_finite.push_back(at::logical_not(at::isfinite(g)).any());
+            }
+          }
+          if (checked.empty()) return;
+          // One device-to-host copy for all matrices.
+          const at::Tensor flags = at::stack(not_finite).to(at::kCPU, at::kLong);
+          for (size_t k = 0; k < checked.size(); ++k) {
+            mine[n + 1 + checked[k]] = flags.data_ptr<int64_t>()[k];
           }
         });
   });
@@ -429,7 +460,33 @@ std::vector<bool> FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self, FsdpMuonSte
               ". Every rank must produce the same set of gradients (run backward on every rank, "
               "then FsdpParameterGroup::reduce_scatter_grads() on every rank)");
   stats.active_parameters = std::count(active.begin(), active.end(), true);
+  if (check_finite) reject_non_finite(sums, active, stats);
   return active;
+}
+
+// Applies NonFiniteGradients to the agreed counts of ranks that saw NaN or Inf per matrix.
+void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& sums, std::vector<bool>& active,
+                                       FsdpMuonStepStats& stats) {
+  const size_t n = matrices.size();
+  std::ostringstream names;
+  for (size_t m = 0; m < n; ++m) {
+    const int64_t ranks = sums[n + 1 + m];
+    if (ranks == 0) continue;
+    if (stats.non_finite_parameters++ < 8) {
+      names << (stats.non_finite_parameters > 1 ? ", " : "") << "'" << matrices[m].name << "' on "
+            << ranks << " of " << world() << " rank(s)";
+    }
+  }
+  if (stats.non_finite_parameters == 0) return;
+  TORCH_CHECK(config.non_finite_gradients() != NonFiniteGradients::kThrow,
+              "fsdp_muon::FsdpMuon: non-finite gradients (NaN or Inf) in ",
+              stats.non_finite_parameters, " parameter(s): ", names.str(),
+              ". FsdpMuonConfig().non_finite_gradients(NonFiniteGradients::kSkipStep) skips such "
+              "steps instead");
+  // kSkipStep: no matrix is active, so nothing moves or changes; the groups are still refreshed.
+  active.assign(n, false);
+  stats.skipped = true;
+  ++skipped_steps;
 }
 
 // Weight decay, momentum and the Nesterov input on each local shard; owners keep theirs, the
@@ -602,6 +659,8 @@ int FsdpMuon::owner_of(const at::Tensor& sharded_parameter) const {
   auto it = impl_->matrix_of.find(sharded_parameter.unsafeGetTensorImpl());
   return it == impl_->matrix_of.end() ? -1 : impl_->matrices[it->second].owner;
 }
+
+int64_t FsdpMuon::skipped_steps() const { return impl_->skipped_steps; }
 
 const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
   impl_->timer->add_to(impl_->stats);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <sstream>
@@ -654,6 +655,59 @@ TEST(FsdpMuonErrors, AddParamGroupAfterConstruction) {
   feed_gradients(model, 4000);
   expect_error([&] { fsdp.step(); }, {"parameter groups were changed after construction on 1 of " +
                                       std::to_string(world().size())});
+}
+
+// A NaN in one rank's piece of one gradient: under each NonFiniteGradients mode every rank
+// reaches the same outcome (the check rides on the agreement all-reduce).
+TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
+  const int w = world().size();
+  const int me = world().rank();
+  for (const NonFiniteGradients mode :
+       {NonFiniteGradients::kIgnore, NonFiniteGradients::kSkipStep, NonFiniteGradients::kThrow}) {
+    SCOPED_TRACE(to_string(mode));
+    Model model = make_model(50);
+    const std::shared_ptr<FsdpParameterGroup>& group = model.groups[0];
+    const size_t index = 0;  // 'a.w1', 5 x 7
+    int holder = -1;         // the last rank that holds part of it
+    for (int r = 0; r < w; ++r) {
+      if (group->held_range(index, r).second > group->held_range(index, r).first) holder = r;
+    }
+    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(),
+                  FsdpMuonConfig().non_finite_gradients(mode));
+    feed_gradients(model, 5000);
+    const at::Tensor& poisoned = group->sharded_parameter(index);
+    if (me == holder) poisoned.grad()[0] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<at::Tensor> before;
+    for (const at::Tensor& p : sharded_matrices(model)) before.push_back(p.detach().clone());
+    const auto unchanged = [&] {
+      const auto now = sharded_matrices(model);
+      for (size_t k = 0; k < now.size(); ++k) EXPECT_TRUE(at::equal(now[k], before[k])) << k;
+    };
+    if (mode == NonFiniteGradients::kThrow) {
+      expect_error([&] { fsdp.step(); },
+                   {"non-finite gradients (NaN or Inf) in 1 parameter(s): 'a.w1' on 1 of " +
+                    std::to_string(w) + " rank(s)"});
+      unchanged();
+      continue;
+    }
+    fsdp.step();
+    if (mode == NonFiniteGradients::kSkipStep) {
+      EXPECT_TRUE(fsdp.last_step_stats().skipped);
+      EXPECT_EQ(fsdp.last_step_stats().non_finite_parameters, 1);
+      EXPECT_EQ(fsdp.skipped_steps(), 1);
+      unchanged();
+      feed_gradients(model, 5001);  // finite again: the next step runs
+      fsdp.step();
+      EXPECT_FALSE(fsdp.last_step_stats().skipped);
+      EXPECT_EQ(fsdp.skipped_steps(), 1);
+      if (poisoned.numel() > 0) {
+        EXPECT_FALSE(at::equal(poisoned, before[0]));
+      }
+    } else {
+      EXPECT_EQ(fsdp.last_step_stats().non_finite_parameters, 0);  // not checked
+      EXPECT_TRUE(poisoned.numel() == 0 || at::isnan(poisoned).all().item<bool>());
+    }
+  }
 }
 
 }  // namespace

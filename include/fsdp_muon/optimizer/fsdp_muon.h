@@ -28,6 +28,16 @@ namespace fsdp_muon {
 
 class FsdpParameterGroup;
 
+// What FsdpMuon::step does when a gradient holds NaN or Inf on any rank. The check rides on the
+// agreement all-reduce every step already runs (no extra collective); kIgnore skips it.
+enum class NonFiniteGradients {
+  kIgnore,    // no check: the matrix's update becomes NaN on every rank (as in torch.optim.Muon)
+  kSkipStep,  // every rank skips FsdpMuon's update (momentum untouched) and counts the step
+  kThrow,     // a clear error on every rank naming the parameters and how many ranks saw them
+};
+
+const char* to_string(NonFiniteGradients mode);
+
 // Distribution settings of FsdpMuon (the math is in MuonOptions).
 struct FsdpMuonConfig {
   // Who may orthogonalize a matrix that several ranks hold (see OwnerPolicy).
@@ -39,16 +49,23 @@ struct FsdpMuonConfig {
   // alone. The result bits never depend on it.
   // The default, 1 GiB, was chosen from the planned critical paths in bench/RESULTS.md.
   TORCH_ARG(int64_t, prefetch_budget_bytes) = int64_t{1} << 30;
+  // See NonFiniteGradients. With kSkipStep the model weights are still refreshed (another
+  // optimizer may have stepped the groups' other parameters), and skipped_steps() counts it.
+  TORCH_ARG(NonFiniteGradients, non_finite_gradients) = NonFiniteGradients::kIgnore;
 };
 
 // What the last step() did on this rank.
 struct FsdpMuonStepStats {
   int64_t active_parameters = 0;  // matrices with gradients (the same on every rank)
-  int64_t windows = 0;            // prefetch windows the groups ran in
-  int64_t gather_bytes = 0;       // sent by this rank in the gathers (Communicator::stats)
-  int64_t scatter_bytes = 0;      // sent by this rank in the scatters
-  int64_t check_bytes = 0;        // sent by this rank in the gradient-agreement all-reduce
-  int64_t refresh_bytes = 0;      // sent by this rank refreshing model weights
+  // Matrices whose gradient held NaN or Inf on some rank (0 unless non_finite_gradients is
+  // checked), and whether the update was skipped for them.
+  int64_t non_finite_parameters = 0;
+  bool skipped = false;
+  int64_t windows = 0;        // prefetch windows the groups ran in
+  int64_t gather_bytes = 0;   // sent by this rank in the gathers (Communicator::stats)
+  int64_t scatter_bytes = 0;  // sent by this rank in the scatters
+  int64_t check_bytes = 0;    // sent by this rank in the gradient-agreement all-reduce
+  int64_t refresh_bytes = 0;  // sent by this rank refreshing model weights
   // Largest sum of full-matrix bytes this rank held at once (its owned matrices in one window);
   // 0 on a rank that owns nothing.
   int64_t max_transient_bytes = 0;
@@ -125,6 +142,8 @@ class FsdpMuon : public torch::optim::Optimizer {
   // skipped non-2-D parameter, an empty matrix, or a tensor it does not know).
   int owner_of(const at::Tensor& sharded_parameter) const;
   const FsdpMuonStepStats& last_step_stats() const;
+  // Steps whose update NonFiniteGradients::kSkipStep skipped, since construction.
+  int64_t skipped_steps() const;
 
  private:
   struct Impl;
