@@ -8,6 +8,8 @@
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
+#include "newton_schulz/newton_schulz_internal.h"
+
 namespace fsdp_muon {
 namespace {
 
@@ -77,7 +79,7 @@ void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
   read_scalar(archive, "weight_decay", weight_decay_);
   read_enum(archive, "weight_decay_method", weight_decay_method_, 4);
   read_scalar(archive, "ns_steps", ns_steps_);
-  read_enum(archive, "coefficients", coefficients_, 7);
+  read_enum(archive, "coefficients", coefficients_, detail::ns_coefficients_count());
   c10::IValue table_value;
   if (archive.try_read("custom_coefficients", table_value)) {
     const at::Tensor table = table_value.toTensor().to(at::kDouble).contiguous();

@@ -12,6 +12,10 @@
 
 namespace fsdp_muon::detail {
 
+// How many NsCoefficients values exist (the rows of FSDP_MUON_NS_PRESETS); an archive holding
+// any other integer is rejected.
+int64_t ns_coefficients_count();
+
 // The iterate in canonical form: wide (rows <= cols), contiguous, normalized in fp32 and cast to
 // the compute dtype; always 3-D (a 2-D input becomes a batch of one).
 struct NsPrepared {

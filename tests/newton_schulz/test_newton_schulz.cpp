@@ -9,6 +9,7 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -218,6 +219,15 @@ TEST(NewtonSchulzSchedule, PresetNames) {
   EXPECT_STREQ(to_string(NsCoefficients::kAol), "aol");
   EXPECT_STREQ(to_string(NsCoefficients::kDeepseekV4), "deepseek_v4");
   EXPECT_STREQ(to_string(NsCoefficients::kCubic5), "cubic5");
+  for (const auto preset :
+       {NsCoefficients::kSimple, NsCoefficients::kQuintic, NsCoefficients::kPolarExpress,
+        NsCoefficients::kCans, NsCoefficients::kAol, NsCoefficients::kDeepseekV4,
+        NsCoefficients::kCubic5}) {
+    EXPECT_EQ(parse_ns_coefficients(to_string(preset)), preset) << to_string(preset);
+  }
+  EXPECT_EQ(parse_ns_coefficients("Quintic"), std::nullopt);
+  EXPECT_EQ(parse_ns_coefficients(""), std::nullopt);
+  EXPECT_STREQ(to_string(static_cast<NsCoefficients>(7)), "unknown");
 }
 
 // ---------------------------------------------------------------------------------------------
