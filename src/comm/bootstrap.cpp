@@ -22,6 +22,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -256,34 +257,76 @@ c10::intrusive_ptr<c10d::Store> base_store(const LaunchEnvironment& e,
   return it->second;
 }
 
-std::string choose_backend(const InitOptions& options) {
-  std::string backend = options.backend;
+struct BackendName {
+  CommBackend backend;
+  const char* name;
+};
+
+// Every CommBackend and its name, in enumerator order.
+constexpr BackendName kBackendNames[] = {
+    {CommBackend::kAuto, "auto"},
+    {CommBackend::kNccl, "nccl"},
+    {CommBackend::kGloo, "gloo"},
+};
+
+// "auto, nccl, gloo", for error messages.
+std::string backend_names() {
+  std::string names;
+  for (const auto& entry : kBackendNames) {
+    names += (names.empty() ? "" : ", ") + std::string(entry.name);
+  }
+  return names;
+}
+
+// The backend to set up: never kAuto.
+CommBackend choose_backend(const InitOptions& options) {
+  std::string name = options.backend;
   const char* source = "InitOptions::backend";
-  if (backend == "auto") {
+  if (name == to_string(CommBackend::kAuto)) {
     if (const auto chosen = env("FSDP_MUON_BACKEND")) {
-      backend = *chosen;
+      name = *chosen;
       source = "FSDP_MUON_BACKEND";
     }
   }
-  TORCH_CHECK(backend == "auto" || backend == "nccl" || backend == "gloo", "fsdp_muon: ", source,
-              "='", backend, "' is not one of auto, nccl, gloo");
+  const std::optional<CommBackend> parsed = parse_comm_backend(name);
+  TORCH_CHECK(parsed, "fsdp_muon: ", source, "='", name, "' is not one of ", backend_names());
   const bool cuda = FSDP_MUON_WITH_CUDA && torch::cuda::is_available();
-  if (backend == "auto") {
-    backend = cuda ? "nccl" : "gloo";
+  CommBackend backend = *parsed;
+  if (backend == CommBackend::kAuto) {
+    backend = cuda ? CommBackend::kNccl : CommBackend::kGloo;
   }
-  if (backend == "nccl") {
-    TORCH_CHECK(FSDP_MUON_WITH_CUDA, "fsdp_muon: ", source,
-                " asks for NCCL but this build of fsdp_muon has no CUDA (LibTorch without CUDA)");
-    TORCH_CHECK(cuda, "fsdp_muon: ", source,
-                " asks for NCCL but no CUDA device is available to this process");
-  } else {
-    TORCH_CHECK(FSDP_MUON_WITH_GLOO, "fsdp_muon: ", source, " asks for Gloo but this build of ",
-                "fsdp_muon has none (configured with FSDP_MUON_WITH_GLOO=OFF)");
+  switch (backend) {
+    case CommBackend::kNccl:
+      TORCH_CHECK(FSDP_MUON_WITH_CUDA, "fsdp_muon: ", source,
+                  " asks for NCCL but this build of fsdp_muon has no CUDA (LibTorch without CUDA)");
+      TORCH_CHECK(cuda, "fsdp_muon: ", source,
+                  " asks for NCCL but no CUDA device is available to this process");
+      break;
+    case CommBackend::kGloo:
+      TORCH_CHECK(FSDP_MUON_WITH_GLOO, "fsdp_muon: ", source, " asks for Gloo but this build of ",
+                  "fsdp_muon has none (configured with FSDP_MUON_WITH_GLOO=OFF)");
+      break;
+    case CommBackend::kAuto:
+      break;  // resolved above
   }
   return backend;
 }
 
 }  // namespace
+
+const char* to_string(CommBackend backend) {
+  for (const auto& entry : kBackendNames) {
+    if (entry.backend == backend) return entry.name;
+  }
+  return "unknown";
+}
+
+std::optional<CommBackend> parse_comm_backend(std::string_view name) {
+  for (const auto& entry : kBackendNames) {
+    if (name == entry.name) return entry.backend;
+  }
+  return std::nullopt;
+}
 
 LaunchEnvironment read_launch_environment() {
   const auto torch = read_launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", false);
@@ -359,7 +402,7 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
               "fsdp_muon init_from_env: InitOptions::timeout_seconds=", options.timeout_seconds,
               " must be positive");
   const LaunchEnvironment e = read_launch_environment();
-  const std::string backend = choose_backend(options);
+  const CommBackend backend = choose_backend(options);
   const auto timeout =
       std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000.0));
 
@@ -370,22 +413,30 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
       "fsdp_muon/communicator_" + std::to_string(instance), base_store(e, timeout));
 
   try {
-    if (backend == "nccl") {
-      const int devices = torch::cuda::device_count();
-      TORCH_CHECK(e.local_rank < devices, "fsdp_muon init_from_env: local rank ", e.local_rank,
-                  " has no CUDA device (", devices,
-                  " visible); start at most one process per GPU on each node or check "
-                  "CUDA_VISIBLE_DEVICES");
-      return make_nccl_communicator(store, e.rank, e.world_size, e.local_rank, timeout);
+    switch (backend) {
+      case CommBackend::kNccl: {
+        const int devices = torch::cuda::device_count();
+        TORCH_CHECK(e.local_rank < devices, "fsdp_muon init_from_env: local rank ", e.local_rank,
+                    " has no CUDA device (", devices,
+                    " visible); start at most one process per GPU on each node or check "
+                    "CUDA_VISIBLE_DEVICES");
+        return make_nccl_communicator(store, e.rank, e.world_size, e.local_rank, timeout);
+      }
+      case CommBackend::kGloo: {
+        // Without an address every rank is on this node, and loopback always connects there.
+        const bool local = e.master_addr.empty() || e.master_addr == "localhost" ||
+                           e.master_addr.rfind("127.", 0) == 0;
+        return make_gloo_communicator(store, e.rank, e.world_size, timeout,
+                                      local ? "127.0.0.1" : "");
+      }
+      case CommBackend::kAuto:
+        break;  // choose_backend never returns it
     }
-    // Without an address every rank is on this node, and loopback always connects there.
-    const bool local = e.master_addr.empty() || e.master_addr == "localhost" ||
-                       e.master_addr.rfind("127.", 0) == 0;
-    return make_gloo_communicator(store, e.rank, e.world_size, timeout, local ? "127.0.0.1" : "");
+    TORCH_CHECK(false, "fsdp_muon init_from_env: no communicator for backend ", to_string(backend));
   } catch (const c10::Error& ex) {
-    TORCH_CHECK(false, "fsdp_muon init_from_env: setting up ", backend, " for ", e.launcher,
-                " rank ", e.rank, " of ", e.world_size, " failed (are all ", e.world_size,
-                " processes started and reachable within ", options.timeout_seconds,
+    TORCH_CHECK(false, "fsdp_muon init_from_env: setting up ", to_string(backend), " for ",
+                e.launcher, " rank ", e.rank, " of ", e.world_size, " failed (are all ",
+                e.world_size, " processes started and reachable within ", options.timeout_seconds,
                 " s?): ", ex.what_without_backtrace());
   }
 }

@@ -359,6 +359,23 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvSingleProcess) {
   }
 }
 
+TEST(CommBackendTest, NamesRoundTrip) {
+  EXPECT_STREQ(to_string(CommBackend::kAuto), "auto");
+  EXPECT_STREQ(to_string(CommBackend::kNccl), "nccl");
+  EXPECT_STREQ(to_string(CommBackend::kGloo), "gloo");
+  for (const auto backend : {CommBackend::kAuto, CommBackend::kNccl, CommBackend::kGloo}) {
+    EXPECT_EQ(parse_comm_backend(to_string(backend)), backend) << to_string(backend);
+  }
+  EXPECT_EQ(parse_comm_backend("mpi"), std::nullopt);
+  EXPECT_EQ(parse_comm_backend("Gloo"), std::nullopt);
+  EXPECT_EQ(parse_comm_backend(""), std::nullopt);
+  // InitOptions::backend stays a string: a name, or a CommBackend spelled by to_string.
+  InitOptions options;
+  EXPECT_EQ(options.backend, "auto");
+  options.backend = to_string(CommBackend::kGloo);
+  EXPECT_EQ(options.backend, "gloo");
+}
+
 TEST_F(LaunchEnvironmentTest, InitFromEnvBackendChoice) {
   InitOptions options;
   options.backend = "mpi";
@@ -366,7 +383,10 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvBackendChoice) {
     init_from_env(options);
     ADD_FAILURE() << "backend mpi accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("InitOptions::backend='mpi'"), std::string::npos);
+    EXPECT_NE(
+        std::string(e.what()).find("InitOptions::backend='mpi' is not one of auto, nccl, gloo"),
+        std::string::npos)
+        << e.what();
   }
   set({{"FSDP_MUON_BACKEND", "ucc"}});
   try {

@@ -6,7 +6,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -102,9 +104,20 @@ struct LaunchEnvironment {
 // then describe the daemon mpirun started, not this rank); any other pair must agree.
 LaunchEnvironment read_launch_environment();
 
+// The transports init_from_env() can set up. kAuto: NCCL when CUDA is available, else Gloo.
+enum class CommBackend { kAuto, kNccl, kGloo };
+
+// "auto", "nccl", "gloo": the names InitOptions::backend and FSDP_MUON_BACKEND accept.
+const char* to_string(CommBackend backend);
+
+// The backend of that name (as to_string spells it); nullopt for any other string.
+std::optional<CommBackend> parse_comm_backend(std::string_view name);
+
 struct InitOptions {
-  // "auto" (NCCL when CUDA is available, else Gloo), "nccl" or "gloo". With "auto", the
-  // environment variable FSDP_MUON_BACKEND, when set, chooses instead.
+  // A CommBackend by name (to_string(CommBackend::kGloo) or "gloo"): "auto" (NCCL when CUDA is
+  // available, else Gloo), "nccl" or "gloo". With "auto", the environment variable
+  // FSDP_MUON_BACKEND, when set, chooses instead. init_from_env() parses it once and rejects any
+  // other name.
   std::string backend = "auto";
   // Rendezvous and collective timeout.
   double timeout_seconds = 300.0;
