@@ -71,25 +71,32 @@ std::optional<NsCoefficients> parse_ns_coefficients(std::string_view name) {
 }
 
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options) {
+  return detail::newton_schulz_schedule(options, "fsdp_muon::NewtonSchulzOptions", "steps");
+}
+
+namespace detail {
+
+std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options,
+                                                          const char* api,
+                                                          const char* steps_option) {
   const int64_t steps = options.steps();
-  TORCH_CHECK(steps >= 1, "NewtonSchulzOptions::steps must be at least 1, got ", steps);
+  TORCH_CHECK(steps >= 1, api, ": ", steps_option, " must be at least 1, got ", steps);
   const auto& custom = options.custom_coefficients();
   const Preset* preset = custom.empty() ? find_preset(options.coefficients()) : nullptr;
-  TORCH_CHECK(!custom.empty() || preset != nullptr,
-              "NewtonSchulzOptions::coefficients has an unknown value ",
+  TORCH_CHECK(!custom.empty() || preset != nullptr, api, ": coefficients has an unknown value ",
               static_cast<int>(options.coefficients()));
   if (preset != nullptr && preset->rule == Rule::kExactSteps) {
     // Checked before the steps are materialized, so a nonsensical step count fails loudly.
     const auto defined = static_cast<int64_t>(preset->tuples.size());
-    TORCH_CHECK(steps == defined, "NewtonSchulzOptions: the ", preset->name,
-                " schedule is defined for exactly ", defined, " steps, got steps = ", steps,
-                "; set steps(", defined, ") or choose another schedule");
+    TORCH_CHECK(steps == defined, api, ": the ", preset->name, " schedule is defined for exactly ",
+                defined, " steps, got ", steps_option, " = ", steps, "; set ", steps_option, "(",
+                defined, ") or choose another schedule");
   }
   for (size_t t = 0; t < custom.size(); ++t) {
     const Tuple& tuple = custom[t];
-    TORCH_CHECK(std::isfinite(tuple[0]) && std::isfinite(tuple[1]) && std::isfinite(tuple[2]),
-                "NewtonSchulzOptions::custom_coefficients[", t, "] = (", tuple[0], ", ", tuple[1],
-                ", ", tuple[2], ") is not finite; every (a, b, c) must be finite numbers");
+    TORCH_CHECK(std::isfinite(tuple[0]) && std::isfinite(tuple[1]) && std::isfinite(tuple[2]), api,
+                ": custom_coefficients[", t, "] = (", tuple[0], ", ", tuple[1], ", ", tuple[2],
+                ") is not finite; every (a, b, c) must be finite numbers");
   }
 
   std::vector<Tuple> schedule;
@@ -107,27 +114,28 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
   return schedule;
 }
 
-namespace detail {
-
 int64_t ns_coefficients_count() { return static_cast<int64_t>(presets().size()); }
 
 void check_newton_schulz_input(const at::Tensor& x, const NewtonSchulzOptions& options) {
-  TORCH_CHECK(x.defined(), "newton_schulz: the input tensor is undefined");
+  TORCH_CHECK(x.defined(), "fsdp_muon::newton_schulz: the input tensor is undefined");
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3,
-              "newton_schulz: expected a 2-D matrix or a 3-D batch of matrices, got a tensor "
+              "fsdp_muon::newton_schulz: expected a 2-D matrix or a 3-D batch of matrices, got a "
+              "tensor "
               "of shape ",
               x.sizes());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()),
-              "newton_schulz: expected a real floating-point tensor, got ", x.scalar_type());
-  TORCH_CHECK(x.layout() == c10::kStrided, "newton_schulz: expected a dense (strided) tensor, got ",
-              x.layout());
+              "fsdp_muon::newton_schulz: expected a real floating-point tensor, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.layout() == c10::kStrided,
+              "fsdp_muon::newton_schulz: expected a dense (strided) tensor, got ", x.layout());
   const c10::ScalarType dtype = options.compute_dtype();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
-              "NewtonSchulzOptions::compute_dtype must be at::kBFloat16 or at::kFloat, got ",
+              "fsdp_muon::NewtonSchulzOptions: compute_dtype must be at::kBFloat16 or at::kFloat, "
+              "got ",
               dtype);
   TORCH_CHECK(std::isfinite(options.eps()) && options.eps() > 0.0,
-              "NewtonSchulzOptions::eps must be a positive finite number (it guards the division "
-              "by the Frobenius norm), got ",
+              "fsdp_muon::NewtonSchulzOptions: eps must be a positive finite number (it guards the "
+              "division by the Frobenius norm), got ",
               options.eps());
 }
 
@@ -192,13 +200,15 @@ at::Tensor newton_schulz(const at::Tensor& x, const NewtonSchulzOptions& options
 #if FSDP_MUON_WITH_CUDA
     return detail::newton_schulz_cuda(x, options);
 #else
-    TORCH_CHECK(false,
-                "newton_schulz: got a CUDA tensor, but this build of fsdp_muon has no CUDA "
-                "support (LibTorch without CUDA at build time); move the tensor to the CPU or "
-                "rebuild against a CUDA LibTorch");
+    TORCH_CHECK(
+        false,
+        "fsdp_muon::newton_schulz: got a CUDA tensor, but this build of fsdp_muon has no CUDA "
+        "support (LibTorch without CUDA at build time); move the tensor to the CPU or "
+        "rebuild against a CUDA LibTorch");
 #endif
   }
-  TORCH_CHECK(x.is_cpu(), "newton_schulz: supports CPU and CUDA tensors, got device ", x.device());
+  TORCH_CHECK(x.is_cpu(), "fsdp_muon::newton_schulz: supports CPU and CUDA tensors, got device ",
+              x.device());
   return detail::newton_schulz_aten(x, options);
 }
 

@@ -258,6 +258,9 @@ TEST_F(LaunchEnvironmentTest, ContradictoryLocalRanks) {
 TEST_F(LaunchEnvironmentTest, RankOutsideWorld) {
   set({{"RANK", "5"}, {"WORLD_SIZE", "2"}});
   EXPECT_NE(error().find("RANK=5 is outside"), std::string::npos) << error();
+  // Errors name the call that read the environment.
+  EXPECT_EQ(error().rfind("fsdp_muon::read_launch_environment: RANK=5 is outside", 0), 0u)
+      << error();
 }
 
 TEST_F(LaunchEnvironmentTest, NegativeRank) {
@@ -384,7 +387,8 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvBackendChoice) {
     ADD_FAILURE() << "backend mpi accepted";
   } catch (const c10::Error& e) {
     EXPECT_NE(
-        std::string(e.what()).find("InitOptions::backend='mpi' is not one of auto, nccl, gloo"),
+        std::string(e.what()).find(
+            "fsdp_muon::init_from_env: InitOptions::backend='mpi' is not one of auto, nccl, gloo"),
         std::string::npos)
         << e.what();
   }

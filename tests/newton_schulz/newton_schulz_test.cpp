@@ -245,7 +245,7 @@ void expect_error(const at::Tensor& x, const NewtonSchulzOptions& options,
 
 TEST(NewtonSchulzErrors, RejectsBadInput) {
   const NewtonSchulzOptions options;
-  expect_error(at::Tensor(), options, "undefined");
+  expect_error(at::Tensor(), options, "fsdp_muon::newton_schulz: the input tensor is undefined");
   expect_error(at::randn({8}), options, "2-D matrix or a 3-D batch");
   expect_error(at::randn({2, 2, 4, 4}), options, "2-D matrix or a 3-D batch");
   expect_error(at::ones({4, 4}, at::kInt), options, "real floating-point");
@@ -260,7 +260,8 @@ TEST(NewtonSchulzErrors, RejectsBadOptions) {
   expect_error(x, NewtonSchulzOptions().eps(-1e-7), "eps must be a positive");
   expect_error(x, NewtonSchulzOptions().eps(std::numeric_limits<double>::quiet_NaN()),
                "eps must be a positive");
-  expect_error(x, NewtonSchulzOptions().steps(0), "steps must be at least 1");
+  expect_error(x, NewtonSchulzOptions().steps(0),
+               "fsdp_muon::NewtonSchulzOptions: steps must be at least 1");
   expect_error(x, NewtonSchulzOptions().coefficients(NsCoefficients::kCubic5).steps(4), "cubic5");
 }
 
