@@ -21,7 +21,7 @@ namespace {
 using test::expect_error;
 using Tuple = std::array<double, 3>;
 
-// ---- float64 textbook Muon (DESIGN §4), written from the formulas, not from our code ----
+// ---- float64 textbook Muon (docs/DESIGN.md §4), written from the formulas, not from our code ----
 
 std::vector<Tuple> textbook_schedule(NsCoefficients c, int64_t steps) {
   const std::vector<Tuple> quintic{{4.0848, -6.8946, 2.9270},

@@ -60,7 +60,7 @@ double rel_fro_diff(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Schedules (DESIGN §4 tuples typed out again here, independently of the library's table).
+// Schedules (docs/DESIGN.md §4 tuples typed out again here, independently of the library's table).
 
 void expect_tuple(const Tuple& got, const Tuple& want, int64_t step) {
   EXPECT_EQ(got[0], want[0]) << "step " << step;

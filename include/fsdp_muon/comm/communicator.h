@@ -1,6 +1,6 @@
 #pragma once
-// The handful of collectives fsdp_muon needs (DESIGN §5). Every call takes flat 1-D contiguous
-// tensors on the communicator's device; on CUDA each is enqueued on the caller's current
+// The handful of collectives fsdp_muon needs (docs/DESIGN.md §5). Every call takes flat 1-D
+// contiguous tensors on the communicator's device; on CUDA each is enqueued on the caller's current
 // stream, on CPU it has completed when the call returns. Every call counts the bytes this rank
 // sends to other ranks, so tests and benchmarks can compare traffic with the minimum.
 

@@ -1,5 +1,5 @@
 #pragma once
-// Newton–Schulz orthogonalization (DESIGN §4): the coefficient schedules, normalization,
+// Newton–Schulz orthogonalization (docs/DESIGN.md §4): the coefficient schedules, normalization,
 // transposition, compute dtype and batching used by every Muon in this library.
 
 #include <array>
