@@ -31,7 +31,7 @@ class Flags {
 // printf into a std::string.
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
-// The PlanGroups FsdpMuon would build for `model` at `world_size` (DESIGN §2 layout of the
+// The PlanGroups FsdpMuon would build for `model` at `world_size` (docs/DESIGN.md §2 layout of the
 // compute dtype, 16-byte alignment; gathers move fp32).
 std::vector<fsdp_muon::PlanGroup> plan_groups(const ModelShapes& model, int world_size,
                                               int64_t ns_steps = 5,

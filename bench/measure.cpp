@@ -1,7 +1,7 @@
 // fsdp_muon_bench (default mode): FsdpMuon steps on model-shape presets, on the ranks of a
 // launcher (torchrun, mpirun, srun; a single process works too). Reports per-phase times, the
 // Newton-Schulz FLOP rate against a GEMM measured in the same run, balance, bytes against the
-// DESIGN §7 minimum and transient memory; --compare also times single-device Muon.
+// docs/DESIGN.md §7 minimum and transient memory; --compare also times single-device Muon.
 
 #include <algorithm>
 #include <chrono>

@@ -1,5 +1,5 @@
 // fsdp_muon_bench --plan-only: the owner plan alone, for real model shapes at large world sizes,
-// without processes (DESIGN §7).
+// without processes (docs/DESIGN.md §7).
 
 #include <algorithm>
 #include <cstdio>
@@ -46,7 +46,7 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
   const auto budgeted = plan_with(groups, world_size, policy, budget_bytes);
   const fsdp_muon::OwnerPlan rr = round_robin_plan(groups, world_size);
   Row row;
-  // The seed: loads balanced across all groups, but run one group at a time.
+  // seed-1: owners balanced across all groups, but one group run at a time.
   row.seed_budget0 = unlimited.critical_path_ratio_budget0();
   row.budget0 = one_buffer.critical_path_ratio_planned();
   row.default_budget = budgeted.critical_path_ratio_planned();

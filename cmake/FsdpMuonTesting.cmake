@@ -1,5 +1,16 @@
 # Test helpers. Single-process tests are GoogleTest binaries; distributed tests are the same
 # binaries started by the real launchers (torchrun, mpirun) with world sizes 1-4.
+#
+# Naming, for tests/<concern>/ (concern = the src/ folder under test):
+#   file        <thing>_test.cpp, thing = what is tested (usually the source file's stem);
+#               <thing>_distributed_test.cpp when the same thing also has an in-process test
+#   CTest       <concern>_<thing> for fsdp_muon_add_gtest, the concern written once when the
+#               thing starts with it (tests/muon/muon_options_test.cpp -> muon_options,
+#               tests/newton_schulz/newton_schulz_test.cpp -> newton_schulz);
+#               <concern>_<thing>_<launcher>_w<n> for fsdp_muon_add_distributed_test
+#               (NAME <concern>_<thing>)
+#   executable  the CTest name for fsdp_muon_add_gtest; <concern>_<thing>_distributed for an
+#               executable only the launchers start
 
 # GoogleTest: Debian's packaged libraries, or a source tree (the GPU machine has no package).
 set(FSDP_MUON_GTEST_SOURCE_DIR "" CACHE PATH "Build GoogleTest from this source tree instead")

@@ -22,6 +22,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -43,13 +44,15 @@ std::optional<std::string> env(const char* name) {
   return std::string(value);
 }
 
-int parse_int(const char* name, const std::string& value) {
+// Errors name the public call that read the environment: `api` is "fsdp_muon::init_from_env" or
+// "fsdp_muon::read_launch_environment".
+int parse_int(const char* api, const char* name, const std::string& value) {
   errno = 0;
   char* end = nullptr;
   const long parsed = std::strtol(value.c_str(), &end, 10);
   TORCH_CHECK(end != value.c_str() && *end == '\0' && errno == 0 && parsed >= INT_MIN &&
                   parsed <= INT_MAX && !std::isspace(static_cast<unsigned char>(value[0])),
-              "fsdp_muon launch: ", name, "='", value, "' is not an integer");
+              api, ": ", name, "='", value, "' is not an integer");
   return static_cast<int>(parsed);
 }
 
@@ -66,7 +69,7 @@ struct Reading {
 
 // nullopt when the launcher's variables are absent. `rank_marks_presence`: only the rank
 // variable shows the launcher started us (Slurm sets SLURM_NTASKS in a plain allocation too).
-std::optional<Reading> read_launcher(const char* launcher, const char* rank_var,
+std::optional<Reading> read_launcher(const char* api, const char* launcher, const char* rank_var,
                                      const char* size_var, const char* local_var,
                                      bool rank_marks_presence) {
   const auto rank = env(rank_var);
@@ -74,40 +77,38 @@ std::optional<Reading> read_launcher(const char* launcher, const char* rank_var,
   if (!rank && (rank_marks_presence || !size)) {
     return std::nullopt;
   }
-  TORCH_CHECK(rank, "fsdp_muon launch: ", size_var, " is set but ", rank_var, " is not; a ",
-              launcher, " launch sets both");
-  TORCH_CHECK(size, "fsdp_muon launch: ", rank_var, " is set but ", size_var, " is not; a ",
-              launcher, " launch sets both");
+  TORCH_CHECK(rank, api, ": ", size_var, " is set but ", rank_var, " is not; a ", launcher,
+              " launch sets both");
+  TORCH_CHECK(size, api, ": ", rank_var, " is set but ", size_var, " is not; a ", launcher,
+              " launch sets both");
   Reading r;
   r.launcher = launcher;
   r.rank_var = rank_var;
   r.size_var = size_var;
   r.local_var = local_var;
-  r.size = parse_int(size_var, *size);
-  r.rank = parse_int(rank_var, *rank);
-  TORCH_CHECK(r.size >= 1, "fsdp_muon launch: ", size_var, "=", r.size, " must be at least 1");
-  TORCH_CHECK(r.rank >= 0 && r.rank < r.size, "fsdp_muon launch: ", rank_var, "=", r.rank,
+  r.size = parse_int(api, size_var, *size);
+  r.rank = parse_int(api, rank_var, *rank);
+  TORCH_CHECK(r.size >= 1, api, ": ", size_var, "=", r.size, " must be at least 1");
+  TORCH_CHECK(r.rank >= 0 && r.rank < r.size, api, ": ", rank_var, "=", r.rank,
               " is outside the world of ", size_var, "=", r.size, " ranks [0, ", r.size, ")");
   if (const auto local = env(local_var)) {
-    r.local_rank = parse_int(local_var, *local);
-    TORCH_CHECK(*r.local_rank >= 0 && *r.local_rank < r.size, "fsdp_muon launch: ", local_var, "=",
+    r.local_rank = parse_int(api, local_var, *local);
+    TORCH_CHECK(*r.local_rank >= 0 && *r.local_rank < r.size, api, ": ", local_var, "=",
                 *r.local_rank, " is outside [0, ", size_var, "=", r.size, ")");
   }
   return r;
 }
 
-void check_agree(const Reading& a, const Reading& b) {
+void check_agree(const char* api, const Reading& a, const Reading& b) {
   const char* fix = "; unset the variables of the launcher that did not start this process";
-  TORCH_CHECK(a.size == b.size, "fsdp_muon launch: contradictory world sizes: ", a.size_var, "=",
-              a.size, " (", a.launcher, ") but ", b.size_var, "=", b.size, " (", b.launcher, ")",
-              fix);
-  TORCH_CHECK(a.rank == b.rank, "fsdp_muon launch: contradictory ranks: ", a.rank_var, "=", a.rank,
-              " (", a.launcher, ") but ", b.rank_var, "=", b.rank, " (", b.launcher, ")", fix);
+  TORCH_CHECK(a.size == b.size, api, ": contradictory world sizes: ", a.size_var, "=", a.size, " (",
+              a.launcher, ") but ", b.size_var, "=", b.size, " (", b.launcher, ")", fix);
+  TORCH_CHECK(a.rank == b.rank, api, ": contradictory ranks: ", a.rank_var, "=", a.rank, " (",
+              a.launcher, ") but ", b.rank_var, "=", b.rank, " (", b.launcher, ")", fix);
   if (a.local_rank && b.local_rank) {
-    TORCH_CHECK(*a.local_rank == *b.local_rank,
-                "fsdp_muon launch: contradictory local ranks: ", a.local_var, "=", *a.local_rank,
-                " (", a.launcher, ") but ", b.local_var, "=", *b.local_rank, " (", b.launcher, ")",
-                fix);
+    TORCH_CHECK(*a.local_rank == *b.local_rank, api, ": contradictory local ranks: ", a.local_var,
+                "=", *a.local_rank, " (", a.launcher, ") but ", b.local_var, "=", *b.local_rank,
+                " (", b.launcher, ")", fix);
   }
 }
 
@@ -156,28 +157,28 @@ std::string job_id_for(const std::string& launcher) {
 }
 
 // With no address the rendezvous is a file every rank can see, which only works on one node.
-void check_single_node(const LaunchEnvironment& e) {
+void check_single_node(const char* api, const LaunchEnvironment& e) {
   auto spans_nodes = [&](const char* local_size_var) {
     const auto local_size = env(local_size_var);
-    return local_size && parse_int(local_size_var, *local_size) != e.world_size;
+    return local_size && parse_int(api, local_size_var, *local_size) != e.world_size;
   };
   const char* fix =
       " but MASTER_ADDR is not set; export MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free "
       "port> to every rank";
   if (e.launcher == "torchrun") {
-    TORCH_CHECK(false, "fsdp_muon launch: RANK/WORLD_SIZE describe a world of ", e.world_size,
-                " ranks", fix, " (torchrun sets them itself)");
+    TORCH_CHECK(false, api, ": RANK/WORLD_SIZE describe a world of ", e.world_size, " ranks", fix,
+                " (torchrun sets them itself)");
   } else if (e.launcher == "mpirun") {
-    TORCH_CHECK(!spans_nodes("OMPI_COMM_WORLD_LOCAL_SIZE"), "fsdp_muon launch: this mpirun job ",
+    TORCH_CHECK(!spans_nodes("OMPI_COMM_WORLD_LOCAL_SIZE"), api, ": this mpirun job ",
                 "spans several nodes (OMPI_COMM_WORLD_LOCAL_SIZE differs from ",
                 "OMPI_COMM_WORLD_SIZE)", fix, " (mpirun -x MASTER_ADDR -x MASTER_PORT)");
   } else if (e.launcher == "srun") {
     const char* nodes_var = env("SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
     const auto nodes = env(nodes_var);
-    TORCH_CHECK(!nodes || parse_int(nodes_var, *nodes) <= 1, "fsdp_muon launch: this srun step ",
+    TORCH_CHECK(!nodes || parse_int(api, nodes_var, *nodes) <= 1, api, ": this srun step ",
                 "spans ", nodes_var, "=", nodes.value_or("?"), " nodes", fix);
   } else if (e.launcher == "pmi") {
-    TORCH_CHECK(!spans_nodes("MPI_LOCALNRANKS"), "fsdp_muon launch: this PMI job spans several ",
+    TORCH_CHECK(!spans_nodes("MPI_LOCALNRANKS"), api, ": this PMI job spans several ",
                 "nodes (MPI_LOCALNRANKS differs from PMI_SIZE)", fix);
   }
 }
@@ -201,7 +202,7 @@ std::string file_store_path(const LaunchEnvironment& e) {
   std::string dir = "/tmp";
   if (const auto chosen = env("FSDP_MUON_STORE_DIR")) {
     dir = *chosen;
-    TORCH_CHECK(is_directory(dir), "fsdp_muon launch: FSDP_MUON_STORE_DIR=", dir,
+    TORCH_CHECK(is_directory(dir), "fsdp_muon::init_from_env: FSDP_MUON_STORE_DIR=", dir,
                 " is not a directory");
   } else if (const auto session = env("OMPI_MCA_orte_jobfam_session_dir");
              session && e.launcher == "mpirun" && is_directory(*session)) {
@@ -225,7 +226,7 @@ c10::intrusive_ptr<c10d::Store> make_base_store(const LaunchEnvironment& e,
     try {
       return c10::make_intrusive<c10d::TCPStore>(e.master_addr, opts);
     } catch (const std::exception& ex) {
-      TORCH_CHECK(false, "fsdp_muon launch: could not ", opts.isServer ? "serve" : "reach",
+      TORCH_CHECK(false, "fsdp_muon::init_from_env: could not ", opts.isServer ? "serve" : "reach",
                   " the rendezvous store at MASTER_ADDR=", e.master_addr,
                   " MASTER_PORT=", e.master_port, " within ", timeout.count() / 1000.0, " s (",
                   e.launcher, " rank ", e.rank, " of ", e.world_size, "): ", ex.what());
@@ -256,41 +257,88 @@ c10::intrusive_ptr<c10d::Store> base_store(const LaunchEnvironment& e,
   return it->second;
 }
 
-std::string choose_backend(const InitOptions& options) {
-  std::string backend = options.backend;
+struct BackendName {
+  CommBackend backend;
+  const char* name;
+};
+
+// Every CommBackend and its name, in enumerator order.
+constexpr BackendName kBackendNames[] = {
+    {CommBackend::kAuto, "auto"},
+    {CommBackend::kNccl, "nccl"},
+    {CommBackend::kGloo, "gloo"},
+};
+
+// "auto, nccl, gloo", for error messages.
+std::string backend_names() {
+  std::string names;
+  for (const auto& entry : kBackendNames) {
+    names += (names.empty() ? "" : ", ") + std::string(entry.name);
+  }
+  return names;
+}
+
+// The backend to set up: never kAuto.
+CommBackend choose_backend(const InitOptions& options) {
+  std::string name = options.backend;
   const char* source = "InitOptions::backend";
-  if (backend == "auto") {
+  if (name == to_string(CommBackend::kAuto)) {
     if (const auto chosen = env("FSDP_MUON_BACKEND")) {
-      backend = *chosen;
+      name = *chosen;
       source = "FSDP_MUON_BACKEND";
     }
   }
-  TORCH_CHECK(backend == "auto" || backend == "nccl" || backend == "gloo", "fsdp_muon: ", source,
-              "='", backend, "' is not one of auto, nccl, gloo");
+  const std::optional<CommBackend> parsed = parse_comm_backend(name);
+  TORCH_CHECK(parsed, "fsdp_muon::init_from_env: ", source, "='", name, "' is not one of ",
+              backend_names());
   const bool cuda = FSDP_MUON_WITH_CUDA && torch::cuda::is_available();
-  if (backend == "auto") {
-    backend = cuda ? "nccl" : "gloo";
+  CommBackend backend = *parsed;
+  if (backend == CommBackend::kAuto) {
+    backend = cuda ? CommBackend::kNccl : CommBackend::kGloo;
   }
-  if (backend == "nccl") {
-    TORCH_CHECK(FSDP_MUON_WITH_CUDA, "fsdp_muon: ", source,
-                " asks for NCCL but this build of fsdp_muon has no CUDA (LibTorch without CUDA)");
-    TORCH_CHECK(cuda, "fsdp_muon: ", source,
-                " asks for NCCL but no CUDA device is available to this process");
-  } else {
-    TORCH_CHECK(FSDP_MUON_WITH_GLOO, "fsdp_muon: ", source, " asks for Gloo but this build of ",
-                "fsdp_muon has none (configured with FSDP_MUON_WITH_GLOO=OFF)");
+  switch (backend) {
+    case CommBackend::kNccl:
+      TORCH_CHECK(FSDP_MUON_WITH_CUDA, "fsdp_muon::init_from_env: ", source,
+                  " asks for NCCL but this build of fsdp_muon has no CUDA (LibTorch without CUDA)");
+      TORCH_CHECK(cuda, "fsdp_muon::init_from_env: ", source,
+                  " asks for NCCL but no CUDA device is available to this process");
+      break;
+    case CommBackend::kGloo:
+      TORCH_CHECK(FSDP_MUON_WITH_GLOO, "fsdp_muon::init_from_env: ", source,
+                  " asks for Gloo but this build of ",
+                  "fsdp_muon has none (configured with FSDP_MUON_WITH_GLOO=OFF)");
+      break;
+    case CommBackend::kAuto:
+      break;  // resolved above
   }
   return backend;
 }
 
 }  // namespace
 
-LaunchEnvironment read_launch_environment() {
-  const auto torch = read_launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", false);
-  const auto ompi = read_launcher("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+const char* to_string(CommBackend backend) {
+  for (const auto& entry : kBackendNames) {
+    if (entry.backend == backend) return entry.name;
+  }
+  return "unknown";
+}
+
+std::optional<CommBackend> parse_comm_backend(std::string_view name) {
+  for (const auto& entry : kBackendNames) {
+    if (name == entry.name) return entry.backend;
+  }
+  return std::nullopt;
+}
+
+namespace {
+
+LaunchEnvironment read_launch_environment_for(const char* api) {
+  const auto torch = read_launcher(api, "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", false);
+  const auto ompi = read_launcher(api, "mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                                   "OMPI_COMM_WORLD_LOCAL_RANK", false);
-  const auto slurm = read_launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", true);
-  const auto pmi = read_launcher("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", true);
+  const auto slurm =
+      read_launcher(api, "srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", true);
+  const auto pmi = read_launcher(api, "pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", true);
 
   std::vector<Reading> active;
   if (torch && env("TORCHELASTIC_RUN_ID")) {
@@ -313,7 +361,7 @@ LaunchEnvironment read_launch_environment() {
     }
   }
   for (size_t i = 1; i < active.size(); ++i) {
-    check_agree(active[0], active[i]);
+    check_agree(api, active[0], active[i]);
   }
 
   LaunchEnvironment e;
@@ -333,33 +381,39 @@ LaunchEnvironment read_launch_environment() {
 
   const auto addr = env("MASTER_ADDR");
   const auto port = env("MASTER_PORT");
-  TORCH_CHECK(!addr || port, "fsdp_muon launch: MASTER_ADDR=", addr.value_or(""),
+  TORCH_CHECK(!addr || port, api, ": MASTER_ADDR=", addr.value_or(""),
               " is set but MASTER_PORT is not; set both or neither");
-  TORCH_CHECK(addr || !port, "fsdp_muon launch: MASTER_PORT=", port.value_or(""),
+  TORCH_CHECK(addr || !port, api, ": MASTER_PORT=", port.value_or(""),
               " is set but MASTER_ADDR is not; set both or neither");
   e.use_agent_store = e.launcher == "torchrun" && env("TORCHELASTIC_USE_AGENT_STORE") == "True";
   if (addr) {
     e.master_addr = *addr;
-    e.master_port = parse_int("MASTER_PORT", *port);
-    TORCH_CHECK(e.master_port >= 0 && e.master_port <= 65535,
-                "fsdp_muon launch: MASTER_PORT=", e.master_port, " is not a TCP port (0-65535)");
+    e.master_port = parse_int(api, "MASTER_PORT", *port);
+    TORCH_CHECK(e.master_port >= 0 && e.master_port <= 65535, api, ": MASTER_PORT=", e.master_port,
+                " is not a TCP port (0-65535)");
     // Port 0 lets the OS choose, which only a world of one can use: nobody else could find it.
-    TORCH_CHECK(e.master_port != 0 || (e.world_size == 1 && !e.use_agent_store),
-                "fsdp_muon launch: MASTER_PORT=0 only works for a single process; give the "
+    TORCH_CHECK(e.master_port != 0 || (e.world_size == 1 && !e.use_agent_store), api,
+                ": MASTER_PORT=0 only works for a single process; give the "
                 "port rank 0 listens on");
   } else if (e.world_size > 1) {
-    check_single_node(e);
+    check_single_node(api, e);
   }
   e.job_id = job_id_for(e.launcher);
   return e;
 }
 
+}  // namespace
+
+LaunchEnvironment read_launch_environment() {
+  return read_launch_environment_for("fsdp_muon::read_launch_environment");
+}
+
 std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
   TORCH_CHECK(options.timeout_seconds > 0,
-              "fsdp_muon init_from_env: InitOptions::timeout_seconds=", options.timeout_seconds,
+              "fsdp_muon::init_from_env: InitOptions::timeout_seconds=", options.timeout_seconds,
               " must be positive");
-  const LaunchEnvironment e = read_launch_environment();
-  const std::string backend = choose_backend(options);
+  const LaunchEnvironment e = read_launch_environment_for("fsdp_muon::init_from_env");
+  const CommBackend backend = choose_backend(options);
   const auto timeout =
       std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000.0));
 
@@ -370,22 +424,31 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
       "fsdp_muon/communicator_" + std::to_string(instance), base_store(e, timeout));
 
   try {
-    if (backend == "nccl") {
-      const int devices = torch::cuda::device_count();
-      TORCH_CHECK(e.local_rank < devices, "fsdp_muon init_from_env: local rank ", e.local_rank,
-                  " has no CUDA device (", devices,
-                  " visible); start at most one process per GPU on each node or check "
-                  "CUDA_VISIBLE_DEVICES");
-      return make_nccl_communicator(store, e.rank, e.world_size, e.local_rank, timeout);
+    switch (backend) {
+      case CommBackend::kNccl: {
+        const int devices = torch::cuda::device_count();
+        TORCH_CHECK(e.local_rank < devices, "fsdp_muon::init_from_env: local rank ", e.local_rank,
+                    " has no CUDA device (", devices,
+                    " visible); start at most one process per GPU on each node or check "
+                    "CUDA_VISIBLE_DEVICES");
+        return make_nccl_communicator(store, e.rank, e.world_size, e.local_rank, timeout);
+      }
+      case CommBackend::kGloo: {
+        // Without an address every rank is on this node, and loopback always connects there.
+        const bool local = e.master_addr.empty() || e.master_addr == "localhost" ||
+                           e.master_addr.rfind("127.", 0) == 0;
+        return make_gloo_communicator(store, e.rank, e.world_size, timeout,
+                                      local ? "127.0.0.1" : "");
+      }
+      case CommBackend::kAuto:
+        break;  // choose_backend never returns it
     }
-    // Without an address every rank is on this node, and loopback always connects there.
-    const bool local = e.master_addr.empty() || e.master_addr == "localhost" ||
-                       e.master_addr.rfind("127.", 0) == 0;
-    return make_gloo_communicator(store, e.rank, e.world_size, timeout, local ? "127.0.0.1" : "");
+    TORCH_CHECK(false, "fsdp_muon::init_from_env: no communicator for backend ",
+                to_string(backend));
   } catch (const c10::Error& ex) {
-    TORCH_CHECK(false, "fsdp_muon init_from_env: setting up ", backend, " for ", e.launcher,
-                " rank ", e.rank, " of ", e.world_size, " failed (are all ", e.world_size,
-                " processes started and reachable within ", options.timeout_seconds,
+    TORCH_CHECK(false, "fsdp_muon::init_from_env: setting up ", to_string(backend), " for ",
+                e.launcher, " rank ", e.rank, " of ", e.world_size, " failed (are all ",
+                e.world_size, " processes started and reachable within ", options.timeout_seconds,
                 " s?): ", ex.what_without_backtrace());
   }
 }
@@ -393,7 +456,7 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
 #if !FSDP_MUON_WITH_CUDA
 std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store>, int, int, int,
                                                      std::chrono::milliseconds) {
-  TORCH_CHECK(false, "make_nccl_communicator: this build of fsdp_muon has no CUDA");
+  TORCH_CHECK(false, "fsdp_muon::make_nccl_communicator: this build of fsdp_muon has no CUDA");
 }
 #endif
 
@@ -401,7 +464,7 @@ std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::St
 std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::Store>, int, int,
                                                      std::chrono::milliseconds,
                                                      const std::string&) {
-  TORCH_CHECK(false, "make_gloo_communicator: this build of fsdp_muon has no Gloo");
+  TORCH_CHECK(false, "fsdp_muon::make_gloo_communicator: this build of fsdp_muon has no Gloo");
 }
 #endif
 

@@ -20,7 +20,8 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
     case ReduceOp::kMin:
       return c10d::ReduceOp::MIN;
   }
-  TORCH_CHECK(false, "fsdp_muon: unknown ReduceOp");
+  TORCH_CHECK(false, "fsdp_muon::Communicator::all_reduce: unknown ReduceOp ",
+              static_cast<int>(op));
 }
 
 class GlooCommunicator final : public Communicator {
@@ -28,7 +29,7 @@ class GlooCommunicator final : public Communicator {
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                    std::chrono::milliseconds timeout, const std::string& hostname)
       : Communicator(rank, size) {
-    TORCH_CHECK(store, "make_gloo_communicator: store is null");
+    TORCH_CHECK(store, "fsdp_muon::make_gloo_communicator: store is null");
     auto opts = c10d::ProcessGroupGloo::Options::create();
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
@@ -103,14 +104,16 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
-  // Runs one c10d call to completion; its errors (a peer gone, a timeout) name the collective.
+  // Runs one c10d call to completion; its errors (a peer gone, a timeout) name the collective
+  // the caller called (`what`, a Communicator member), the backend and the rank.
   template <typename Start>
   void wait(const char* what, Start&& start) {
     try {
       start()->wait();
     } catch (const std::exception& e) {
       TORCH_CHECK(
-          false, "fsdp_muon gloo ", what, " failed on rank ", rank(), " of ", size(),
+          false, "fsdp_muon::Communicator::", what, ": gloo failed on rank ", rank(), " of ",
+          size(),
           " (a rank stopped, timed out, or called collectives in another order): ", e.what());
     }
   }

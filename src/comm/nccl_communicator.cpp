@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -28,14 +29,16 @@ std::string version_string(int code) {
 void check_nccl_version() {
   int loaded = 0;
   FSDP_MUON_CHECK_NCCL(ncclGetVersion(&loaded));
-  TORCH_CHECK(loaded / 100 == NCCL_VERSION_CODE / 100, "fsdp_muon: this process loaded NCCL ",
+  TORCH_CHECK(loaded / 100 == NCCL_VERSION_CODE / 100,
+              "fsdp_muon::make_nccl_communicator: this process loaded NCCL ",
               version_string(loaded), " but fsdp_muon was compiled against NCCL ",
               version_string(NCCL_VERSION_CODE),
               " headers; make the libnccl.so.2 torch loads (the nvidia-nccl wheel beside torch) "
               "the one fsdp_muon was built with (NCCL_HOME at configure time, LD_LIBRARY_PATH)");
 }
 
-ncclDataType_t to_nccl(c10::ScalarType t) {
+// `api` names the collective the caller called, for the error.
+ncclDataType_t to_nccl(c10::ScalarType t, const std::string& api) {
   switch (t) {
     case c10::kFloat:
       return ncclFloat32;
@@ -55,7 +58,7 @@ ncclDataType_t to_nccl(c10::ScalarType t) {
     case c10::kChar:
       return ncclInt8;
     default:
-      TORCH_CHECK(false, "fsdp_muon NCCL communicator: dtype ", t, " cannot be reduced by NCCL");
+      TORCH_CHECK(false, api, ": dtype ", t, " cannot be reduced by NCCL");
   }
 }
 
@@ -68,7 +71,8 @@ ncclRedOp_t to_nccl(ReduceOp op) {
     case ReduceOp::kMin:
       return ncclMin;
   }
-  TORCH_CHECK(false, "fsdp_muon: unknown ReduceOp");
+  TORCH_CHECK(false, "fsdp_muon::Communicator::all_reduce: unknown ReduceOp ",
+              static_cast<int>(op));
 }
 
 size_t bytes_of(const at::Tensor& t) { return static_cast<size_t>(t.nbytes()); }
@@ -78,11 +82,11 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                    int device_index, std::chrono::milliseconds timeout)
       : Communicator(rank, size), device_index_(device_index), timeout_(timeout) {
-    TORCH_CHECK(store, "make_nccl_communicator: store is null");
+    TORCH_CHECK(store, "fsdp_muon::make_nccl_communicator: store is null");
     int device_count = 0;
     FSDP_MUON_CHECK_CUDA(cudaGetDeviceCount(&device_count));
     TORCH_CHECK(device_index >= 0 && device_index < device_count,
-                "make_nccl_communicator: device_index ", device_index,
+                "fsdp_muon::make_nccl_communicator: device_index ", device_index,
                 " is outside the visible CUDA devices [0, ", device_count,
                 "); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
     check_nccl_version();
@@ -97,7 +101,8 @@ class NcclCommunicator final : public Communicator {
     } else {
       store->wait({kKey}, timeout);
       const std::vector<uint8_t> bytes = store->get(kKey);
-      TORCH_CHECK(bytes.size() == sizeof(id), "fsdp_muon: the NCCL unique id in the store has ",
+      TORCH_CHECK(bytes.size() == sizeof(id),
+                  "fsdp_muon::make_nccl_communicator: the NCCL unique id in the store has ",
                   bytes.size(), " bytes, expected ", sizeof(id));
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
@@ -194,7 +199,7 @@ class NcclCommunicator final : public Communicator {
       return;
     }
     finish(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(recv.numel()),
-                             to_nccl(send.scalar_type()), ncclAvg, comm_, stream),
+                             to_nccl(send.scalar_type(), api_), ncclAvg, comm_, stream),
            "ncclReduceScatter");
   }
 
@@ -205,7 +210,7 @@ class NcclCommunicator final : public Communicator {
       return;
     }
     finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
-                         to_nccl(tensor.scalar_type()), to_nccl(op), comm_, stream),
+                         to_nccl(tensor.scalar_type(), api_), to_nccl(op), comm_, stream),
            "ncclAllReduce");
   }
 
@@ -236,8 +241,7 @@ class NcclCommunicator final : public Communicator {
       if (status == cudaSuccess) {
         break;
       }
-      TORCH_CHECK(status == cudaErrorNotReady, "fsdp_muon barrier: CUDA error ",
-                  cudaGetErrorString(status));
+      TORCH_CHECK(status == cudaErrorNotReady, api_, ": CUDA error ", cudaGetErrorString(status));
       check_async_error("barrier");
       if (Clock::now() > deadline) {
         fail("barrier did not complete within " + std::to_string(timeout_.count()) + " ms");
@@ -247,10 +251,12 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  // Checks that earlier work has not failed; returns the caller's stream on our device.
+  // Checks that earlier work has not failed; returns the caller's stream on our device. From
+  // here on errors name the collective `what` (a Communicator member).
   cudaStream_t begin(const char* what) {
-    TORCH_CHECK(!failed_, "fsdp_muon NCCL communicator: ", what,
-                " called after the communicator was aborted by an earlier error");
+    api_ = std::string("fsdp_muon::Communicator::") + what;
+    TORCH_CHECK(!failed_, api_, ": the nccl communicator (rank ", rank(), " of ", size(),
+                ") was aborted by an earlier error");
     check_async_error(what);
     return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
   }
@@ -306,8 +312,8 @@ class NcclCommunicator final : public Communicator {
       ncclCommAbort(comm_);
       comm_ = nullptr;
     }
-    TORCH_CHECK(false, "fsdp_muon NCCL communicator (rank ", rank(), " of ", size(),
-                ", cuda:", device_index_, "): ", message, "; the communicator has been aborted");
+    TORCH_CHECK(false, api_, ": nccl on rank ", rank(), " of ", size(), " (cuda:", device_index_,
+                "): ", message, "; the communicator has been aborted");
   }
 
   int device_index_;
@@ -315,6 +321,8 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   bool failed_ = false;
   at::Tensor barrier_buffer_;
+  // The public call errors are reported under: the factory until the first collective.
+  std::string api_ = "fsdp_muon::make_nccl_communicator";
 };
 
 }  // namespace

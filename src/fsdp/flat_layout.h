@@ -1,6 +1,6 @@
 #pragma once
 // The flat layout of an FsdpParameterGroup as a pure function of the parameter shapes, the
-// element alignment and the world size (DESIGN §2), so it can be checked for any world size
+// element alignment and the world size (docs/DESIGN.md §2), so it can be checked for any world size
 // without processes and recomputed by code that reshards (checkpoints).
 
 #include <cstdint>

@@ -43,8 +43,11 @@ at::Tensor alias(const at::Tensor& buffer, int64_t offset, at::IntArrayRef shape
   return t;
 }
 
+// The start of every message: "fsdp_muon::FsdpParameterGroup: " and, for a named group,
+// "group '<name>': ".
 std::string label(const std::string& name) {
-  return name.empty() ? std::string("FsdpParameterGroup") : "FsdpParameterGroup '" + name + "'";
+  const std::string api = "fsdp_muon::FsdpParameterGroup: ";
+  return name.empty() ? api : api + "group '" + name + "': ";
 }
 
 }  // namespace
@@ -70,7 +73,7 @@ struct FsdpParameterGroup::Impl {
   std::string label() const { return fsdp_muon::label(options.name()); }
 
   void check_index(size_t index) const {
-    TORCH_CHECK(index < params.size(), label(), ": parameter index ", index, " out of range (",
+    TORCH_CHECK(index < params.size(), label(), "parameter index ", index, " out of range (",
                 params.size(), " parameters)");
   }
 
@@ -93,7 +96,7 @@ struct FsdpParameterGroup::Impl {
         if (keep_foreign) {
           if (grad.defined()) {
             TORCH_CHECK(grad.sizes() == grad_views[i].sizes() && !grad.is_sparse(), label(),
-                        ": the .grad() of parameter '", layout.slots[i].name, "' has shape ",
+                        "the .grad() of parameter '", layout.slots[i].name, "' has shape ",
                         grad.sizes(), " (or is sparse); expected a dense ", grad_views[i].sizes());
             grad_views[i].copy_(grad);
           } else {
@@ -113,7 +116,7 @@ struct FsdpParameterGroup::Impl {
       TORCH_CHECK(p.is_alias_of(v) && p.storage_offset() == v.storage_offset() &&
                       p.sizes() == v.sizes() && p.strides() == v.strides() &&
                       p.scalar_type() == v.scalar_type(),
-                  label(), ": parameter '", layout.slots[i].name,
+                  label(), "parameter '", layout.slots[i].name,
                   "' no longer points into the group's model-weight buffer (was the module "
                   "moved or cast, e.g. with Module::to(), after sharding?). Move or cast the "
                   "module before sharding it.");
@@ -128,9 +131,9 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
   Impl& d = *impl_;
   d.options = std::move(options);
   const std::string who = d.label();
-  TORCH_CHECK(comm != nullptr, who, ": the communicator is null");
+  TORCH_CHECK(comm != nullptr, who, "the communicator is null");
   d.comm = std::move(comm);
-  TORCH_CHECK(!named_params.empty(), who, ": no parameters given; a group needs at least one");
+  TORCH_CHECK(!named_params.empty(), who, "no parameters given; a group needs at least one");
 
   // ---- validate ----
   const c10::Device device = d.comm->device();
@@ -143,43 +146,43 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
   named_shapes.reserve(named_params.size());
   for (const auto& [name, t] : named_params) {
     TORCH_CHECK(!name.empty(), who,
-                ": a parameter has an empty name; every parameter needs a "
+                "a parameter has an empty name; every parameter needs a "
                 "unique non-empty name (they key checkpoints and error messages)");
-    TORCH_CHECK(names.insert(name).second, who, ": parameter name '", name,
+    TORCH_CHECK(names.insert(name).second, who, "parameter name '", name,
                 "' appears twice; names must be unique within a group");
-    TORCH_CHECK(t.defined(), who, ": parameter '", name, "' is an undefined tensor");
-    TORCH_CHECK(impls.insert(t.unsafeGetTensorImpl()).second, who, ": parameter '", name,
+    TORCH_CHECK(t.defined(), who, "parameter '", name, "' is an undefined tensor");
+    TORCH_CHECK(impls.insert(t.unsafeGetTensorImpl()).second, who, "parameter '", name,
                 "' is the same tensor as an earlier parameter (tied weights); pass it once");
     TORCH_CHECK(t.layout() == at::kStrided && !t.is_mkldnn() && !t.is_quantized() && !t.is_nested(),
-                who, ": parameter '", name, "' is not a dense strided tensor (layout ", t.layout(),
+                who, "parameter '", name, "' is not a dense strided tensor (layout ", t.layout(),
                 "); only dense parameters can be sharded");
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()), who, ": parameter '", name, "' has dtype ",
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), who, "parameter '", name, "' has dtype ",
                 t.scalar_type(), "; only floating-point parameters can be sharded");
-    TORCH_CHECK(t.scalar_type() == param_dtype, who, ": parameter '", name, "' has dtype ",
+    TORCH_CHECK(t.scalar_type() == param_dtype, who, "parameter '", name, "' has dtype ",
                 t.scalar_type(), " but '", named_params.front().first, "' has ", param_dtype,
                 "; all parameters of a group must share one dtype (put them in separate groups, "
                 "e.g. with a ShardModuleOptions::policy)");
-    TORCH_CHECK(t.device() == device, who, ": parameter '", name, "' is on ", t.device(),
+    TORCH_CHECK(t.device() == device, who, "parameter '", name, "' is on ", t.device(),
                 " but the communicator (", d.comm->backend_name(), ") moves tensors on ", device,
                 "; move the module to ", device, " before sharding");
-    TORCH_CHECK(t.is_leaf(), who, ": parameter '", name,
+    TORCH_CHECK(t.is_leaf(), who, "parameter '", name,
                 "' is not a leaf tensor (it has a grad_fn); shard the module's parameters, not "
                 "results of computations");
     named_shapes.emplace_back(name, t.sizes().vec());
   }
   d.compute_dtype = d.options.compute_dtype().value_or(param_dtype);
   d.reduce_dtype = d.options.reduce_dtype().value_or(d.compute_dtype);
-  TORCH_CHECK(at::isFloatingType(d.compute_dtype), who, ": compute dtype ", d.compute_dtype,
+  TORCH_CHECK(at::isFloatingType(d.compute_dtype), who, "compute dtype ", d.compute_dtype,
               " is not a floating-point type");
-  TORCH_CHECK(at::isFloatingType(d.options.main_dtype()), who, ": main dtype ",
+  TORCH_CHECK(at::isFloatingType(d.options.main_dtype()), who, "main dtype ",
               d.options.main_dtype(), " is not a floating-point type");
-  TORCH_CHECK(at::isFloatingType(d.reduce_dtype), who, ": reduce dtype ", d.reduce_dtype,
+  TORCH_CHECK(at::isFloatingType(d.reduce_dtype), who, "reduce dtype ", d.reduce_dtype,
               " is not a floating-point type");
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(d.compute_dtype));
   const int64_t alignment_bytes = d.options.alignment_bytes();
   TORCH_CHECK(alignment_bytes >= 1 &&
                   (alignment_bytes <= element_size || alignment_bytes % element_size == 0),
-              who, ": alignment_bytes ", alignment_bytes, " must be positive and a multiple of ",
+              who, "alignment_bytes ", alignment_bytes, " must be positive and a multiple of ",
               "the compute dtype's element size (", element_size, " bytes)");
 
   // ---- layout ----

@@ -21,7 +21,7 @@ std::string direct_child_key(const std::string& name) {
 std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module& module,
                                                               std::shared_ptr<Communicator> comm,
                                                               const ShardModuleOptions& options) {
-  TORCH_CHECK(comm != nullptr, "shard_module: the communicator is null");
+  TORCH_CHECK(comm != nullptr, "fsdp_muon::shard_module: the communicator is null");
   std::vector<std::string> keys;  // in order of first appearance
   std::unordered_map<std::string, std::vector<std::pair<std::string, at::Tensor>>> members;
   std::unordered_map<const c10::TensorImpl*, std::string> seen;
@@ -29,7 +29,7 @@ std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module&
     const std::string& name = item.key();
     const at::Tensor& param = item.value();
     auto [it, inserted] = seen.emplace(param.unsafeGetTensorImpl(), name);
-    TORCH_CHECK(inserted, "shard_module: parameters '", it->second, "' and '", name,
+    TORCH_CHECK(inserted, "fsdp_muon::shard_module: parameters '", it->second, "' and '", name,
                 "' are the same tensor (tied weights); sharding would re-point it twice. Untie "
                 "them, or share the weight by reference in forward() instead of registering it "
                 "twice.");

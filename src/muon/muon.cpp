@@ -35,7 +35,7 @@ namespace {
 
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
   auto* options = dynamic_cast<MuonOptions*>(&group.options());
-  TORCH_CHECK(options != nullptr, "Muon: parameter group ", index,
+  TORCH_CHECK(options != nullptr, "fsdp_muon::Muon: parameter group ", index,
               " has options of another optimizer; give it fsdp_muon::MuonOptions");
   return *options;
 }
@@ -70,8 +70,10 @@ void Muon::add_param_group(const torch::optim::OptimizerParamGroup& param_group)
 
 void Muon::warn_skipped(const std::string& skipped) {
   if (!skipped.empty()) {
-    TORCH_WARN("Muon: skip_non_matrix is set, so these non-2-D parameters are never updated by ",
-               "Muon (give them to torch::optim::AdamW): ", skipped);
+    TORCH_WARN(
+        "fsdp_muon::Muon: skip_non_matrix is set, so these non-2-D parameters are never updated "
+        "by ",
+        "Muon (give them to torch::optim::AdamW): ", skipped);
   }
 }
 
@@ -79,10 +81,11 @@ void Muon::add_group(const torch::optim::OptimizerParamGroup& param_group, std::
   const size_t index = param_groups_.size();
   for (size_t i = 0; i < param_group.params().size(); ++i) {
     const at::Tensor& p = param_group.params()[i];
-    TORCH_CHECK(p.defined(), "Muon: parameter ", i, " of group ", index, " is an undefined tensor");
+    TORCH_CHECK(p.defined(), "fsdp_muon::Muon: parameter ", i, " of group ", index,
+                " is an undefined tensor");
     for (size_t other = 0; other < param_groups_.size(); ++other) {
       for (const at::Tensor& q : param_groups_[other].params()) {
-        TORCH_CHECK(!q.is_same(p), "Muon: parameter ", i, " of group ", index,
+        TORCH_CHECK(!q.is_same(p), "fsdp_muon::Muon: parameter ", i, " of group ", index,
                     " is already in group ", other, "; give each parameter to one group only");
       }
     }
@@ -109,7 +112,7 @@ void Muon::check_group(size_t index, std::string& skipped) {
   int64_t count = 0;
   for (size_t i = 0; i < group.params().size(); ++i) {
     const at::Tensor& p = group.params()[i];
-    TORCH_CHECK(!p.is_complex(), "Muon: parameter ", i, " of group ", index,
+    TORCH_CHECK(!p.is_complex(), "fsdp_muon::Muon: parameter ", i, " of group ", index,
                 " is complex; Muon supports real matrices only");
     if (p.dim() != 2) {
       non_matrix << (count++ ? ", " : "") << "group " << index << " parameter " << i << " shape "
@@ -119,8 +122,9 @@ void Muon::check_group(size_t index, std::string& skipped) {
   if (count == 0) {
     return;
   }
-  TORCH_CHECK(options.skip_non_matrix(), "Muon: only 2-D parameters can be orthogonalized, but ",
-              count, " are not: ", non_matrix.str(),
+  TORCH_CHECK(options.skip_non_matrix(),
+              "fsdp_muon::Muon: only 2-D parameters can be orthogonalized, but ", count,
+              " are not: ", non_matrix.str(),
               ". Give biases, norms and embeddings to torch::optim::AdamW, or set "
               "MuonOptions().skip_non_matrix(true) to leave them untouched");
   skipped += (skipped.empty() ? "" : ", ") + non_matrix.str();
@@ -143,13 +147,13 @@ at::Tensor Muon::step(LossClosure closure) {
       if (!g.defined() || p.dim() != 2) {
         continue;
       }
-      TORCH_CHECK(!g.is_sparse(), "Muon: parameter ", i, " of group ", gi,
+      TORCH_CHECK(!g.is_sparse(), "fsdp_muon::Muon: parameter ", i, " of group ", gi,
                   " has a sparse gradient; Muon needs dense gradients (use a dense embedding or "
                   "give it to another optimizer)");
-      TORCH_CHECK(!g.is_complex(), "Muon: parameter ", i, " of group ", gi,
+      TORCH_CHECK(!g.is_complex(), "fsdp_muon::Muon: parameter ", i, " of group ", gi,
                   " has a complex gradient; Muon supports real matrices only");
-      TORCH_CHECK(g.sizes() == p.sizes(), "Muon: parameter ", i, " of group ", gi, " has shape ",
-                  p.sizes(), " but its gradient has shape ", g.sizes());
+      TORCH_CHECK(g.sizes() == p.sizes(), "fsdp_muon::Muon: parameter ", i, " of group ", gi,
+                  " has shape ", p.sizes(), " but its gradient has shape ", g.sizes());
     }
   }
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {

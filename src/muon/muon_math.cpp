@@ -15,9 +15,9 @@ namespace fsdp_muon::detail {
 at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
                                at::Tensor& momentum_buffer, const MuonOptions& options) {
   TORCH_CHECK(momentum_buffer.defined(),
-              "muon_momentum_input: the momentum buffer must be created by the caller");
+              "fsdp_muon::Muon: the momentum buffer must be created by the caller");
   TORCH_CHECK(param.sizes() == grad.sizes() && param.sizes() == momentum_buffer.sizes(),
-              "muon_momentum_input: parameter ", param.sizes(), ", gradient ", grad.sizes(),
+              "fsdp_muon::Muon: parameter ", param.sizes(), ", gradient ", grad.sizes(),
               " and momentum buffer ", momentum_buffer.sizes(), " must have one shape");
   const double lr = options.lr();
   const double wd = options.weight_decay();
@@ -53,8 +53,8 @@ at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
 }
 
 double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
-  TORCH_CHECK(rows > 0 && cols > 0, "muon_scale: matrix shape must be positive, got ", rows, " x ",
-              cols);
+  TORCH_CHECK(rows > 0 && cols > 0, "fsdp_muon::Muon: matrix shape must be positive, got ", rows,
+              " x ", cols);
   const double r = static_cast<double>(rows);
   const double c = static_cast<double>(cols);
   switch (mode) {
@@ -69,11 +69,12 @@ double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
     case ScaleMode::kNone:
       return 1.0;
   }
-  TORCH_CHECK(false, "muon_scale: unknown ScaleMode ", static_cast<int>(mode));
+  TORCH_CHECK(false, "fsdp_muon::MuonOptions: scale_mode has an unknown value ",
+              static_cast<int>(mode));
 }
 
 at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options) {
-  TORCH_CHECK(full_u.dim() == 2, "muon_orthogonalized_update: expected a 2-D matrix, got shape ",
+  TORCH_CHECK(full_u.dim() == 2, "fsdp_muon::Muon: expected a 2-D matrix, got shape ",
               full_u.sizes());
   const double scale = muon_scale(full_u.size(0), full_u.size(1), options.scale_mode()) *
                        options.extra_scale_factor();
@@ -86,7 +87,7 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
 
 void muon_apply_update(const at::Tensor& param, const at::Tensor& update,
                        const MuonOptions& options) {
-  TORCH_CHECK(param.sizes() == update.sizes(), "muon_apply_update: parameter ", param.sizes(),
+  TORCH_CHECK(param.sizes() == update.sizes(), "fsdp_muon::Muon: parameter ", param.sizes(),
               " and update ", update.sizes(), " must have one shape");
   param.sub_(update.mul(options.lr()));
 }

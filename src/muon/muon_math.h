@@ -1,6 +1,6 @@
 #pragma once
-// The elementwise part of a Muon step (DESIGN §4), shared by single-device Muon, which applies it
-// to full tensors, and FsdpMuon, which applies it to 1-D local shards of the same parameters.
+// The elementwise part of a Muon step (docs/DESIGN.md §4), shared by single-device Muon (full
+// tensors) and FsdpMuon (1-D local shards of the same parameters).
 //
 // Bitwise contract: for any split of a parameter into contiguous pieces, applying these functions
 // to the pieces gives exactly the bits of applying them to the whole tensor. This holds only if

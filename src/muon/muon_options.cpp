@@ -8,6 +8,8 @@
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
+#include "newton_schulz/newton_schulz_internal.h"
+
 namespace fsdp_muon {
 namespace {
 
@@ -27,8 +29,8 @@ void read_enum(torch::serialize::InputArchive& archive, const char* key, Enum& v
     return;  // written by an older version: keep the default
   }
   const int64_t raw = ivalue.toInt();
-  TORCH_CHECK(raw >= 0 && raw < count, "MuonOptions archive: '", key, "' holds ", raw,
-              ", which is not a valid value (0..", count - 1,
+  TORCH_CHECK(raw >= 0 && raw < count, "fsdp_muon::MuonOptions: archive entry '", key, "' holds ",
+              raw, ", which is not a valid value (0..", count - 1,
               "); the file is corrupt or from a newer fsdp_muon");
   value = static_cast<Enum>(raw);
 }
@@ -77,12 +79,13 @@ void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
   read_scalar(archive, "weight_decay", weight_decay_);
   read_enum(archive, "weight_decay_method", weight_decay_method_, 4);
   read_scalar(archive, "ns_steps", ns_steps_);
-  read_enum(archive, "coefficients", coefficients_, 7);
+  read_enum(archive, "coefficients", coefficients_, detail::ns_coefficients_count());
   c10::IValue table_value;
   if (archive.try_read("custom_coefficients", table_value)) {
     const at::Tensor table = table_value.toTensor().to(at::kDouble).contiguous();
     TORCH_CHECK(table.dim() == 2 && table.size(1) == 3,
-                "MuonOptions archive: 'custom_coefficients' must be an n x 3 tensor, got ",
+                "fsdp_muon::MuonOptions: archive entry 'custom_coefficients' must be an n x 3 "
+                "tensor, got ",
                 table.sizes());
     const double* data = table.data_ptr<double>();
     custom_coefficients_.assign(static_cast<size_t>(table.size(0)), {});
@@ -102,26 +105,28 @@ double MuonOptions::get_lr() const { return lr(); }
 void MuonOptions::set_lr(const double lr) { this->lr(lr); }
 
 void MuonOptions::validate() const {
-  TORCH_CHECK(std::isfinite(lr()) && lr() >= 0, "MuonOptions: invalid lr ", lr(),
+  TORCH_CHECK(std::isfinite(lr()) && lr() >= 0, "fsdp_muon::MuonOptions: invalid lr ", lr(),
               "; use a finite learning rate >= 0, e.g. MuonOptions(0.02)");
   TORCH_CHECK(std::isfinite(weight_decay()) && weight_decay() >= 0,
-              "MuonOptions: invalid weight_decay ", weight_decay(),
+              "fsdp_muon::MuonOptions: invalid weight_decay ", weight_decay(),
               "; use a finite value >= 0 (0 disables weight decay)");
-  TORCH_CHECK(momentum() >= 0 && momentum() < 1, "MuonOptions: invalid momentum ", momentum(),
-              "; momentum must lie in [0, 1), e.g. .momentum(0.95)");
-  TORCH_CHECK(ns_steps() >= 1, "MuonOptions: invalid ns_steps ", ns_steps(),
+  TORCH_CHECK(momentum() >= 0 && momentum() < 1, "fsdp_muon::MuonOptions: invalid momentum ",
+              momentum(), "; momentum must lie in [0, 1), e.g. .momentum(0.95)");
+  TORCH_CHECK(ns_steps() >= 1, "fsdp_muon::MuonOptions: invalid ns_steps ", ns_steps(),
               "; Newton-Schulz needs at least 1 step, e.g. .ns_steps(5)");
-  TORCH_CHECK(std::isfinite(eps()) && eps() > 0, "MuonOptions: invalid eps ", eps(),
+  TORCH_CHECK(std::isfinite(eps()) && eps() > 0, "fsdp_muon::MuonOptions: invalid eps ", eps(),
               "; eps must be a finite value > 0 (it clamps the Frobenius norm), e.g. .eps(1e-7)");
   TORCH_CHECK(ns_dtype() == at::kBFloat16 || ns_dtype() == at::kFloat,
-              "MuonOptions: invalid ns_dtype ", c10::toString(ns_dtype()),
+              "fsdp_muon::MuonOptions: invalid ns_dtype ", c10::toString(ns_dtype()),
               "; Newton-Schulz computes in bf16 or fp32: use .ns_dtype(at::kBFloat16) or "
               ".ns_dtype(at::kFloat)");
-  TORCH_CHECK(std::isfinite(extra_scale_factor()), "MuonOptions: invalid extra_scale_factor ",
-              extra_scale_factor(), "; use a finite factor, e.g. .extra_scale_factor(1.0)");
+  TORCH_CHECK(std::isfinite(extra_scale_factor()),
+              "fsdp_muon::MuonOptions: invalid extra_scale_factor ", extra_scale_factor(),
+              "; use a finite factor, e.g. .extra_scale_factor(1.0)");
   // Coefficient problems (cubic5 with a step count other than 5, non-finite custom tuples) are
   // checked where the schedule is built, with messages naming the option.
-  (void)newton_schulz_schedule(newton_schulz_options());
+  (void)detail::newton_schulz_schedule(newton_schulz_options(), "fsdp_muon::MuonOptions",
+                                       "ns_steps");
 }
 
 NewtonSchulzOptions MuonOptions::newton_schulz_options() const {

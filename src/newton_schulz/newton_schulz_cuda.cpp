@@ -74,7 +74,8 @@ class RowMajorGemm {
 
 at::Tensor newton_schulz_cuda(const at::Tensor& x, const NewtonSchulzOptions& options) {
   check_newton_schulz_input(x, options);
-  TORCH_CHECK(x.is_cuda(), "newton_schulz_cuda: expected a CUDA tensor, got device ", x.device());
+  TORCH_CHECK(x.is_cuda(), "fsdp_muon::newton_schulz: expected a CUDA tensor, got device ",
+              x.device());
   const auto schedule = newton_schulz_schedule(options);
   at::NoGradGuard no_grad;
   if (x.numel() == 0) return at::empty(x.sizes(), x.options());
@@ -86,7 +87,7 @@ at::Tensor newton_schulz_cuda(const at::Tensor& x, const NewtonSchulzOptions& op
   const int64_t rows = prepared.x.size(1);  // m <= n after prepare
   const int64_t cols = prepared.x.size(2);
   TORCH_CHECK(batch <= INT_MAX && rows <= INT_MAX && cols <= INT_MAX && rows * cols <= INT_MAX,
-              "newton_schulz: matrices of shape ", x.sizes(),
+              "fsdp_muon::newton_schulz: matrices of shape ", x.sizes(),
               " exceed the 32-bit sizes of the cuBLAS path");
   const int m = static_cast<int>(rows);
   const int n = static_cast<int>(cols);

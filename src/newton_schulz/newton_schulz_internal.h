@@ -12,6 +12,17 @@
 
 namespace fsdp_muon::detail {
 
+// How many NsCoefficients values exist (the rows of FSDP_MUON_NS_PRESETS); an archive holding
+// any other integer is rejected.
+int64_t ns_coefficients_count();
+
+// newton_schulz_schedule() with errors that start with `api` (e.g. "fsdp_muon::MuonOptions") and
+// call the step count `steps_option` (e.g. "ns_steps"), for callers that configure it under
+// another name.
+std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options,
+                                                          const char* api,
+                                                          const char* steps_option);
+
 // The iterate in canonical form: wide (rows <= cols), contiguous, normalized in fp32 and cast to
 // the compute dtype; always 3-D (a 2-D input becomes a batch of one).
 struct NsPrepared {

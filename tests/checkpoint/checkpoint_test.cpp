@@ -33,7 +33,7 @@
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "checkpoint/file_io.h"
-#include "comm/distributed_main.h"
+#include "common/distributed_main.h"
 
 namespace fsdp_muon {
 namespace {

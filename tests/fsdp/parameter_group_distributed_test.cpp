@@ -12,7 +12,7 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>
 
-#include "comm/distributed_main.h"
+#include "common/distributed_main.h"
 
 namespace fsdp_muon {
 namespace {

@@ -377,6 +377,17 @@ TEST(FsdpParameterGroup, RejectsBadParameters) {
       },
       "parameter name 'a' appears twice");
   expect_error([&] { FsdpParameterGroup({{"", f32}}, local()); }, "empty name");
+  // Every message starts with the class, then the group's name when it has one.
+  expect_error(
+      [&] {
+        FsdpParameterGroup({{"", f32}}, local());
+      },
+      "fsdp_muon::FsdpParameterGroup: a parameter has an empty name");
+  expect_error(
+      [&] {
+        FsdpParameterGroup({{"", f32}}, local(), FsdpParameterGroupOptions().name("g"));
+      },
+      "fsdp_muon::FsdpParameterGroup: group 'g': a parameter has an empty name");
   expect_error([&] { FsdpParameterGroup({{"a", f32}, {"b", f32}}, local()); }, "tied weights");
   expect_error([&] { FsdpParameterGroup(Named{}, local()); }, "no parameters");
   expect_error(

@@ -25,7 +25,7 @@
 
 #include <fsdp_muon/fsdp_muon.h>
 
-#include "comm/distributed_main.h"
+#include "common/distributed_main.h"
 
 namespace fsdp_muon {
 namespace {

@@ -1,12 +1,14 @@
 #pragma once
-// The handful of collectives fsdp_muon needs (DESIGN §5). Every call takes flat 1-D contiguous
-// tensors on the communicator's device; on CUDA each is enqueued on the caller's current
+// The handful of collectives fsdp_muon needs (docs/DESIGN.md §5). Every call takes flat 1-D
+// contiguous tensors on the communicator's device; on CUDA each is enqueued on the caller's current
 // stream, on CPU it has completed when the call returns. Every call counts the bytes this rank
 // sends to other ranks, so tests and benchmarks can compare traffic with the minimum.
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -102,9 +104,20 @@ struct LaunchEnvironment {
 // then describe the daemon mpirun started, not this rank); any other pair must agree.
 LaunchEnvironment read_launch_environment();
 
+// The transports init_from_env() can set up. kAuto: NCCL when CUDA is available, else Gloo.
+enum class CommBackend { kAuto, kNccl, kGloo };
+
+// "auto", "nccl", "gloo": the names InitOptions::backend and FSDP_MUON_BACKEND accept.
+const char* to_string(CommBackend backend);
+
+// The backend of that name (as to_string spells it); nullopt for any other string.
+std::optional<CommBackend> parse_comm_backend(std::string_view name);
+
 struct InitOptions {
-  // "auto" (NCCL when CUDA is available, else Gloo), "nccl" or "gloo". With "auto", the
-  // environment variable FSDP_MUON_BACKEND, when set, chooses instead.
+  // A CommBackend by name (to_string(CommBackend::kGloo) or "gloo"): "auto" (NCCL when CUDA is
+  // available, else Gloo), "nccl" or "gloo". With "auto", the environment variable
+  // FSDP_MUON_BACKEND, when set, chooses instead. init_from_env() parses it once and rejects any
+  // other name.
   std::string backend = "auto";
   // Rendezvous and collective timeout.
   double timeout_seconds = 300.0;

@@ -1,6 +1,6 @@
 #pragma once
-// FsdpParameterGroup (DESIGN §2): an ordered list of named parameters of one dtype, packed into
-// flat buffers that are sharded evenly across the ranks of a Communicator.
+// FsdpParameterGroup (docs/DESIGN.md §2): an ordered list of named parameters of one dtype, packed
+// into flat buffers that are sharded evenly across the ranks of a Communicator.
 
 #include <cstdint>
 #include <memory>

@@ -1,6 +1,6 @@
 #pragma once
-// Single-device Muon (DESIGN §1, §4): every parameter is a full 2-D matrix on one device. It is
-// the reference every distributed result (FsdpMuon) is compared with.
+// Single-device Muon (docs/DESIGN.md §1, §4): every parameter is a full 2-D matrix on one device.
+// It is the reference every distributed result (FsdpMuon) is compared with.
 
 #include <cstdint>
 #include <string>

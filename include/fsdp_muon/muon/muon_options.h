@@ -1,5 +1,5 @@
 #pragma once
-// Options shared by single-device Muon and FsdpMuon (DESIGN §4, §8).
+// Options shared by single-device Muon and FsdpMuon (docs/DESIGN.md §4, §8).
 
 #include <array>
 #include <cstdint>

@@ -1,20 +1,29 @@
 #pragma once
-// Newton–Schulz orthogonalization (DESIGN §4): the coefficient schedules, normalization,
+// Newton–Schulz orthogonalization (docs/DESIGN.md §4): the coefficient schedules, normalization,
 // transposition, compute dtype and batching used by every Muon in this library.
 
 #include <array>
 #include <cstdint>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
+#include <fsdp_muon/newton_schulz/ns_presets.h>
+
 namespace fsdp_muon {
 
-// Named coefficient schedules; the tuples and their past-the-end rules are in DESIGN §4 and
-// the README.
-enum class NsCoefficients { kSimple, kQuintic, kPolarExpress, kCans, kAol, kDeepseekV4, kCubic5 };
+// Named coefficient schedules: kSimple, kQuintic, kPolarExpress, kCans, kAol, kDeepseekV4,
+// kCubic5, in this order. The enumerators, their tuples and past-the-end rules are the rows of
+// FSDP_MUON_NS_PRESETS (ns_presets.h).
+enum class NsCoefficients {
+#define FSDP_MUON_NS_ENUMERATOR(enumerator, ...) enumerator,
+  FSDP_MUON_NS_PRESETS(FSDP_MUON_NS_ENUMERATOR)
+#undef FSDP_MUON_NS_ENUMERATOR
+};
 
 // A schedule: one (a, b, c) per iteration. A named type because TORCH_ARG is a macro and the
 // comma inside std::array<double, 3> would split its arguments.
@@ -36,6 +45,9 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
 
 // Name of a preset as used in the README and in error messages ("quintic", ...).
 const char* to_string(NsCoefficients coefficients);
+
+// The preset of that name (as to_string spells it); nullopt for any other string.
+std::optional<NsCoefficients> parse_ns_coefficients(std::string_view name);
 
 // Orthogonalizes a 2-D matrix or a 3-D batch of same-shape matrices. The result has the input's
 // shape and the compute dtype converted back to the input's dtype. CPU tensors go through ATen;

@@ -9,6 +9,7 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,7 +60,7 @@ double rel_fro_diff(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Schedules (DESIGN §4 tuples typed out again here, independently of the library's table).
+// Schedules (docs/DESIGN.md §4 tuples typed out again here, independently of the library's table).
 
 void expect_tuple(const Tuple& got, const Tuple& want, int64_t step) {
   EXPECT_EQ(got[0], want[0]) << "step " << step;
@@ -218,6 +219,15 @@ TEST(NewtonSchulzSchedule, PresetNames) {
   EXPECT_STREQ(to_string(NsCoefficients::kAol), "aol");
   EXPECT_STREQ(to_string(NsCoefficients::kDeepseekV4), "deepseek_v4");
   EXPECT_STREQ(to_string(NsCoefficients::kCubic5), "cubic5");
+  for (const auto preset :
+       {NsCoefficients::kSimple, NsCoefficients::kQuintic, NsCoefficients::kPolarExpress,
+        NsCoefficients::kCans, NsCoefficients::kAol, NsCoefficients::kDeepseekV4,
+        NsCoefficients::kCubic5}) {
+    EXPECT_EQ(parse_ns_coefficients(to_string(preset)), preset) << to_string(preset);
+  }
+  EXPECT_EQ(parse_ns_coefficients("Quintic"), std::nullopt);
+  EXPECT_EQ(parse_ns_coefficients(""), std::nullopt);
+  EXPECT_STREQ(to_string(static_cast<NsCoefficients>(7)), "unknown");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -235,7 +245,7 @@ void expect_error(const at::Tensor& x, const NewtonSchulzOptions& options,
 
 TEST(NewtonSchulzErrors, RejectsBadInput) {
   const NewtonSchulzOptions options;
-  expect_error(at::Tensor(), options, "undefined");
+  expect_error(at::Tensor(), options, "fsdp_muon::newton_schulz: the input tensor is undefined");
   expect_error(at::randn({8}), options, "2-D matrix or a 3-D batch");
   expect_error(at::randn({2, 2, 4, 4}), options, "2-D matrix or a 3-D batch");
   expect_error(at::ones({4, 4}, at::kInt), options, "real floating-point");
@@ -250,7 +260,8 @@ TEST(NewtonSchulzErrors, RejectsBadOptions) {
   expect_error(x, NewtonSchulzOptions().eps(-1e-7), "eps must be a positive");
   expect_error(x, NewtonSchulzOptions().eps(std::numeric_limits<double>::quiet_NaN()),
                "eps must be a positive");
-  expect_error(x, NewtonSchulzOptions().steps(0), "steps must be at least 1");
+  expect_error(x, NewtonSchulzOptions().steps(0),
+               "fsdp_muon::NewtonSchulzOptions: steps must be at least 1");
   expect_error(x, NewtonSchulzOptions().coefficients(NsCoefficients::kCubic5).steps(4), "cubic5");
 }
 

@@ -1,4 +1,4 @@
-#include "comm/distributed_main.h"
+#include "common/distributed_main.h"
 
 #include <cstdio>
 #include <exception>

@@ -18,7 +18,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "comm/distributed_main.h"
+#include "common/distributed_main.h"
 
 namespace fsdp_muon {
 namespace {

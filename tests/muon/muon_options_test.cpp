@@ -64,6 +64,11 @@ TEST(MuonOptions, ValidationNamesTheOptionAndTheFix) {
   expect_error([&] { MuonOptions().extra_scale_factor(nan).validate(); }, {"extra_scale_factor"});
   expect_error([] { MuonOptions().coefficients(NsCoefficients::kCubic5).ns_steps(6).validate(); },
                {"cubic5"});
+  // Messages start with the options class, and name its own option (ns_steps, not steps).
+  expect_error([] { MuonOptions(-1.0).validate(); }, {"fsdp_muon::MuonOptions: invalid lr -1"});
+  expect_error([] { MuonOptions().coefficients(NsCoefficients::kCubic5).ns_steps(6).validate(); },
+               {"fsdp_muon::MuonOptions: the cubic5 schedule is defined for exactly 5 steps",
+                "set ns_steps(5)"});
   expect_error(
       [&] {
         MuonOptions().custom_coefficients({{1.0, nan, 0.0}}).validate();

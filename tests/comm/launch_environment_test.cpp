@@ -258,6 +258,9 @@ TEST_F(LaunchEnvironmentTest, ContradictoryLocalRanks) {
 TEST_F(LaunchEnvironmentTest, RankOutsideWorld) {
   set({{"RANK", "5"}, {"WORLD_SIZE", "2"}});
   EXPECT_NE(error().find("RANK=5 is outside"), std::string::npos) << error();
+  // Errors name the call that read the environment.
+  EXPECT_EQ(error().rfind("fsdp_muon::read_launch_environment: RANK=5 is outside", 0), 0u)
+      << error();
 }
 
 TEST_F(LaunchEnvironmentTest, NegativeRank) {
@@ -359,6 +362,23 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvSingleProcess) {
   }
 }
 
+TEST(CommBackendTest, NamesRoundTrip) {
+  EXPECT_STREQ(to_string(CommBackend::kAuto), "auto");
+  EXPECT_STREQ(to_string(CommBackend::kNccl), "nccl");
+  EXPECT_STREQ(to_string(CommBackend::kGloo), "gloo");
+  for (const auto backend : {CommBackend::kAuto, CommBackend::kNccl, CommBackend::kGloo}) {
+    EXPECT_EQ(parse_comm_backend(to_string(backend)), backend) << to_string(backend);
+  }
+  EXPECT_EQ(parse_comm_backend("mpi"), std::nullopt);
+  EXPECT_EQ(parse_comm_backend("Gloo"), std::nullopt);
+  EXPECT_EQ(parse_comm_backend(""), std::nullopt);
+  // InitOptions::backend stays a string: a name, or a CommBackend spelled by to_string.
+  InitOptions options;
+  EXPECT_EQ(options.backend, "auto");
+  options.backend = to_string(CommBackend::kGloo);
+  EXPECT_EQ(options.backend, "gloo");
+}
+
 TEST_F(LaunchEnvironmentTest, InitFromEnvBackendChoice) {
   InitOptions options;
   options.backend = "mpi";
@@ -366,7 +386,11 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvBackendChoice) {
     init_from_env(options);
     ADD_FAILURE() << "backend mpi accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("InitOptions::backend='mpi'"), std::string::npos);
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "fsdp_muon::init_from_env: InitOptions::backend='mpi' is not one of auto, nccl, gloo"),
+        std::string::npos)
+        << e.what();
   }
   set({{"FSDP_MUON_BACKEND", "ucc"}});
   try {
