@@ -6,49 +6,18 @@
 #include <unistd.h>
 
 #include <array>
-#include <atomic>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
-#include <mutex>
 
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
-#include <fsdp_muon/checkpoint/checkpoint.h>
+#include "checkpoint/failure_injection.h"
 
-namespace fsdp_muon {
-namespace checkpoint {
+namespace fsdp_muon::checkpoint {
 namespace {
-
-// Failure injection: after `g_fail_after` more completed writes, the next write fails half-way.
-std::mutex g_inject_mutex;
-int64_t g_fail_after = -1;
-bool g_env_read = false;
-
-// True when this write must fail half-way (and disarms the hook).
-bool take_injected_failure() {
-  std::lock_guard<std::mutex> lock(g_inject_mutex);
-  if (!g_env_read) {
-    g_env_read = true;
-    if (const char* env = std::getenv("FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES")) {
-      char* end = nullptr;
-      const long long n = std::strtoll(env, &end, 10);
-      TORCH_CHECK(end != env && *end == '\0', "FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES='", env,
-                  "' is not an integer");
-      if (g_fail_after < 0) g_fail_after = n;
-    }
-  }
-  if (g_fail_after < 0) return false;
-  if (g_fail_after == 0) {
-    g_fail_after = -1;
-    return true;
-  }
-  --g_fail_after;
-  return false;
-}
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -250,14 +219,4 @@ void ReadFile::read(int64_t offset, void* out, size_t size) const {
   }
 }
 
-}  // namespace checkpoint
-
-namespace detail {
-void set_checkpoint_failure_injection(int64_t files) {
-  std::lock_guard<std::mutex> lock(checkpoint::g_inject_mutex);
-  checkpoint::g_env_read = true;  // the explicit setting wins over the environment
-  checkpoint::g_fail_after = files;
-}
-}  // namespace detail
-
-}  // namespace fsdp_muon
+}  // namespace fsdp_muon::checkpoint

@@ -1,6 +1,7 @@
 #pragma once
 // Files of a checkpoint: atomic writes (temporary file in the same folder, fsync, rename,
-// fsync of the folder), positional reads, CRC-32, and the test hook that fails a write half-way.
+// fsync of the folder), positional reads, CRC-32. Every write honours the failure injection
+// test hook (checkpoint/failure_injection.h).
 
 #include <cstddef>
 #include <cstdint>

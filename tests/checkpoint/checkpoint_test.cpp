@@ -32,6 +32,7 @@
 #include <fsdp_muon/checkpoint/checkpoint.h>
 #include <fsdp_muon/fsdp_muon.h>
 
+#include "checkpoint/failure_injection.h"
 #include "checkpoint/file_io.h"
 #include "comm/distributed_main.h"
 
