@@ -31,6 +31,7 @@
 #include "checkpoint/file_io.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/model_index.h"
+#include "comm/agreement.h"
 
 namespace fsdp_muon {
 using namespace checkpoint;
@@ -273,9 +274,9 @@ SavedMeta read_manifest(const std::string& folder) {
   c10::IValue value;
   try {
     value = torch::pickle_load(bytes);
-  } catch (const c10::Error& e) {
+  } catch (...) {
     TORCH_CHECK(false, "checkpoint: ", path, " is truncated or corrupt (", bytes.size(),
-                " bytes): ", e.what_without_backtrace());
+                " bytes): ", detail::current_exception_message());
   }
   SavedMeta meta = parse_meta(value, path, /*manifest=*/true);
   return meta;
@@ -407,8 +408,8 @@ RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, in
   c10::IValue value;
   try {
     value = torch::pickle_load(header);
-  } catch (const c10::Error& e) {
-    corrupt(p, std::string("unreadable header: ") + e.what_without_backtrace());
+  } catch (...) {
+    corrupt(p, "unreadable header: " + detail::current_exception_message());
   }
   const Fields top(value, p);
   TORCH_CHECK(top.integer("rank") == rank && top.integer("world_size") == manifest.world_size,
@@ -491,22 +492,22 @@ std::string save_checkpoint(const std::string& dir,
   const char* fn = "save_checkpoint";
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
-  run_agreed(comm, fn, [&] {
+  detail::run_agreed(comm, fn, [&] {
     model = index_model(groups, fn);
     opts = index_optimizers(optimizers, model, fn);
   });
   int64_t sequence = 0;
-  run_agreed(comm, fn, [&] {
+  detail::run_agreed(comm, fn, [&] {
     if (comm.rank() == 0) sequence = create_folder(dir);
   });
   sequence = broadcast_int(comm, sequence);
   const std::string folder = join_path(dir, folder_name(sequence));
   int64_t bytes = 0;
-  run_agreed(comm, fn, [&] { bytes = write_rank_file(folder, model, opts); });
+  detail::run_agreed(comm, fn, [&] { bytes = write_rank_file(folder, model, opts); });
   const std::vector<int64_t> sizes = all_gather_int(comm, bytes);
   // The manifest is written only once every rank file is in place, and `latest` only once the
   // manifest is: a checkpoint is complete iff its manifest exists.
-  run_agreed(comm, fn, [&] {
+  detail::run_agreed(comm, fn, [&] {
     if (comm.rank() != 0) return;
     c10::impl::GenericDict manifest = describe(model, opts);
     manifest.insert("type", std::string("manifest"));
@@ -550,7 +551,7 @@ void load_checkpoint(const std::string& dir,
   std::vector<std::vector<at::Tensor>> weights;              // [group][param], CPU
   std::vector<std::vector<ParamState>> states;               // [optimizer][flat param]
   std::vector<std::vector<std::vector<char>>> option_bytes;  // [optimizer][param group]
-  run_agreed(comm, fn, [&] {
+  detail::run_agreed(comm, fn, [&] {
     model = index_model(groups, fn);
     opts = index_optimizers(optimizers, model, fn);
     const std::string folder = resolve_folder(dir, fn);

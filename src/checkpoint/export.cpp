@@ -18,6 +18,7 @@
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/model_index.h"
+#include "comm/agreement.h"
 
 namespace fsdp_muon {
 using namespace checkpoint;
@@ -58,7 +59,7 @@ void export_full_checkpoint(const std::string& path,
   const int me = comm.rank();
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
-  run_agreed(comm, fn, [&] {
+  detail::run_agreed(comm, fn, [&] {
     model = index_model(groups, fn);
     opts = index_optimizers(optimizers, model, fn);
   });
@@ -154,7 +155,7 @@ void export_full_checkpoint(const std::string& path,
     }
   }
 
-  run_agreed(comm, fn, [&] {
+  detail::run_agreed(comm, fn, [&] {
     if (me != 0) return;
     // Parameter order, each followed by its state: the file reads like the model.
     std::unordered_map<std::string, std::vector<std::pair<std::string, at::Tensor>>> by_param;
@@ -188,16 +189,17 @@ void import_full_checkpoint(const std::string& path,
   std::vector<std::vector<at::Tensor>> weights;  // [group][param]: this rank's slice
   std::vector<std::vector<ParamState>> states;   // [optimizer][flat param]
   std::vector<std::vector<bool>> touch;          // [optimizer][flat param]: install or keep
-  run_agreed(comm, fn, [&] {
+  detail::run_agreed(comm, fn, [&] {
     model = index_model(groups, fn);
     opts = index_optimizers(optimizers, model, fn);
     const std::vector<char> bytes = read_whole_file(path);
     c10::IValue value;
     try {
       value = torch::pickle_load(bytes);
-    } catch (const c10::Error& e) {
+    } catch (...) {
       TORCH_CHECK(false, fn, ": ", path, " is not a readable torch.save / pickle file (",
-                  bytes.size(), " bytes; truncated or corrupt?): ", e.what_without_backtrace());
+                  bytes.size(),
+                  " bytes; truncated or corrupt?): ", detail::current_exception_message());
     }
     TORCH_CHECK(value.isGenericDict(), fn, ": ", path, " holds a ", value.tagKind(),
                 ", not a dict of tensors by parameter name");

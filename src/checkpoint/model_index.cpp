@@ -1,8 +1,6 @@
 #include "checkpoint/model_index.h"
 
 #include <algorithm>
-#include <cstring>
-#include <exception>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -245,54 +243,6 @@ void options_from_bytes(torch::optim::OptimizerOptions& options, const std::vect
   torch::serialize::InputArchive archive;
   archive.load_from(bytes.data(), bytes.size());
   options.serialize(archive);
-}
-
-void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn) {
-  std::string error;
-  std::exception_ptr own;
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    error = e.what_without_backtrace();
-    own = std::current_exception();
-  } catch (const std::exception& e) {
-    error = e.what();
-    own = std::current_exception();
-  } catch (...) {
-    error = "unknown exception";
-    own = std::current_exception();
-  }
-  // One flag byte and the start of the message per rank, so every rank can say what failed.
-  constexpr int64_t kSlot = 1024;
-  at::Tensor mine = at::zeros({kSlot}, at::kByte);
-  if (own) {
-    auto* p = mine.data_ptr<uint8_t>();
-    p[0] = 1;
-    const size_t n = std::min<size_t>(error.size(), kSlot - 2);
-    std::memcpy(p + 1, error.data(), n);
-  }
-  const auto device = comm.device();
-  at::Tensor all = at::empty({kSlot * comm.size()}, mine.options().device(device));
-  comm.all_gather(mine.to(device), all);
-  all = all.cpu();
-  const auto* bytes = all.data_ptr<uint8_t>();
-  int first = -1;
-  int failed = 0;
-  for (int r = 0; r < comm.size(); ++r) {
-    if (bytes[r * kSlot] != 0) {
-      if (first < 0) first = r;
-      ++failed;
-    }
-  }
-  if (first < 0) return;
-  if (own) {
-    TORCH_CHECK(false, error,
-                failed > 1 ? " (and " + std::to_string(failed - 1) + " other rank(s) failed too)"
-                           : std::string());
-  }
-  const char* msg = reinterpret_cast<const char*>(bytes + first * kSlot + 1);
-  TORCH_CHECK(false, what, " failed on rank ", first, " of ", comm.size(), ": ",
-              std::string(msg, strnlen(msg, kSlot - 1)));
 }
 
 void install_weights(const ModelIndex& model, const std::vector<std::vector<at::Tensor>>& weights) {

@@ -1,10 +1,8 @@
 #pragma once
 // What save, load, export and import share: the parameters of the groups by name, the
-// optimizers over them by kind, per-parameter optimizer state in and out, and the collective
-// error agreement that turns a failure on one rank into the same exception on every rank.
+// optimizers over them by kind, per-parameter optimizer state in and out.
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -84,11 +82,6 @@ void install_state(const OptimizerEntry& opt, const at::Tensor& param, const Par
 // The bytes of an optimizer param group's options (OptimizerOptions::serialize) and back.
 std::vector<char> options_to_bytes(const torch::optim::OptimizerOptions& options);
 void options_from_bytes(torch::optim::OptimizerOptions& options, const std::vector<char>& bytes);
-
-// Runs `fn` on every rank, then agrees (one all-gather) whether it failed anywhere; if so every
-// rank throws: a rank that failed with its own message, the others with the lowest failing
-// rank's. `what` prefixes the message ("save_checkpoint").
-void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn);
 
 std::string shape_string(at::IntArrayRef shape);
 
