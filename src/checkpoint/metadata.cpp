@@ -1,11 +1,11 @@
 #include "checkpoint/metadata.h"
 
-#include <algorithm>
-#include <cstdio>
 #include <cstring>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+
+#include "checkpoint/optimizer_state.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
@@ -33,12 +33,6 @@ c10::IValue bytes_tensor(const std::vector<char>& bytes) {
 void corrupt(const std::string& path, const std::string& detail) {
   TORCH_CHECK(false, "checkpoint: ", path,
               " is corrupt or not an fsdp_muon checkpoint file: ", detail);
-}
-
-std::string rank_file_name(int rank, int world_size) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "rank-%05d-of-%05d.bin", rank, world_size);
-  return buf;
 }
 
 c10::impl::GenericDict describe(const ModelIndex& model, const std::vector<OptimizerEntry>& opts) {
@@ -101,14 +95,6 @@ c10::impl::GenericDict describe(const ModelIndex& model, const std::vector<Optim
   }
   meta.insert("optimizers", optimizers);
   return meta;
-}
-
-std::pair<int64_t, int64_t> saved_held_range(const SavedGroup& group, const SavedParam& param,
-                                             int rank) {
-  const int64_t s = group.shard_numel;
-  const int64_t first = std::clamp<int64_t>(rank * s - param.offset, 0, param.numel);
-  const int64_t last = std::clamp<int64_t>((rank + 1) * s - param.offset, 0, param.numel);
-  return {first, std::max(first, last)};
 }
 
 Fields::Fields(const c10::IValue& value, std::string path, std::string where)

@@ -4,7 +4,6 @@
 // name the file when a field is missing or of the wrong type).
 
 #include <cstdint>
-#include <map>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -18,10 +17,6 @@ namespace fsdp_muon::checkpoint {
 
 constexpr int64_t kFormatVersion = 1;
 constexpr const char* kFormatName = "fsdp_muon.checkpoint";
-constexpr const char* kManifestName = "manifest.pt";
-constexpr const char* kLatestName = "latest";
-
-std::string rank_file_name(int rank, int world_size);
 
 // Layout and optimizer description of the live model on this rank (optimizer state as this
 // rank sees it: step and which state tensors exist).
@@ -64,10 +59,6 @@ struct SavedMeta {
   std::vector<std::string> rank_files;
   std::vector<int64_t> rank_file_bytes;
 };
-
-// Elements [first, last) of `param` that saved rank `rank` held.
-std::pair<int64_t, int64_t> saved_held_range(const SavedGroup& group, const SavedParam& param,
-                                             int rank);
 
 // Parses the fields describe() writes; `manifest` also requires the manifest-only ones.
 SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest);
