@@ -16,14 +16,14 @@ bool g_env_read = false;
 
 namespace checkpoint {
 
-bool take_injected_failure() {
+bool take_injected_failure(const char* api) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_env_read) {
     g_env_read = true;
     if (const char* env = std::getenv("FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES")) {
       char* end = nullptr;
       const long long n = std::strtoll(env, &end, 10);
-      TORCH_CHECK(end != env && *end == '\0', "FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES='", env,
+      TORCH_CHECK(end != env && *end == '\0', api, ": FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES='", env,
                   "' is not an integer");
       if (g_fail_after < 0) g_fail_after = n;
     }

@@ -19,8 +19,8 @@ void set_checkpoint_failure_injection(int64_t files);
 namespace checkpoint {
 
 // Called by every checkpoint file write as it starts: true when this write must fail half-way
-// (which disarms the hook).
-bool take_injected_failure();
+// (which disarms the hook). `api` names the public function in errors.
+bool take_injected_failure(const char* api);
 
 }  // namespace checkpoint
 }  // namespace fsdp_muon

@@ -51,8 +51,8 @@ std::vector<char> encode_manifest(int64_t sequence, const ModelIndex& model,
   return pickle_save_plain(manifest);
 }
 
-void write_text_atomic(const std::string& path, const std::string& text) {
-  write_file_atomic(path, {{text.data(), text.size()}});
+void write_text_atomic(const std::string& path, const std::string& text, const char* api) {
+  write_file_atomic(path, {{text.data(), text.size()}}, api);
 }
 
 // What a root holds apart from checkpoint `current` and anything newer.
@@ -127,25 +127,25 @@ std::string folder_name(int64_t sequence) {
 }
 
 int64_t create_checkpoint_folder(const std::string& dir, const char* api) {
-  make_directories(dir);
+  make_directories(dir, api);
   int64_t last = 0;
   for (const std::string& name : list_directory(dir)) {
     last = std::max(last, folder_sequence(name));
   }
   const int64_t sequence = last + 1;
   const std::string folder = join_path(dir, folder_name(sequence));
-  TORCH_CHECK(make_directory(folder), api, ": cannot create ", folder, " (it exists)");
+  TORCH_CHECK(make_directory(folder, api), api, ": cannot create ", folder, " (it exists)");
   return sequence;
 }
 
 void publish_checkpoint(const std::string& dir, int64_t sequence, const ModelIndex& model,
                         const std::vector<OptimizerEntry>& opts,
                         const std::vector<int64_t>& rank_file_bytes, int64_t keep_last,
-                        const char* /*api*/) {
+                        const char* api) {
   const std::string folder = join_path(dir, folder_name(sequence));
   const std::vector<char> manifest = encode_manifest(sequence, model, opts, rank_file_bytes);
-  write_file_atomic(join_path(folder, kManifestName), {{manifest.data(), manifest.size()}});
-  write_text_atomic(join_path(dir, kLatestName), folder_name(sequence) + "\n");
+  write_file_atomic(join_path(folder, kManifestName), {{manifest.data(), manifest.size()}}, api);
+  write_text_atomic(join_path(dir, kLatestName), folder_name(sequence) + "\n", api);
   prune(dir, sequence, keep_last);
 }
 
@@ -162,17 +162,17 @@ std::string resolve_checkpoint_folder(const std::string& dir, const char* api) {
   return folder;
 }
 
-SavedMeta read_manifest(const std::string& folder, const char* /*api*/) {
+SavedMeta read_manifest(const std::string& folder, const char* api) {
   const std::string path = join_path(folder, kManifestName);
-  const std::vector<char> bytes = read_whole_file(path);
+  const std::vector<char> bytes = read_whole_file(path, api);
   c10::IValue value;
   try {
     value = torch::pickle_load(bytes);
   } catch (...) {
-    TORCH_CHECK(false, "checkpoint: ", path, " is truncated or corrupt (", bytes.size(),
+    TORCH_CHECK(false, api, ": ", path, " is truncated or corrupt (", bytes.size(),
                 " bytes): ", detail::current_exception_message());
   }
-  return parse_meta(value, path, /*manifest=*/true);
+  return parse_meta(value, path, /*manifest=*/true, api);
 }
 
 }  // namespace fsdp_muon::checkpoint

@@ -21,7 +21,7 @@
 namespace fsdp_muon {
 namespace {
 
-constexpr const char* kExportApi = "export_full_checkpoint";
+constexpr const char* kExportApi = "fsdp_muon::export_full_checkpoint";
 
 using checkpoint::ModelIndex;
 using checkpoint::OptimizerEntry;
@@ -176,9 +176,10 @@ void write_export(const std::string& path, const ModelIndex& model,
     }
   }
   const auto slash = path.rfind('/');
-  if (slash != std::string::npos && slash > 0) checkpoint::make_directories(path.substr(0, slash));
+  if (slash != std::string::npos && slash > 0)
+    checkpoint::make_directories(path.substr(0, slash), kExportApi);
   const std::vector<char> bytes = checkpoint::pickle_save_plain(c10::IValue(out));
-  checkpoint::write_file_atomic(path, {{bytes.data(), bytes.size()}});
+  checkpoint::write_file_atomic(path, {{bytes.data(), bytes.size()}}, kExportApi);
 }
 
 }  // namespace

@@ -25,7 +25,7 @@
 namespace fsdp_muon {
 namespace {
 
-constexpr const char* kImportApi = "import_full_checkpoint";
+constexpr const char* kImportApi = "fsdp_muon::import_full_checkpoint";
 
 using checkpoint::ModelIndex;
 using checkpoint::OptimizerEntry;
@@ -50,7 +50,7 @@ at::Tensor held_slice(const at::Tensor& full, int64_t first, int64_t last) {
 }
 
 TensorsByName read_tensor_dict(const std::string& path, bool strict) {
-  const std::vector<char> bytes = checkpoint::read_whole_file(path);
+  const std::vector<char> bytes = checkpoint::read_whole_file(path, kImportApi);
   c10::IValue value;
   try {
     value = torch::pickle_load(bytes);

@@ -116,7 +116,7 @@ void read_planned(const LoadPlan& plan, const SavedMeta& saved, const std::strin
   for (const auto& [rank, reads] : plan.reads_by_saved_rank) {
     const RankFile file = open_rank_file(saved, folder, rank, api);
     for (const RangeRead& read : reads) {
-      read_entry_range(file, read.key, read.first, read.count, read.dst);
+      read_entry_range(file, read.key, read.first, read.count, read.dst, api);
     }
   }
 }

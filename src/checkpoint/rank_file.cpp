@@ -184,32 +184,32 @@ struct Prefix {
   uint32_t version = 0;
 };
 
-Prefix read_prefix(const ReadFile& file) {
+Prefix read_prefix(const ReadFile& file, const char* api) {
   char bytes[kPrefixBytes];
   file.read(0, bytes, sizeof(bytes));
-  if (std::memcmp(bytes, kMagic, sizeof(kMagic)) != 0) corrupt(file.path(), "bad magic bytes");
+  if (std::memcmp(bytes, kMagic, sizeof(kMagic)) != 0) corrupt(file.path(), "bad magic bytes", api);
   Prefix prefix;
   prefix.version = get_u32(bytes + 20);
-  TORCH_CHECK(prefix.version <= kFormatVersion, "checkpoint: ", file.path(), " has format version ",
+  TORCH_CHECK(prefix.version <= kFormatVersion, api, ": ", file.path(), " has format version ",
               prefix.version, "; this fsdp_muon reads up to ", kFormatVersion);
   prefix.header_bytes = get_u64(bytes + 8);
   prefix.header_crc = get_u32(bytes + 16);
   if (static_cast<int64_t>(prefix.header_bytes) > file.size() - kPrefixBytes) {
-    corrupt(file.path(), "its header length runs past the end of the file");
+    corrupt(file.path(), "its header length runs past the end of the file", api);
   }
   return prefix;
 }
 
-c10::IValue read_header(const ReadFile& file, const Prefix& prefix) {
+c10::IValue read_header(const ReadFile& file, const Prefix& prefix, const char* api) {
   std::vector<char> header(prefix.header_bytes);
   file.read(kPrefixBytes, header.data(), header.size());
   if (crc32(header.data(), header.size()) != prefix.header_crc) {
-    corrupt(file.path(), "header checksum mismatch");
+    corrupt(file.path(), "header checksum mismatch", api);
   }
   try {
     return torch::pickle_load(header);
   } catch (...) {
-    corrupt(file.path(), "unreadable header: " + detail::current_exception_message());
+    corrupt(file.path(), "unreadable header: " + detail::current_exception_message(), api);
   }
 }
 
@@ -217,7 +217,7 @@ EntryLocation parse_entry(const Fields& e, int64_t data_bytes, const std::string
   EntryLocation h;
   const int64_t dtype = e.integer("dtype");
   if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) {
-    corrupt(path, "an entry has an unknown dtype");
+    corrupt(path, "an entry has an unknown dtype", e.api());
   }
   h.dtype = static_cast<c10::ScalarType>(dtype);
   h.numel = e.integer("numel");
@@ -227,7 +227,7 @@ EntryLocation parse_entry(const Fields& e, int64_t data_bytes, const std::string
   if (h.numel < 0 || h.offset < 0 ||
       h.nbytes != h.numel * static_cast<int64_t>(c10::elementSize(h.dtype)) ||
       h.offset + h.nbytes > data_bytes) {
-    corrupt(path, "entry '" + e.str("key") + "' lies outside the data");
+    corrupt(path, "entry '" + e.str("key") + "' lies outside the data", e.api());
   }
   return h;
 }
@@ -236,7 +236,7 @@ std::unordered_map<std::string, std::pair<int64_t, int64_t>> parse_held(const Fi
   std::unordered_map<std::string, std::pair<int64_t, int64_t>> out;
   for (const auto& item : held.raw()) {
     if (!item.key().isString() || !item.value().isList() || item.value().toListRef().size() != 2) {
-      corrupt(held.path(), "bad 'held' table");
+      corrupt(held.path(), "bad 'held' table", held.api());
     }
     const auto r = item.value().toListRef();
     out[item.key().toStringRef()] = {r[0].toInt(), r[1].toInt()};
@@ -267,7 +267,7 @@ int64_t write_rank_file(const std::string& folder, const ModelIndex& model,
   const std::array<char, kPrefixBytes> prefix = encode_prefix(header);
   const std::string path =
       join_path(folder, rank_file_name(model.comm->rank(), model.comm->size()));
-  write_file_atomic(path, file_chunks(prefix, header, entries));
+  write_file_atomic(path, file_chunks(prefix, header, entries), api);
   return data_start_after(static_cast<int64_t>(header.size())) + data_bytes;
 }
 
@@ -277,24 +277,23 @@ RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, in
   TORCH_CHECK(path_exists(p), api, ": missing rank file ", p, " (saved rank ", rank, " of ",
               manifest.world_size, "); this rank needs its shards");
   RankFile rf;
-  rf.file = ReadFile(p);
+  rf.file = ReadFile(p, api);
   const int64_t expected = manifest.rank_file_bytes[rank];
-  TORCH_CHECK(rf.file.size() >= expected, "checkpoint: ", p, " is truncated: it has ",
-              rf.file.size(), " bytes, the manifest says ", expected);
-  TORCH_CHECK(rf.file.size() == expected, "checkpoint: ", p, " has ", rf.file.size(),
+  TORCH_CHECK(rf.file.size() >= expected, api, ": ", p, " is truncated: it has ", rf.file.size(),
+              " bytes, the manifest says ", expected);
+  TORCH_CHECK(rf.file.size() == expected, api, ": ", p, " has ", rf.file.size(),
               " bytes but the manifest says ", expected, "; it was changed after the save");
-  const Prefix prefix = read_prefix(rf.file);
-  const Fields top(read_header(rf.file, prefix), p);
-  TORCH_CHECK(top.integer("rank") == rank && top.integer("world_size") == manifest.world_size,
-              "checkpoint: ", p, " was written by rank ", top.integer("rank"), " of ",
+  const Prefix prefix = read_prefix(rf.file, api);
+  const Fields top(read_header(rf.file, prefix, api), p, api);
+  TORCH_CHECK(top.integer("rank") == rank && top.integer("world_size") == manifest.world_size, api,
+              ": ", p, " was written by rank ", top.integer("rank"), " of ",
               top.integer("world_size"), ", not rank ", rank, " of ", manifest.world_size);
   rf.data_start = data_start_after(static_cast<int64_t>(prefix.header_bytes));
   const int64_t data_bytes = top.integer("data_bytes");
-  TORCH_CHECK(rf.file.size() >= rf.data_start + data_bytes, "checkpoint: ", p,
-              " is truncated: it has ", rf.file.size(), " bytes, its header says ",
-              rf.data_start + data_bytes);
+  TORCH_CHECK(rf.file.size() >= rf.data_start + data_bytes, api, ": ", p, " is truncated: it has ",
+              rf.file.size(), " bytes, its header says ", rf.data_start + data_bytes);
   for (const c10::IValue& ev : top.list("entries")) {
-    const Fields e(ev, p, " (an entry)");
+    const Fields e(ev, p, api, " (an entry)");
     const EntryLocation location = parse_entry(e, data_bytes, p);
     rf.entries.emplace(e.str("key"), location);
   }
@@ -303,14 +302,15 @@ RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, in
 }
 
 void read_entry_range(const RankFile& file, const std::string& key, int64_t first, int64_t count,
-                      const at::Tensor& dst) {
+                      const at::Tensor& dst, const char* api) {
   auto it = file.entries.find(key);
   if (it == file.entries.end()) {
-    corrupt(file.file.path(), "it has no entry '" + key + "' although the manifest says it should");
+    corrupt(file.file.path(), "it has no entry '" + key + "' although the manifest says it should",
+            api);
   }
   const EntryLocation& h = it->second;
   if (first < 0 || first + count > h.numel) {
-    corrupt(file.file.path(), "entry '" + key + "' holds fewer elements than its held range");
+    corrupt(file.file.path(), "entry '" + key + "' holds fewer elements than its held range", api);
   }
   const int64_t elsize = static_cast<int64_t>(c10::elementSize(h.dtype));
   at::Tensor buf =
@@ -319,7 +319,7 @@ void read_entry_range(const RankFile& file, const std::string& key, int64_t firs
                  static_cast<size_t>(count * elsize));
   if (first == 0 && count == h.numel &&
       crc32(buf.data_ptr(), static_cast<size_t>(count * elsize)) != h.crc) {
-    corrupt(file.file.path(), "checksum mismatch in entry '" + key + "'");
+    corrupt(file.file.path(), "checksum mismatch in entry '" + key + "'", api);
   }
   if (!buf.is_same(dst)) dst.copy_(buf);
 }

@@ -69,6 +69,6 @@ RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, in
 // Copies elements [first, first + count) of entry `key` into `dst` (1-D, count elements,
 // converting the dtype when it differs). An entry read whole has its CRC checked.
 void read_entry_range(const RankFile& file, const std::string& key, int64_t first, int64_t count,
-                      const at::Tensor& dst);
+                      const at::Tensor& dst, const char* api);
 
 }  // namespace fsdp_muon::checkpoint

@@ -24,8 +24,8 @@
 namespace fsdp_muon {
 namespace {
 
-constexpr const char* kSaveApi = "save_checkpoint";
-constexpr const char* kLoadApi = "load_checkpoint";
+constexpr const char* kSaveApi = "fsdp_muon::save_checkpoint";
+constexpr const char* kLoadApi = "fsdp_muon::load_checkpoint";
 
 Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                               const char* api) {
@@ -37,14 +37,23 @@ Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGro
 // copy of the live options, so that a bad archive fails the load here and not half-way through
 // installing.
 std::vector<std::vector<std::vector<char>>> checked_saved_options(
-    const checkpoint::SavedMeta& saved, const std::vector<checkpoint::OptimizerEntry>& opts) {
+    const checkpoint::SavedMeta& saved, const std::vector<checkpoint::OptimizerEntry>& opts,
+    const char* api) {
   std::vector<std::vector<std::vector<char>>> options;
   for (size_t o = 0; o < opts.size(); ++o) {
     options.push_back(saved.optimizers[o].options);
     const auto& live = opts[o].optimizer->param_groups();
     for (size_t j = 0; j < live.size(); ++j) {
       auto copy = live[j].options().clone();
-      checkpoint::options_from_bytes(*copy, saved.optimizers[o].options[j]);
+      try {
+        checkpoint::options_from_bytes(*copy, saved.optimizers[o].options[j]);
+      } catch (...) {
+        checkpoint::corrupt(saved.path,
+                            "the options of optimizer " + std::to_string(o) + ", param group " +
+                                std::to_string(j) +
+                                " do not load: " + detail::current_exception_message(),
+                            api);
+      }
     }
   }
   return options;
@@ -96,7 +105,7 @@ void load_checkpoint(const std::string& dir,
     const checkpoint::SavedMeta saved = checkpoint::read_manifest(folder, kLoadApi);
     checkpoint::check_same_model(saved, model, kLoadApi);
     checkpoint::check_same_optimizers(saved, model, opts, kLoadApi);
-    staged.options = checked_saved_options(saved, opts);
+    staged.options = checked_saved_options(saved, opts, kLoadApi);
     checkpoint::LoadPlan plan = checkpoint::plan_load(saved, model, opts, kLoadApi);
     checkpoint::read_planned(plan, saved, folder, kLoadApi);
     staged.weights = std::move(plan.weights);
