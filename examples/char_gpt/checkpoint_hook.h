@@ -1,6 +1,6 @@
 #pragma once
 // Where char_gpt saves and resumes training, through the library's sharded checkpoints
-// (DESIGN §6): main-weight shards and both optimizers' state go through fsdp_muon's
+// (docs/DESIGN.md §6): main-weight shards and both optimizers' state go through fsdp_muon's
 // save_checkpoint/load_checkpoint (any world size on resume); char_gpt adds the step reached.
 // The data stream is a function of (seed, rank, step), so it needs no saved state.
 

@@ -7,8 +7,8 @@
 //   bytes [8, 16)   H, the header's length
 //   bytes [16, 20)  CRC-32 of the header
 //   bytes [20, 24)  format version
-//   bytes [24, 24+H) header: a pickled dict (describe() plus "type", "rank", "held", "entries",
-//                   "data_bytes")
+//   bytes [24, 24+H) header: pickle_save_plain of a dict (describe() plus "type", "rank",
+//                   "held", "entries", "data_bytes")
 //   then, from the next multiple of 64 ("data start"), the entries: raw bytes of 1-D tensors,
 //   each at a 64-byte aligned offset from the data start. One entry per parameter this rank
 //   holds part of (weight_entry_key: its slice of the main weights) and per optimizer state

@@ -1,5 +1,5 @@
 #pragma once
-// Checkpoints (DESIGN §6): sharded save and load, resharding to another world size, and a
+// Checkpoints (docs/DESIGN.md §6): sharded save and load, resharding to another world size, and a
 // full export that Python's torch.load reads.
 //
 // Layout of a checkpoint root `dir`:
