@@ -187,8 +187,7 @@ void write_export(const std::string& path, const ModelIndex& model,
 void export_full_checkpoint(const std::string& path,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers) {
-  TORCH_CHECK(!groups.empty() && groups[0], kExportApi, ": no parameter groups given");
-  Communicator& comm = *groups[0]->communicator();
+  Communicator& comm = checkpoint::communicator_of(groups, kExportApi);
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
   detail::run_agreed(comm, kExportApi, [&] {

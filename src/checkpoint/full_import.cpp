@@ -194,8 +194,7 @@ void import_full_checkpoint(const std::string& path,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers,
                             const ImportCheckpointOptions& options) {
-  TORCH_CHECK(!groups.empty() && groups[0], kImportApi, ": no parameter groups given");
-  Communicator& comm = *groups[0]->communicator();
+  Communicator& comm = checkpoint::communicator_of(groups, kImportApi);
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
   checkpoint::StagedRestore staged;

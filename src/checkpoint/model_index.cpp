@@ -42,6 +42,12 @@ std::string shape_string(at::IntArrayRef shape) {
   return out.str();
 }
 
+Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                              const char* api) {
+  TORCH_CHECK(!groups.empty() && groups[0], api, ": no parameter groups given");
+  return *groups[0]->communicator();
+}
+
 ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                        const char* api) {
   TORCH_CHECK(!groups.empty(), api, ": no parameter groups given");

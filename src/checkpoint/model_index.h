@@ -45,6 +45,11 @@ struct ModelIndex {
   }
 };
 
+// The communicator of the groups' data-parallel world, which every step of a checkpoint call
+// agrees over; throws (locally: there is no world to agree in) when no groups are given.
+Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                              const char* api);
+
 // Checks the groups (non-empty, one world, unique parameter names) and indexes them. `api`
 // names the public function in errors.
 ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,

@@ -27,12 +27,6 @@ namespace {
 constexpr const char* kSaveApi = "fsdp_muon::save_checkpoint";
 constexpr const char* kLoadApi = "fsdp_muon::load_checkpoint";
 
-Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                              const char* api) {
-  TORCH_CHECK(!groups.empty() && groups[0], api, ": no parameter groups given");
-  return *groups[0]->communicator();
-}
-
 // The saved options of every param group ([optimizer][param group]), each parsed once into a
 // copy of the live options, so that a bad archive fails the load here and not half-way through
 // installing.
@@ -65,7 +59,7 @@ std::string save_checkpoint(const std::string& dir,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers,
                             const SaveCheckpointOptions& options) {
-  Communicator& comm = communicator_of(groups, kSaveApi);
+  Communicator& comm = checkpoint::communicator_of(groups, kSaveApi);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;
   detail::run_agreed(comm, kSaveApi, [&] {
@@ -94,7 +88,7 @@ std::string save_checkpoint(const std::string& dir,
 void load_checkpoint(const std::string& dir,
                      const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                      const std::vector<torch::optim::Optimizer*>& optimizers) {
-  Communicator& comm = communicator_of(groups, kLoadApi);
+  Communicator& comm = checkpoint::communicator_of(groups, kLoadApi);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;
   checkpoint::StagedRestore staged;
