@@ -6,57 +6,26 @@
 #include <unistd.h>
 
 #include <array>
-#include <atomic>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
-#include <mutex>
 
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
-#include <fsdp_muon/checkpoint/checkpoint.h>
+#include "checkpoint/failure_injection.h"
 
-namespace fsdp_muon {
-namespace checkpoint {
+namespace fsdp_muon::checkpoint {
 namespace {
-
-// Failure injection: after `g_fail_after` more completed writes, the next write fails half-way.
-std::mutex g_inject_mutex;
-int64_t g_fail_after = -1;
-bool g_env_read = false;
-
-// True when this write must fail half-way (and disarms the hook).
-bool take_injected_failure() {
-  std::lock_guard<std::mutex> lock(g_inject_mutex);
-  if (!g_env_read) {
-    g_env_read = true;
-    if (const char* env = std::getenv("FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES")) {
-      char* end = nullptr;
-      const long long n = std::strtoll(env, &end, 10);
-      TORCH_CHECK(end != env && *end == '\0', "FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES='", env,
-                  "' is not an integer");
-      if (g_fail_after < 0) g_fail_after = n;
-    }
-  }
-  if (g_fail_after < 0) return false;
-  if (g_fail_after == 0) {
-    g_fail_after = -1;
-    return true;
-  }
-  --g_fail_after;
-  return false;
-}
 
 std::string errno_text() { return std::strerror(errno); }
 
-void write_all(int fd, const char* data, size_t size, const std::string& path) {
+void write_all(int fd, const char* data, size_t size, const std::string& path, const char* api) {
   while (size > 0) {
     const ssize_t n = ::write(fd, data, size);
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, "checkpoint: writing ", path, " failed: ", errno_text());
+    TORCH_CHECK(n > 0, api, ": writing ", path, " failed: ", errno_text());
     data += n;
     size -= static_cast<size_t>(n);
   }
@@ -96,19 +65,19 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-bool make_directory(const std::string& path) {
+bool make_directory(const std::string& path, const char* api) {
   if (::mkdir(path.c_str(), 0755) == 0) return true;
-  TORCH_CHECK(errno == EEXIST, "checkpoint: cannot create ", path, ": ", errno_text());
-  TORCH_CHECK(is_directory(path), "checkpoint: ", path, " exists and is not a folder");
+  TORCH_CHECK(errno == EEXIST, api, ": cannot create ", path, ": ", errno_text());
+  TORCH_CHECK(is_directory(path), api, ": ", path, " exists and is not a folder");
   return false;
 }
 
-void make_directories(const std::string& path) {
+void make_directories(const std::string& path, const char* api) {
   for (size_t pos = path.find('/', 1); pos != std::string::npos; pos = path.find('/', pos + 1)) {
     const std::string prefix = path.substr(0, pos);
-    if (!is_directory(prefix)) make_directory(prefix);
+    if (!is_directory(prefix)) make_directory(prefix, api);
   }
-  if (!path.empty() && !is_directory(path)) make_directory(path);
+  if (!path.empty() && !is_directory(path)) make_directory(path, api);
 }
 
 std::vector<std::string> list_directory(const std::string& path) {
@@ -134,33 +103,33 @@ void remove_tree(const std::string& path) {
   }
 }
 
-void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks) {
+void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks, const char* api) {
   const auto slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? std::string(".")
                           : slash == 0               ? std::string("/")
                                                      : path.substr(0, slash);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const bool fail = take_injected_failure();
+  const bool fail = take_injected_failure(api);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "checkpoint: cannot create ", tmp, ": ", errno_text());
+  TORCH_CHECK(fd >= 0, api, ": cannot create ", tmp, ": ", errno_text());
   try {
     size_t total = 0;
     for (const Chunk& c : chunks) total += c.size;
     size_t budget = fail ? total / 2 : total;
     for (const Chunk& c : chunks) {
       const size_t n = std::min(budget, c.size);
-      write_all(fd, static_cast<const char*>(c.data), n, tmp);
+      write_all(fd, static_cast<const char*>(c.data), n, tmp, api);
       budget -= n;
     }
-    TORCH_CHECK(!fail, "checkpoint: injected failure while writing ", path, " (", total / 2, " of ",
+    TORCH_CHECK(!fail, api, ": injected failure while writing ", path, " (", total / 2, " of ",
                 total, " bytes written to ", tmp, ")");
-    TORCH_CHECK(::fsync(fd) == 0, "checkpoint: fsync of ", tmp, " failed: ", errno_text());
+    TORCH_CHECK(::fsync(fd) == 0, api, ": fsync of ", tmp, " failed: ", errno_text());
   } catch (...) {
     ::close(fd);
     throw;
   }
-  TORCH_CHECK(::close(fd) == 0, "checkpoint: closing ", tmp, " failed: ", errno_text());
-  TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: renaming ", tmp, " to ", path,
+  TORCH_CHECK(::close(fd) == 0, api, ": closing ", tmp, " failed: ", errno_text());
+  TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, api, ": renaming ", tmp, " to ", path,
               " failed: ", errno_text());
   fsync_dir(dir);
 }
@@ -194,22 +163,22 @@ uint32_t crc32(const void* data, size_t size, uint32_t crc) {
   return ~crc;
 }
 
-std::vector<char> read_whole_file(const std::string& path) {
-  ReadFile file(path);
+std::vector<char> read_whole_file(const std::string& path, const char* api) {
+  ReadFile file(path, api);
   std::vector<char> bytes(static_cast<size_t>(file.size()));
   if (!bytes.empty()) file.read(0, bytes.data(), bytes.size());
   return bytes;
 }
 
-ReadFile::ReadFile(const std::string& path) : path_(path) {
+ReadFile::ReadFile(const std::string& path, const char* api) : path_(path), api_(api) {
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd_ >= 0, "checkpoint: cannot open ", path, ": ", errno_text());
+  TORCH_CHECK(fd_ >= 0, api, ": cannot open ", path, ": ", errno_text());
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {
     const std::string err = errno_text();
     ::close(fd_);
     fd_ = -1;
-    TORCH_CHECK(false, "checkpoint: cannot stat ", path, ": ", err);
+    TORCH_CHECK(false, api, ": cannot stat ", path, ": ", err);
   }
   size_ = static_cast<int64_t>(st.st_size);
 }
@@ -219,7 +188,7 @@ ReadFile::~ReadFile() {
 }
 
 ReadFile::ReadFile(ReadFile&& other) noexcept
-    : path_(std::move(other.path_)), fd_(other.fd_), size_(other.size_) {
+    : path_(std::move(other.path_)), api_(other.api_), fd_(other.fd_), size_(other.size_) {
   other.fd_ = -1;
 }
 
@@ -227,6 +196,7 @@ ReadFile& ReadFile::operator=(ReadFile&& other) noexcept {
   if (this != &other) {
     if (fd_ >= 0) ::close(fd_);
     path_ = std::move(other.path_);
+    api_ = other.api_;
     fd_ = other.fd_;
     size_ = other.size_;
     other.fd_ = -1;
@@ -235,29 +205,19 @@ ReadFile& ReadFile::operator=(ReadFile&& other) noexcept {
 }
 
 void ReadFile::read(int64_t offset, void* out, size_t size) const {
-  TORCH_CHECK(offset >= 0 && offset + static_cast<int64_t>(size) <= size_, "checkpoint: ", path_,
+  TORCH_CHECK(offset >= 0 && offset + static_cast<int64_t>(size) <= size_, api_, ": ", path_,
               " is truncated: reading bytes [", offset, ", ", offset + static_cast<int64_t>(size),
               ") but the file has ", size_, " bytes");
   char* dst = static_cast<char*>(out);
   while (size > 0) {
     const ssize_t n = ::pread(fd_, dst, size, static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n >= 0, "checkpoint: reading ", path_, " failed: ", errno_text());
-    TORCH_CHECK(n > 0, "checkpoint: ", path_, " is truncated: it ends at byte ", offset);
+    TORCH_CHECK(n >= 0, api_, ": reading ", path_, " failed: ", errno_text());
+    TORCH_CHECK(n > 0, api_, ": ", path_, " is truncated: it ends at byte ", offset);
     dst += n;
     offset += n;
     size -= static_cast<size_t>(n);
   }
 }
 
-}  // namespace checkpoint
-
-namespace detail {
-void set_checkpoint_failure_injection(int64_t files) {
-  std::lock_guard<std::mutex> lock(checkpoint::g_inject_mutex);
-  checkpoint::g_env_read = true;  // the explicit setting wins over the environment
-  checkpoint::g_fail_after = files;
-}
-}  // namespace detail
-
-}  // namespace fsdp_muon
+}  // namespace fsdp_muon::checkpoint

@@ -1,6 +1,7 @@
 #pragma once
 // Files of a checkpoint: atomic writes (temporary file in the same folder, fsync, rename,
-// fsync of the folder), positional reads, CRC-32, and the test hook that fails a write half-way.
+// fsync of the folder), positional reads, CRC-32. Every write honours the failure injection
+// test hook (checkpoint/failure_injection.h).
 
 #include <cstddef>
 #include <cstdint>
@@ -19,7 +20,7 @@ struct Chunk {
 
 // Writes `chunks` to `path` atomically: either the old file (if any) stays or the whole new one
 // is there. Throws naming the path and errno on failure.
-void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks);
+void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks, const char* api);
 
 // torch::pickle_save without the type tags (torch.jit._pickle.restore_type_tag) it wraps
 // dicts and lists in: Python's torch.load refuses those under weights_only=True (its default
@@ -32,9 +33,9 @@ std::string join_path(const std::string& dir, const std::string& name);
 bool path_exists(const std::string& path);
 bool is_directory(const std::string& path);
 // mkdir -p; throws naming the path on failure.
-void make_directories(const std::string& path);
+void make_directories(const std::string& path, const char* api);
 // mkdir; false when it already exists, throws on other failures.
-bool make_directory(const std::string& path);
+bool make_directory(const std::string& path, const char* api);
 // Names in `path` (no "." or ".."); empty when it cannot be read.
 std::vector<std::string> list_directory(const std::string& path);
 // rm -rf, best effort.
@@ -42,13 +43,14 @@ void remove_tree(const std::string& path);
 
 uint32_t crc32(const void* data, size_t size, uint32_t crc = 0);
 
-std::vector<char> read_whole_file(const std::string& path);
+std::vector<char> read_whole_file(const std::string& path, const char* api);
 
 // A file opened for positional reads.
 class ReadFile {
  public:
   ReadFile() = default;
-  explicit ReadFile(const std::string& path);  // throws when it cannot be opened
+  // Throws when it cannot be opened.
+  ReadFile(const std::string& path, const char* api);
   ~ReadFile();
   ReadFile(ReadFile&& other) noexcept;
   ReadFile& operator=(ReadFile&& other) noexcept;
@@ -63,6 +65,7 @@ class ReadFile {
 
  private:
   std::string path_;
+  const char* api_ = "";
   int fd_ = -1;
   int64_t size_ = 0;
 };

@@ -1,11 +1,11 @@
 #include "checkpoint/metadata.h"
 
-#include <algorithm>
-#include <cstdio>
 #include <cstring>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+
+#include "checkpoint/optimizer_state.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
@@ -30,15 +30,8 @@ c10::IValue bytes_tensor(const std::vector<char>& bytes) {
 
 }  // namespace
 
-void corrupt(const std::string& path, const std::string& detail) {
-  TORCH_CHECK(false, "checkpoint: ", path,
-              " is corrupt or not an fsdp_muon checkpoint file: ", detail);
-}
-
-std::string rank_file_name(int rank, int world_size) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "rank-%05d-of-%05d.bin", rank, world_size);
-  return buf;
+void corrupt(const std::string& path, const std::string& detail, const char* api) {
+  TORCH_CHECK(false, api, ": ", path, " is corrupt or not an fsdp_muon checkpoint file: ", detail);
 }
 
 c10::impl::GenericDict describe(const ModelIndex& model, const std::vector<OptimizerEntry>& opts) {
@@ -103,17 +96,9 @@ c10::impl::GenericDict describe(const ModelIndex& model, const std::vector<Optim
   return meta;
 }
 
-std::pair<int64_t, int64_t> saved_held_range(const SavedGroup& group, const SavedParam& param,
-                                             int rank) {
-  const int64_t s = group.shard_numel;
-  const int64_t first = std::clamp<int64_t>(rank * s - param.offset, 0, param.numel);
-  const int64_t last = std::clamp<int64_t>((rank + 1) * s - param.offset, 0, param.numel);
-  return {first, std::max(first, last)};
-}
-
-Fields::Fields(const c10::IValue& value, std::string path, std::string where)
-    : dict_(new_dict()), path_(std::move(path)), where_(std::move(where)) {
-  if (!value.isGenericDict()) corrupt(path_, "expected a dict" + where_);
+Fields::Fields(const c10::IValue& value, std::string path, const char* api, std::string where)
+    : dict_(new_dict()), path_(std::move(path)), api_(api), where_(std::move(where)) {
+  if (!value.isGenericDict()) corrupt(path_, "expected a dict" + where_, api_);
   dict_ = value.toGenericDict();
 }
 
@@ -121,25 +106,28 @@ bool Fields::has(const char* key) const { return dict_.contains(c10::IValue(std:
 
 const c10::IValue& Fields::at(const char* key) const {
   auto it = dict_.find(c10::IValue(std::string(key)));
-  if (it == dict_.end()) corrupt(path_, std::string("field '") + key + "' is missing" + where_);
+  if (it == dict_.end())
+    corrupt(path_, std::string("field '") + key + "' is missing" + where_, api_);
   return it->value();
 }
 
 int64_t Fields::integer(const char* key) const {
   const c10::IValue& v = at(key);
-  if (!v.isInt()) corrupt(path_, std::string("field '") + key + "' is not an integer" + where_);
+  if (!v.isInt())
+    corrupt(path_, std::string("field '") + key + "' is not an integer" + where_, api_);
   return v.toInt();
 }
 
 std::string Fields::str(const char* key) const {
   const c10::IValue& v = at(key);
-  if (!v.isString()) corrupt(path_, std::string("field '") + key + "' is not a string" + where_);
+  if (!v.isString())
+    corrupt(path_, std::string("field '") + key + "' is not a string" + where_, api_);
   return v.toStringRef();
 }
 
 std::vector<c10::IValue> Fields::list(const char* key) const {
   const c10::IValue& v = at(key);
-  if (!v.isList()) corrupt(path_, std::string("field '") + key + "' is not a list" + where_);
+  if (!v.isList()) corrupt(path_, std::string("field '") + key + "' is not a list" + where_, api_);
   const auto ref = v.toListRef();
   return std::vector<c10::IValue>(ref.begin(), ref.end());
 }
@@ -147,46 +135,48 @@ std::vector<c10::IValue> Fields::list(const char* key) const {
 std::vector<int64_t> Fields::ints(const char* key) const {
   std::vector<int64_t> out;
   for (const c10::IValue& v : list(key)) {
-    if (!v.isInt()) corrupt(path_, std::string("field '") + key + "' holds a non-integer" + where_);
+    if (!v.isInt())
+      corrupt(path_, std::string("field '") + key + "' holds a non-integer" + where_, api_);
     out.push_back(v.toInt());
   }
   return out;
 }
 
 Fields Fields::dict(const char* key) const {
-  return Fields(at(key), path_, std::string(" (in '") + key + "'" + where_ + ")");
+  return Fields(at(key), path_, api_, std::string(" (in '") + key + "'" + where_ + ")");
 }
 
-SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest) {
+SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest,
+                     const char* api) {
   SavedMeta meta;
   meta.path = path;
-  const Fields top(value, path);
+  const Fields top(value, path, api);
   if (!top.has("format") || !top.at("format").isString() || top.str("format") != kFormatName) {
-    corrupt(path, std::string("it does not say format '") + kFormatName + "'");
+    corrupt(path, std::string("it does not say format '") + kFormatName + "'", api);
   }
   const int64_t version = top.integer("format_version");
-  TORCH_CHECK(version <= kFormatVersion, "checkpoint: ", path, " has format version ", version,
+  TORCH_CHECK(version <= kFormatVersion, api, ": ", path, " has format version ", version,
               ", written by a newer fsdp_muon; this one reads versions up to ", kFormatVersion);
   meta.world_size = static_cast<int>(top.integer("world_size"));
-  if (meta.world_size < 1) corrupt(path, "world_size < 1");
+  if (meta.world_size < 1) corrupt(path, "world_size < 1", api);
   for (const c10::IValue& gv : top.list("groups")) {
-    const Fields g(gv, path, " (a group)");
+    const Fields g(gv, path, api, " (a group)");
     SavedGroup group;
     group.name = g.str("name");
     group.padded_numel = g.integer("padded_numel");
     group.shard_numel = g.integer("shard_numel");
     if (group.shard_numel * meta.world_size != group.padded_numel) {
-      corrupt(path, "group '" + group.name + "': shard_numel x world_size != padded_numel");
+      corrupt(path, "group '" + group.name + "': shard_numel x world_size != padded_numel", api);
     }
     for (const c10::IValue& pv : g.list("params")) {
-      const Fields p(pv, path, " (a parameter of group '" + group.name + "')");
+      const Fields p(pv, path, api, " (a parameter of group '" + group.name + "')");
       SavedParam param;
       param.name = p.str("name");
       param.shape = p.ints("shape");
       param.numel = p.integer("numel");
       param.offset = p.integer("offset");
       if (param.offset < 0 || param.numel < 0 || param.offset + param.numel > group.padded_numel) {
-        corrupt(path, "parameter '" + param.name + "' lies outside its group's buffer");
+        corrupt(path, "parameter '" + param.name + "' lies outside its group's buffer", api);
       }
       meta.by_name[param.name] = {meta.groups.size(), group.params.size()};
       group.params.push_back(std::move(param));
@@ -194,19 +184,19 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
     meta.groups.push_back(std::move(group));
   }
   for (const c10::IValue& ov : top.list("optimizers")) {
-    const Fields o(ov, path, " (an optimizer)");
+    const Fields o(ov, path, api, " (an optimizer)");
     SavedOptimizer opt;
     opt.kind = o.str("kind");
     for (const c10::IValue& pgv : o.list("param_groups")) {
-      const Fields pg(pgv, path, " (a param group of an optimizer)");
+      const Fields pg(pgv, path, api, " (a param group of an optimizer)");
       std::vector<std::string> names;
       for (const c10::IValue& n : pg.list("params")) {
-        if (!n.isString()) corrupt(path, "a parameter name is not a string");
+        if (!n.isString()) corrupt(path, "a parameter name is not a string", api);
         names.push_back(n.toStringRef());
       }
       const c10::IValue& ov2 = pg.at("options");
       if (!ov2.isTensor() || ov2.toTensor().scalar_type() != at::kByte) {
-        corrupt(path, "param group options are not a byte tensor");
+        corrupt(path, "param group options are not a byte tensor", api);
       }
       const at::Tensor bytes = ov2.toTensor().contiguous();
       const char* data = reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>());
@@ -215,12 +205,12 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
     }
     const Fields state = o.dict("state");
     for (const auto& item : state.raw()) {
-      if (!item.key().isString()) corrupt(path, "optimizer state key is not a string");
-      const Fields s(item.value(), path, " (state of '" + item.key().toStringRef() + "')");
+      if (!item.key().isString()) corrupt(path, "optimizer state key is not a string", api);
+      const Fields s(item.value(), path, api, " (state of '" + item.key().toStringRef() + "')");
       SavedState saved;
       saved.step = s.integer("step");
       for (const c10::IValue& k : s.list("keys")) {
-        if (!k.isString()) corrupt(path, "a state key is not a string");
+        if (!k.isString()) corrupt(path, "a state key is not a string", api);
         saved.keys.push_back(k.toStringRef());
       }
       opt.state.emplace(item.key().toStringRef(), std::move(saved));
@@ -230,13 +220,13 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
   if (manifest) {
     meta.sequence = top.integer("sequence");
     for (const c10::IValue& f : top.list("rank_files")) {
-      if (!f.isString()) corrupt(path, "a rank file name is not a string");
+      if (!f.isString()) corrupt(path, "a rank file name is not a string", api);
       meta.rank_files.push_back(f.toStringRef());
     }
     meta.rank_file_bytes = top.ints("rank_file_bytes");
     if (static_cast<int>(meta.rank_files.size()) != meta.world_size ||
         static_cast<int>(meta.rank_file_bytes.size()) != meta.world_size) {
-      corrupt(path, "it does not list one rank file per saved rank");
+      corrupt(path, "it does not list one rank file per saved rank", api);
     }
   }
   return meta;

@@ -4,7 +4,6 @@
 // name the file when a field is missing or of the wrong type).
 
 #include <cstdint>
-#include <map>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -18,10 +17,6 @@ namespace fsdp_muon::checkpoint {
 
 constexpr int64_t kFormatVersion = 1;
 constexpr const char* kFormatName = "fsdp_muon.checkpoint";
-constexpr const char* kManifestName = "manifest.pt";
-constexpr const char* kLatestName = "latest";
-
-std::string rank_file_name(int rank, int world_size);
 
 // Layout and optimizer description of the live model on this rank (optimizer state as this
 // rank sees it: step and which state tensors exist).
@@ -65,17 +60,15 @@ struct SavedMeta {
   std::vector<int64_t> rank_file_bytes;
 };
 
-// Elements [first, last) of `param` that saved rank `rank` held.
-std::pair<int64_t, int64_t> saved_held_range(const SavedGroup& group, const SavedParam& param,
-                                             int rank);
-
 // Parses the fields describe() writes; `manifest` also requires the manifest-only ones.
-SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest);
+SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest,
+                     const char* api);
 
-// Accessors that throw "<path> is corrupt ..." naming the missing field.
+// The fields of one dict in a checkpoint file (`path`), with accessors that throw
+// "<api>: <path> is corrupt ..." naming the missing or mistyped field and `where` it is.
 class Fields {
  public:
-  Fields(const c10::IValue& value, std::string path, std::string where = "");
+  Fields(const c10::IValue& value, std::string path, const char* api, std::string where = "");
   const c10::IValue& at(const char* key) const;
   bool has(const char* key) const;
   int64_t integer(const char* key) const;
@@ -85,13 +78,16 @@ class Fields {
   Fields dict(const char* key) const;
   const c10::impl::GenericDict& raw() const { return dict_; }
   const std::string& path() const { return path_; }
+  const char* api() const { return api_; }
 
  private:
   c10::impl::GenericDict dict_;
   std::string path_;
+  const char* api_;
   std::string where_;
 };
 
-[[noreturn]] void corrupt(const std::string& path, const std::string& detail);
+// Throws "<api>: <path> is corrupt or not an fsdp_muon checkpoint file: <detail>".
+[[noreturn]] void corrupt(const std::string& path, const std::string& detail, const char* api);
 
 }  // namespace fsdp_muon::checkpoint

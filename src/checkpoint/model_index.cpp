@@ -1,59 +1,16 @@
 #include "checkpoint/model_index.h"
 
-#include <algorithm>
-#include <cstring>
-#include <exception>
 #include <sstream>
 
-#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
 namespace fsdp_muon::checkpoint {
-namespace {
-
-at::Tensor like(const at::Tensor& param, const at::Tensor& src) {
-  at::Tensor t = at::empty_like(param, at::MemoryFormat::Contiguous);
-  t.copy_(src.reshape(param.sizes()));
-  return t;
-}
-
-const at::Tensor* find_tensor(const ParamState& state, const char* key) {
-  for (const auto& [k, t] : state.tensors) {
-    if (k == key) return &t;
-  }
-  return nullptr;
-}
-
-template <typename AdamState>
-std::unique_ptr<torch::optim::OptimizerParamState> adam_state(const at::Tensor& param,
-                                                              const ParamState& state) {
-  auto s = std::make_unique<AdamState>();
-  s->step(state.step);
-  if (const at::Tensor* t = find_tensor(state, "exp_avg")) s->exp_avg(like(param, *t));
-  if (const at::Tensor* t = find_tensor(state, "exp_avg_sq")) s->exp_avg_sq(like(param, *t));
-  if (const at::Tensor* t = find_tensor(state, "max_exp_avg_sq")) {
-    s->max_exp_avg_sq(like(param, *t));
-  }
-  return s;
-}
-
-template <typename AdamState>
-void read_adam(const AdamState& s, ParamState& out) {
-  out.step = s.step();
-  if (s.exp_avg().defined()) out.tensors.emplace_back("exp_avg", s.exp_avg());
-  if (s.exp_avg_sq().defined()) out.tensors.emplace_back("exp_avg_sq", s.exp_avg_sq());
-  if (s.max_exp_avg_sq().defined()) out.tensors.emplace_back("max_exp_avg_sq", s.max_exp_avg_sq());
-}
-
-}  // namespace
 
 const char* kind_name(OptimizerKind kind) {
   switch (kind) {
@@ -85,18 +42,24 @@ std::string shape_string(at::IntArrayRef shape) {
   return out.str();
 }
 
+Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                              const char* api) {
+  TORCH_CHECK(!groups.empty() && groups[0], api, ": no parameter groups given");
+  return *groups[0]->communicator();
+}
+
 ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                       const char* fn) {
-  TORCH_CHECK(!groups.empty(), fn, ": no parameter groups given");
+                       const char* api) {
+  TORCH_CHECK(!groups.empty(), api, ": no parameter groups given");
   ModelIndex model;
   model.groups = groups;
   for (size_t g = 0; g < groups.size(); ++g) {
-    TORCH_CHECK(groups[g] != nullptr, fn, ": parameter group ", g, " is null");
+    TORCH_CHECK(groups[g] != nullptr, api, ": parameter group ", g, " is null");
     const auto& comm = groups[g]->communicator();
     if (!model.comm) {
       model.comm = comm;
     } else {
-      TORCH_CHECK(comm->size() == model.comm->size() && comm->rank() == model.comm->rank(), fn,
+      TORCH_CHECK(comm->size() == model.comm->size() && comm->rank() == model.comm->rank(), api,
                   ": parameter group ", g, " ('", groups[g]->name(), "') is on rank ", comm->rank(),
                   " of ", comm->size(), " but group 0 on rank ", model.comm->rank(), " of ",
                   model.comm->size(), "; all groups must share one data-parallel world");
@@ -104,7 +67,7 @@ ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& g
     for (size_t i = 0; i < groups[g]->num_parameters(); ++i) {
       const std::string& name = groups[g]->slot(i).name;
       auto [it, inserted] = model.by_name.emplace(name, ParamRef{g, i});
-      TORCH_CHECK(inserted, fn, ": parameter name '", name, "' appears twice (group ",
+      TORCH_CHECK(inserted, api, ": parameter name '", name, "' appears twice (group ",
                   it->second.group, " and group ", g,
                   "); checkpoints key parameters by name, so names must be unique");
       model.by_impl.emplace(groups[g]->sharded_parameter(i).unsafeGetTensorImpl(), ParamRef{g, i});
@@ -115,12 +78,12 @@ ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& g
 
 std::vector<OptimizerEntry> index_optimizers(
     const std::vector<torch::optim::Optimizer*>& optimizers, const ModelIndex& model,
-    const char* fn) {
+    const char* api) {
   std::vector<OptimizerEntry> out;
   std::unordered_map<const void*, size_t> owner;
   for (size_t o = 0; o < optimizers.size(); ++o) {
     torch::optim::Optimizer* opt = optimizers[o];
-    TORCH_CHECK(opt != nullptr, fn, ": optimizer ", o, " is null");
+    TORCH_CHECK(opt != nullptr, api, ": optimizer ", o, " is null");
     OptimizerEntry entry;
     entry.optimizer = opt;
     if (dynamic_cast<FsdpMuon*>(opt) != nullptr) {
@@ -132,11 +95,11 @@ std::vector<OptimizerEntry> index_optimizers(
     } else if (dynamic_cast<torch::optim::SGD*>(opt) != nullptr) {
       entry.kind = OptimizerKind::kSgd;
     } else if (dynamic_cast<Muon*>(opt) != nullptr) {
-      TORCH_CHECK(false, fn, ": optimizer ", o,
+      TORCH_CHECK(false, api, ": optimizer ", o,
                   " is a single-device fsdp_muon::Muon, which works on full tensors, not on "
                   "the sharded parameters of FsdpParameterGroups; use FsdpMuon");
     } else {
-      TORCH_CHECK(false, fn, ": optimizer ", o,
+      TORCH_CHECK(false, api, ": optimizer ", o,
                   " is of an unsupported type; checkpoints support fsdp_muon::FsdpMuon, "
                   "torch::optim::AdamW, torch::optim::Adam and torch::optim::SGD");
     }
@@ -147,13 +110,14 @@ std::vector<OptimizerEntry> index_optimizers(
       for (size_t k = 0; k < params.size(); ++k) {
         const void* impl = params[k].unsafeGetTensorImpl();
         auto it = model.by_impl.find(impl);
-        TORCH_CHECK(it != model.by_impl.end(), fn, ": optimizer ", o, " (", kind_name(entry.kind),
+        TORCH_CHECK(it != model.by_impl.end(), api, ": optimizer ", o, " (", kind_name(entry.kind),
                     "), param group ", j, ", parameter ", k, " (shape ",
                     shape_string(params[k].sizes()),
                     ") is not a sharded parameter of the given FsdpParameterGroups");
         auto [prev, inserted] = owner.emplace(impl, o);
-        TORCH_CHECK(inserted || prev->second == o, fn, ": parameter '", model.slot(it->second).name,
-                    "' is in optimizer ", prev->second, " and optimizer ", o);
+        TORCH_CHECK(inserted || prev->second == o, api, ": parameter '",
+                    model.slot(it->second).name, "' is in optimizer ", prev->second,
+                    " and optimizer ", o);
         refs.push_back(it->second);
       }
       entry.param_groups.push_back(std::move(refs));
@@ -161,151 +125,6 @@ std::vector<OptimizerEntry> index_optimizers(
     out.push_back(std::move(entry));
   }
   return out;
-}
-
-ParamState read_state(const OptimizerEntry& opt, const at::Tensor& param) {
-  ParamState out;
-  auto& states = opt.optimizer->state();
-  auto it = states.find(param.unsafeGetTensorImpl());
-  if (it == states.end() || !it->second) return out;
-  out.present = true;
-  switch (opt.kind) {
-    case OptimizerKind::kFsdpMuon: {
-      const auto& s = static_cast<const MuonParamState&>(*it->second);
-      out.step = s.step();
-      if (s.momentum_buffer().defined())
-        out.tensors.emplace_back("momentum_buffer", s.momentum_buffer());
-      break;
-    }
-    case OptimizerKind::kAdamW:
-      read_adam(static_cast<const torch::optim::AdamWParamState&>(*it->second), out);
-      break;
-    case OptimizerKind::kAdam:
-      read_adam(static_cast<const torch::optim::AdamParamState&>(*it->second), out);
-      break;
-    case OptimizerKind::kSgd: {
-      const auto& s = static_cast<const torch::optim::SGDParamState&>(*it->second);
-      if (s.momentum_buffer().defined())
-        out.tensors.emplace_back("momentum_buffer", s.momentum_buffer());
-      break;
-    }
-  }
-  return out;
-}
-
-void install_state(const OptimizerEntry& opt, const at::Tensor& param, const ParamState& state) {
-  auto& states = opt.optimizer->state();
-  void* key = param.unsafeGetTensorImpl();
-  if (!state.present) {
-    states.erase(key);
-    return;
-  }
-  std::unique_ptr<torch::optim::OptimizerParamState> fresh;
-  switch (opt.kind) {
-    case OptimizerKind::kFsdpMuon: {
-      auto s = std::make_unique<MuonParamState>();
-      s->step(state.step);
-      if (const at::Tensor* t = find_tensor(state, "momentum_buffer")) {
-        s->momentum_buffer(like(param, *t));
-      }
-      fresh = std::move(s);
-      break;
-    }
-    case OptimizerKind::kAdamW:
-      fresh = adam_state<torch::optim::AdamWParamState>(param, state);
-      break;
-    case OptimizerKind::kAdam:
-      fresh = adam_state<torch::optim::AdamParamState>(param, state);
-      break;
-    case OptimizerKind::kSgd: {
-      auto s = std::make_unique<torch::optim::SGDParamState>();
-      if (const at::Tensor* t = find_tensor(state, "momentum_buffer")) {
-        s->momentum_buffer(like(param, *t));
-      }
-      fresh = std::move(s);
-      break;
-    }
-  }
-  states[key] = std::move(fresh);
-}
-
-std::vector<char> options_to_bytes(const torch::optim::OptimizerOptions& options) {
-  torch::serialize::OutputArchive archive;
-  options.serialize(archive);
-  std::vector<char> bytes;
-  archive.save_to([&bytes](const void* data, size_t size) -> size_t {
-    const char* p = static_cast<const char*>(data);
-    bytes.insert(bytes.end(), p, p + size);
-    return size;
-  });
-  return bytes;
-}
-
-void options_from_bytes(torch::optim::OptimizerOptions& options, const std::vector<char>& bytes) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(bytes.data(), bytes.size());
-  options.serialize(archive);
-}
-
-void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn) {
-  std::string error;
-  std::exception_ptr own;
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    error = e.what_without_backtrace();
-    own = std::current_exception();
-  } catch (const std::exception& e) {
-    error = e.what();
-    own = std::current_exception();
-  } catch (...) {
-    error = "unknown exception";
-    own = std::current_exception();
-  }
-  // One flag byte and the start of the message per rank, so every rank can say what failed.
-  constexpr int64_t kSlot = 1024;
-  at::Tensor mine = at::zeros({kSlot}, at::kByte);
-  if (own) {
-    auto* p = mine.data_ptr<uint8_t>();
-    p[0] = 1;
-    const size_t n = std::min<size_t>(error.size(), kSlot - 2);
-    std::memcpy(p + 1, error.data(), n);
-  }
-  const auto device = comm.device();
-  at::Tensor all = at::empty({kSlot * comm.size()}, mine.options().device(device));
-  comm.all_gather(mine.to(device), all);
-  all = all.cpu();
-  const auto* bytes = all.data_ptr<uint8_t>();
-  int first = -1;
-  int failed = 0;
-  for (int r = 0; r < comm.size(); ++r) {
-    if (bytes[r * kSlot] != 0) {
-      if (first < 0) first = r;
-      ++failed;
-    }
-  }
-  if (first < 0) return;
-  if (own) {
-    TORCH_CHECK(false, error,
-                failed > 1 ? " (and " + std::to_string(failed - 1) + " other rank(s) failed too)"
-                           : std::string());
-  }
-  const char* msg = reinterpret_cast<const char*>(bytes + first * kSlot + 1);
-  TORCH_CHECK(false, what, " failed on rank ", first, " of ", comm.size(), ": ",
-              std::string(msg, strnlen(msg, kSlot - 1)));
-}
-
-void install_weights(const ModelIndex& model, const std::vector<std::vector<at::Tensor>>& weights) {
-  {
-    at::NoGradGuard no_grad;
-    for (size_t g = 0; g < model.groups.size(); ++g) {
-      for (size_t i = 0; i < model.groups[g]->num_parameters(); ++i) {
-        const at::Tensor& shard = model.groups[g]->sharded_parameter(i);
-        if (shard.numel() > 0) shard.copy_(weights[g][i]);
-      }
-    }
-  }
-  for (const auto& group : model.groups) group->refresh_model_weights();
 }
 
 }  // namespace fsdp_muon::checkpoint

@@ -1,14 +1,13 @@
 #pragma once
-// What save, load, export and import share: the parameters of the groups by name, the
-// optimizers over them by kind, per-parameter optimizer state in and out, and the collective
-// error agreement that turns a failure on one rank into the same exception on every rank.
+// What save, load, export and import share about the live model: the parameters of the groups by
+// name, and the optimizers over them by kind with their parameters resolved to the model's.
+// Checkpoints key everything by parameter name, so that a load can match a model laid out for
+// another world size.
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -46,14 +45,15 @@ struct ModelIndex {
   }
 };
 
-// Checks the groups (non-empty, one world, unique parameter names) and indexes them. `fn`
-// names the calling function in errors.
-ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                       const char* fn);
+// The communicator of the groups' data-parallel world, which every step of a checkpoint call
+// agrees over; throws (locally: there is no world to agree in) when no groups are given.
+Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                              const char* api);
 
-// Copies this rank's slice of every parameter ([group][param], any device) into its main-weight
-// shard and refreshes the model weights of every group: the last step of every load.
-void install_weights(const ModelIndex& model, const std::vector<std::vector<at::Tensor>>& weights);
+// Checks the groups (non-empty, one world, unique parameter names) and indexes them. `api`
+// names the public function in errors.
+ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                       const char* api);
 
 struct OptimizerEntry {
   OptimizerKind kind = OptimizerKind::kAdamW;
@@ -67,29 +67,9 @@ struct OptimizerEntry {
 // one that two optimizers share).
 std::vector<OptimizerEntry> index_optimizers(
     const std::vector<torch::optim::Optimizer*>& optimizers, const ModelIndex& model,
-    const char* fn);
+    const char* api);
 
-// One parameter's optimizer state, in the local shard's shape.
-struct ParamState {
-  bool present = false;
-  int64_t step = 0;
-  std::vector<std::pair<std::string, at::Tensor>> tensors;  // defined ones, in state_keys order
-};
-
-ParamState read_state(const OptimizerEntry& opt, const at::Tensor& param);
-// Replaces the state of `param` (none when !state.present) with one built as the optimizer
-// builds its lazy state; `state.tensors` are copied into tensors like `param`.
-void install_state(const OptimizerEntry& opt, const at::Tensor& param, const ParamState& state);
-
-// The bytes of an optimizer param group's options (OptimizerOptions::serialize) and back.
-std::vector<char> options_to_bytes(const torch::optim::OptimizerOptions& options);
-void options_from_bytes(torch::optim::OptimizerOptions& options, const std::vector<char>& bytes);
-
-// Runs `fn` on every rank, then agrees (one all-gather) whether it failed anywhere; if so every
-// rank throws: a rank that failed with its own message, the others with the lowest failing
-// rank's. `what` prefixes the message ("save_checkpoint").
-void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn);
-
+// "[5, 7]": shapes as errors print them.
 std::string shape_string(at::IntArrayRef shape);
 
 }  // namespace fsdp_muon::checkpoint

@@ -32,6 +32,7 @@
 #include <fsdp_muon/checkpoint/checkpoint.h>
 #include <fsdp_muon/fsdp_muon.h>
 
+#include "checkpoint/failure_injection.h"
 #include "checkpoint/file_io.h"
 #include "common/distributed_main.h"
 
@@ -52,13 +53,13 @@ int64_t file_size(const std::string& path) {
 }
 
 void copy_tree(const std::string& from, const std::string& to) {
-  checkpoint::make_directories(to);
+  checkpoint::make_directories(to, "checkpoint_test");
   for (const std::string& name : list_directory(from)) {
     const std::string src = join_path(from, name);
     if (is_directory(src)) {
       copy_tree(src, join_path(to, name));
     } else {
-      const std::vector<char> bytes = checkpoint::read_whole_file(src);
+      const std::vector<char> bytes = checkpoint::read_whole_file(src, "checkpoint_test");
       std::ofstream(join_path(to, name), std::ios::binary).write(bytes.data(), bytes.size());
     }
   }
@@ -396,9 +397,9 @@ TEST(CheckpointResume, ReadsOnlyTheRankFilesItsShardsOverlap) {
   world().barrier();
   Sharded s = make_sharded(12345);
   expect_error([&] { load_checkpoint(partial, s.groups, s.optimizers()); },
-               {world().rank() == 0 ? "load_checkpoint failed on rank 1 of 2: load_checkpoint: "
-                                      "missing rank file "
-                                    : "load_checkpoint: missing rank file ",
+               {world().rank() == 0 ? "fsdp_muon::load_checkpoint failed on rank 1 of 2: "
+                                      "fsdp_muon::load_checkpoint: missing rank file "
+                                    : "fsdp_muon::load_checkpoint: missing rank file ",
                 "rank-00003-of-00004.bin (saved rank 3 of 4)"},
                "a saved rank file only rank 1 needs");
 }
@@ -459,10 +460,11 @@ TEST(CheckpointFailures, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
 
   // The last rank dies half-way through its rank file.
   if (me == last) detail::set_checkpoint_failure_injection(0);
-  expect_error(
-      [&] { save_checkpoint(dir, s.groups, s.optimizers()); },
-      {me == last ? "injected failure while writing" : "save_checkpoint failed on rank", "rank-"},
-      "rank file write failure");
+  expect_error([&] { save_checkpoint(dir, s.groups, s.optimizers()); },
+               {me == last ? "fsdp_muon::save_checkpoint: injected failure while writing"
+                           : "fsdp_muon::save_checkpoint failed on rank",
+                "rank-"},
+               "rank file write failure");
   EXPECT_EQ(latest_checkpoint(dir), first);
   EXPECT_TRUE(path_exists(dir + "/ckpt-000002"));
   EXPECT_FALSE(path_exists(dir + "/ckpt-000002/manifest.pt"));
@@ -515,7 +517,7 @@ TEST(CheckpointFailures, BadInputsGiveMessagesThatNameTheProblem) {
     ASSERT_EQ(::unlink((dir + "/missing/" + last_file).c_str()), 0);
     const std::string manifest = dir + "/bad_manifest/manifest.pt";
     ASSERT_EQ(::truncate(manifest.c_str(), file_size(manifest) - 100), 0);
-    checkpoint::make_directories(dir + "/empty");
+    checkpoint::make_directories(dir + "/empty", "checkpoint_test");
   }
   world().barrier();
   const Snapshot before = snapshot(s);
@@ -523,8 +525,8 @@ TEST(CheckpointFailures, BadInputsGiveMessagesThatNameTheProblem) {
   expect_error([&] { load_checkpoint(dir + "/truncated", s.groups, s.optimizers()); },
                {"is truncated", last_file}, "truncated rank file");
   // Only the last rank needs its own file at the same world size: the others report its error.
-  const std::string on_last =
-      "load_checkpoint failed on rank " + std::to_string(w - 1) + " of " + std::to_string(w);
+  const std::string on_last = "fsdp_muon::load_checkpoint failed on rank " + std::to_string(w - 1) +
+                              " of " + std::to_string(w);
   expect_error(
       [&] { load_checkpoint(dir + "/missing", s.groups, s.optimizers()); },
       {"missing rank file", last_file, me == w - 1 ? "this rank needs its shards" : on_last},

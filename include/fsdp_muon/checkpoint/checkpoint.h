@@ -1,5 +1,5 @@
 #pragma once
-// Checkpoints (DESIGN §6): sharded save and load, resharding to another world size, and a
+// Checkpoints (docs/DESIGN.md §6): sharded save and load, resharding to another world size, and a
 // full export that Python's torch.load reads.
 //
 // Layout of a checkpoint root `dir`:
@@ -81,13 +81,5 @@ void import_full_checkpoint(const std::string& path,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers,
                             const ImportCheckpointOptions& options = {});
-
-namespace detail {
-// Test hook: this process completes `files` more checkpoint file writes, then the next one
-// writes half its bytes to its temporary file and throws, as a crash would leave it. Negative
-// disarms. The environment variable FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES arms it too (read
-// once, at the first save).
-void set_checkpoint_failure_injection(int64_t files);
-}  // namespace detail
 
 }  // namespace fsdp_muon

@@ -1,0 +1,90 @@
+#include "checkpoint/compatibility.h"
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+namespace fsdp_muon::checkpoint {
+namespace {
+
+// "[fsdp_muon, adamw]"
+std::string saved_kinds(const SavedMeta& saved) {
+  std::string s;
+  for (size_t o = 0; o < saved.optimizers.size(); ++o) {
+    s += (o ? ", " : "") + saved.optimizers[o].kind;
+  }
+  return "[" + s + "]";
+}
+
+// "[a, b, c, d, e, f, ...]": at most six names, enough to see where two lists part.
+std::string first_names(const std::vector<std::string>& names) {
+  std::string s = "[";
+  for (size_t k = 0; k < std::min<size_t>(names.size(), 6); ++k) {
+    s += (k ? ", " : "") + names[k];
+  }
+  return s + (names.size() > 6 ? ", ..." : "") + "]";
+}
+
+}  // namespace
+
+void check_same_model(const SavedMeta& saved, const ModelIndex& model, const char* api) {
+  std::vector<std::string> problems;
+  for (const auto& group : model.groups) {
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const ParameterSlot& slot = group->slot(i);
+      auto it = saved.by_name.find(slot.name);
+      if (it == saved.by_name.end()) {
+        problems.push_back("parameter '" + slot.name + "' (shape " + shape_string(slot.shape) +
+                           ") is not in the checkpoint");
+        continue;
+      }
+      const SavedParam& p = saved.groups[it->second.first].params[it->second.second];
+      if (p.shape != slot.shape) {
+        problems.push_back("parameter '" + slot.name + "' has shape " + shape_string(p.shape) +
+                           " in the checkpoint but " + shape_string(slot.shape) + " in this model");
+      }
+    }
+  }
+  for (const auto& [name, where] : saved.by_name) {
+    if (model.by_name.count(name) == 0) {
+      const SavedParam& p = saved.groups[where.first].params[where.second];
+      problems.push_back("checkpoint parameter '" + name + "' (shape " + shape_string(p.shape) +
+                         ") is not in this model");
+    }
+  }
+  if (problems.empty()) return;
+  std::sort(problems.begin(), problems.end());
+  std::ostringstream msg;
+  msg << api << ": " << saved.path << " is a checkpoint of another model: ";
+  const size_t shown = std::min<size_t>(problems.size(), 8);
+  for (size_t i = 0; i < shown; ++i) msg << (i ? "; " : "") << problems[i];
+  if (shown < problems.size()) msg << "; and " << problems.size() - shown << " more";
+  TORCH_CHECK(false, msg.str());
+}
+
+void check_same_optimizers(const SavedMeta& saved, const ModelIndex& model,
+                           const std::vector<OptimizerEntry>& opts, const char* api) {
+  TORCH_CHECK(saved.optimizers.size() == opts.size(), api, ": ", saved.path, " holds ",
+              saved.optimizers.size(), " optimizer(s) ", saved_kinds(saved), " but ", opts.size(),
+              " were given; pass the same optimizers, in the same order, as when saving");
+  for (size_t o = 0; o < opts.size(); ++o) {
+    const SavedOptimizer& s = saved.optimizers[o];
+    TORCH_CHECK(s.kind == kind_name(opts[o].kind), api, ": optimizer ", o, " is '", s.kind,
+                "' in the checkpoint but '", kind_name(opts[o].kind), "' here");
+    TORCH_CHECK(s.param_groups.size() == opts[o].param_groups.size(), api, ": optimizer ", o, " (",
+                s.kind, ") has ", s.param_groups.size(), " param group(s) in the checkpoint but ",
+                opts[o].param_groups.size(), " here");
+    for (size_t j = 0; j < s.param_groups.size(); ++j) {
+      std::vector<std::string> live;
+      for (const ParamRef& ref : opts[o].param_groups[j]) live.push_back(model.slot(ref).name);
+      TORCH_CHECK(s.param_groups[j] == live, api, ": optimizer ", o, " (", s.kind,
+                  "), param group ", j,
+                  " holds different parameters in the checkpoint than here: saved ",
+                  first_names(s.param_groups[j]), ", here ", first_names(live));
+    }
+  }
+}
+
+}  // namespace fsdp_muon::checkpoint

@@ -1,0 +1,214 @@
+// import_full_checkpoint: reads a file of full tensors by parameter name (an export, or a dict
+// Python saved with torch.save) on every rank, each rank keeping the slices it holds
+// (docs/DESIGN.md §6).
+
+#include <fsdp_muon/checkpoint/checkpoint.h>
+
+#include <algorithm>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize.h>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/model_index.h"
+#include "checkpoint/optimizer_state.h"
+#include "checkpoint/staged_restore.h"
+#include "comm/agreement.h"
+
+namespace fsdp_muon {
+namespace {
+
+constexpr const char* kImportApi = "fsdp_muon::import_full_checkpoint";
+
+using checkpoint::ModelIndex;
+using checkpoint::OptimizerEntry;
+using checkpoint::ParamRef;
+using checkpoint::ParamState;
+using checkpoint::shape_string;
+
+using TensorsByName = std::unordered_map<std::string, at::Tensor>;
+
+// "'a', 'b', 'c'": the first `limit` names.
+std::string quoted_names(const std::vector<std::string>& names, size_t limit) {
+  std::string list;
+  for (size_t k = 0; k < std::min(names.size(), limit); ++k) {
+    list += (k ? ", '" : "'") + names[k] + "'";
+  }
+  return list;
+}
+
+// Elements [first, last) of the flattened `full`, contiguous on the CPU.
+at::Tensor held_slice(const at::Tensor& full, int64_t first, int64_t last) {
+  return full.reshape({-1}).slice(0, first, last).to(at::kCPU).contiguous();
+}
+
+TensorsByName read_tensor_dict(const std::string& path, bool strict) {
+  const std::vector<char> bytes = checkpoint::read_whole_file(path, kImportApi);
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (...) {
+    TORCH_CHECK(false, kImportApi, ": ", path, " is not a readable torch.save / pickle file (",
+                bytes.size(),
+                " bytes; truncated or corrupt?): ", detail::current_exception_message());
+  }
+  TORCH_CHECK(value.isGenericDict(), kImportApi, ": ", path, " holds a ", value.tagKind(),
+              ", not a dict of tensors by parameter name");
+  TensorsByName tensors;
+  for (const auto& item : value.toGenericDict()) {
+    TORCH_CHECK(item.key().isString(), kImportApi, ": ", path, " has a key that is not a string");
+    if (!item.value().isTensor()) {
+      TORCH_CHECK(!strict, kImportApi, ": ", path, " entry '", item.key().toStringRef(), "' is a ",
+                  item.value().tagKind(), ", not a tensor (pass strict(false) to ignore it)");
+      continue;
+    }
+    tensors.emplace(item.key().toStringRef(), item.value().toTensor());
+  }
+  return tensors;
+}
+
+// This rank's slice of every parameter's weights, [group][param]; every parameter must be in
+// the file with its shape.
+std::vector<std::vector<at::Tensor>> slice_weights(const TensorsByName& tensors,
+                                                   const ModelIndex& model, const std::string& path,
+                                                   std::set<std::string>& used) {
+  std::vector<std::vector<at::Tensor>> weights;
+  for (const auto& group : model.groups) {
+    std::vector<at::Tensor> per_param;
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const ParameterSlot& slot = group->slot(i);
+      auto it = tensors.find(slot.name);
+      TORCH_CHECK(it != tensors.end(), kImportApi, ": ", path, " has no tensor '", slot.name,
+                  "' (parameter ", i, " of group '", group->name(), "', shape ",
+                  shape_string(slot.shape), ")");
+      TORCH_CHECK(it->second.sizes().vec() == slot.shape, kImportApi, ": ", path, " tensor '",
+                  slot.name, "' has shape ", shape_string(it->second.sizes()),
+                  " but the parameter has shape ", shape_string(slot.shape));
+      used.insert(slot.name);
+      const auto [a, b] = group->held_range(i);
+      per_param.push_back(held_slice(it->second, a, b));
+    }
+    weights.push_back(std::move(per_param));
+  }
+  return weights;
+}
+
+// A state the file has for a parameter must be complete: every tensor the optimizer would have
+// created for it under its param group's options, and the step where the optimizer counts one.
+void check_state_complete(const TensorsByName& tensors, const OptimizerEntry& opt,
+                          const torch::optim::OptimizerOptions& group_options,
+                          const std::string& name, bool has_step_tensor, const std::string& path) {
+  std::vector<std::string> missing;
+  for (const std::string& key : checkpoint::required_state_keys(opt.kind, group_options)) {
+    if (!tensors.count(name + "." + key)) missing.push_back(name + "." + key);
+  }
+  if (checkpoint::has_step(opt.kind) && !has_step_tensor) missing.push_back(name + ".step");
+  TORCH_CHECK(missing.empty(), kImportApi, ": ", path, " has optimizer state of '", name,
+              "' for a ", checkpoint::kind_name(opt.kind), " optimizer but lacks ",
+              quoted_names(missing, missing.size()),
+              " (pass optimizer_state(false) to import weights only)");
+}
+
+// The state to install for one parameter, or nullopt to keep the live one (the file has none
+// for it, or optimizer state is not imported). Marks the tensors it accounts for as used.
+std::optional<ParamState> import_param_state(const TensorsByName& tensors, const ModelIndex& model,
+                                             const OptimizerEntry& opt, const ParamRef& ref,
+                                             const torch::optim::OptimizerOptions& group_options,
+                                             const ImportCheckpointOptions& options,
+                                             const std::string& path, std::set<std::string>& used) {
+  const ParameterSlot& slot = model.slot(ref);
+  std::vector<std::string> found;
+  for (const std::string& key : checkpoint::state_keys(opt.kind)) {
+    if (tensors.count(slot.name + "." + key)) found.push_back(key);
+  }
+  const std::string step_name = slot.name + ".step";
+  const bool has_step_tensor = tensors.count(step_name) > 0;
+  if (found.empty() && !has_step_tensor) return std::nullopt;
+  for (const std::string& key : found) used.insert(slot.name + "." + key);
+  if (has_step_tensor) used.insert(step_name);
+  if (!options.optimizer_state()) return std::nullopt;
+
+  check_state_complete(tensors, opt, group_options, slot.name, has_step_tensor, path);
+  ParamState state;
+  state.present = true;
+  if (has_step_tensor) {
+    const at::Tensor& s = tensors.at(step_name);
+    TORCH_CHECK(s.numel() == 1, kImportApi, ": ", path, " tensor '", step_name, "' has ", s.numel(),
+                " elements, expected 1");
+    state.step = static_cast<int64_t>(s.item<double>());
+  }
+  const auto [a, b] = model.groups[ref.group]->held_range(ref.index);
+  for (const std::string& key : found) {
+    const at::Tensor& t = tensors.at(slot.name + "." + key);
+    TORCH_CHECK(t.sizes().vec() == slot.shape, kImportApi, ": ", path, " tensor '", slot.name, ".",
+                key, "' has shape ", shape_string(t.sizes()), " but the parameter has shape ",
+                shape_string(slot.shape));
+    state.tensors.emplace_back(key, held_slice(t, a, b));
+  }
+  return state;
+}
+
+// [optimizer][flat param]: the state import_param_state decides for each parameter.
+std::vector<std::vector<std::optional<ParamState>>> import_states(
+    const TensorsByName& tensors, const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
+    const ImportCheckpointOptions& options, const std::string& path, std::set<std::string>& used) {
+  std::vector<std::vector<std::optional<ParamState>>> states;
+  for (const OptimizerEntry& opt : opts) {
+    std::vector<std::optional<ParamState>> per_param;
+    const auto& live = opt.optimizer->param_groups();
+    for (size_t j = 0; j < opt.param_groups.size(); ++j) {
+      for (const ParamRef& ref : opt.param_groups[j]) {
+        per_param.push_back(
+            import_param_state(tensors, model, opt, ref, live[j].options(), options, path, used));
+      }
+    }
+    states.push_back(std::move(per_param));
+  }
+  return states;
+}
+
+void check_all_used(const TensorsByName& tensors, const std::set<std::string>& used,
+                    const std::string& path) {
+  std::vector<std::string> extra;
+  for (const auto& [key, t] : tensors) {
+    if (!used.count(key)) extra.push_back(key);
+  }
+  if (extra.empty()) return;
+  std::sort(extra.begin(), extra.end());
+  TORCH_CHECK(false, kImportApi, ": ", path, " has ", extra.size(),
+              " tensor(s) that name no parameter of this model or state of its optimizers: ",
+              quoted_names(extra, 8), extra.size() > 8 ? ", ..." : "",
+              " (pass strict(false) to ignore them)");
+}
+
+}  // namespace
+
+void import_full_checkpoint(const std::string& path,
+                            const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                            const std::vector<torch::optim::Optimizer*>& optimizers,
+                            const ImportCheckpointOptions& options) {
+  Communicator& comm = checkpoint::communicator_of(groups, kImportApi);
+  ModelIndex model;
+  std::vector<OptimizerEntry> opts;
+  checkpoint::StagedRestore staged;
+  detail::run_agreed(comm, kImportApi, [&] {
+    model = checkpoint::index_model(groups, kImportApi);
+    opts = checkpoint::index_optimizers(optimizers, model, kImportApi);
+    const TensorsByName tensors = read_tensor_dict(path, options.strict());
+    std::set<std::string> used;
+    staged.weights = slice_weights(tensors, model, path, used);
+    staged.states = import_states(tensors, model, opts, options, path, used);
+    if (options.strict()) check_all_used(tensors, used, path);
+  });
+  // Every rank has what it needs: only now does anything change.
+  checkpoint::install_staged(model, opts, staged);
+}
+
+}  // namespace fsdp_muon
