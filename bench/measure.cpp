@@ -257,7 +257,8 @@ int run_measure(Flags& flags) {
       policy_name.c_str(), prefetch.c_str(), static_cast<long long>(steps),
       static_cast<long long>(warmup));
   if (device.is_cuda()) {
-    std::printf("(CUDA: phase times are host enqueue times; the step total is synchronized)\n");
+    std::printf("(CUDA: phase times are execution times on the stream, from CUDA events; the step "
+                "total is synchronized wall time)\n");
   }
   std::printf("\n%-22s %12s %12s\n", "phase (ms per step)", "max rank", "mean rank");
   for (int p = 0; p < kNumPhases; ++p) {
@@ -279,7 +280,7 @@ int run_measure(Flags& flags) {
   std::printf("%-44s %12.2f\n", "plan: max / mean NS FLOPs per rank",
               total_flops > 0 ? mx(kNumPhases + 4) / (total_flops / world) : 1.0);
   std::printf("%-44s %12.3f\n", "MiB sent per rank, gather + scatter (max)", mx(kNumPhases) / kMiB);
-  std::printf("%-44s %12.3f\n", "MiB minimum (DESIGN 7) for this plan (max)",
+  std::printf("%-44s %12.3f\n", "MiB minimum (DESIGN.md 7) for this plan (max)",
               mx(kNumPhases + 1) / kMiB);
   std::printf("%-44s %12.3f\n", "bytes sent / minimum (worst rank)", worst_byte_ratio);
   std::printf("%-44s %12.3f\n", "transient full-matrix MiB per rank (max)",

@@ -1,5 +1,5 @@
 // A program outside the repository, built against the installed package: it uses the public
-// names of DESIGN §8 through the umbrella header only.
+// names of docs/DESIGN.md §8 through the umbrella header only.
 #include <fsdp_muon/fsdp_muon.h>
 
 #include <torch/torch.h>
