@@ -106,6 +106,10 @@ const char* to_string(NonFiniteGradients mode) {
   return "?";
 }
 
+OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
+  return OwnerPlanOptions().policy(owner_policy()).prefetch_budget_bytes(prefetch_budget_bytes());
+}
+
 struct FsdpMuon::Impl {
   FsdpMuonConfig config;
   std::shared_ptr<Communicator> comm;
@@ -171,6 +175,12 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
     TORCH_CHECK(impl_->config.prefetch_budget_bytes() >= 0,
                 "fsdp_muon::FsdpMuon: prefetch_budget_bytes must be >= 0, got ",
                 impl_->config.prefetch_budget_bytes(), " (kUnlimitedPrefetch for no limit)");
+    TORCH_CHECK(impl_->config.check_gradient_agreement() ||
+                    impl_->config.non_finite_gradients() == NonFiniteGradients::kIgnore,
+                "fsdp_muon::FsdpMuon: non_finite_gradients(",
+                to_string(impl_->config.non_finite_gradients()),
+                ") needs check_gradient_agreement(true): the ranks learn of a NaN or Inf through "
+                "its all-reduce");
     for (const auto& group : param_groups) add_group(group);
     build();
   };
@@ -321,10 +331,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     matrices.push_back(std::move(m));
     plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
   }
-  plan = plan_owners(plan_groups, w,
-                     OwnerPlanOptions()
-                         .policy(config.owner_policy())
-                         .prefetch_budget_bytes(config.prefetch_budget_bytes()));
+  plan = plan_owners(plan_groups, w, config.owner_plan_options());
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t j = 0; j < group_matrices[g].size(); ++j) {
       matrices[group_matrices[g][j]].owner = plan.owner[g][j];
@@ -346,7 +353,8 @@ std::string FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
   std::ostringstream desc;
   desc << "world " << world() << "; policy " << to_string(config.owner_policy()) << "; budget "
        << config.prefetch_budget_bytes() << "; non-finite "
-       << to_string(config.non_finite_gradients()) << ";";
+       << to_string(config.non_finite_gradients()) << "; agreement "
+       << config.check_gradient_agreement() << ";";
   for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
     const auto& options = static_cast<const MuonOptions&>(self.param_groups_[gi].options());
     desc << " group " << gi << " ns_steps " << options.ns_steps() << " {";
@@ -399,43 +407,50 @@ std::vector<bool> FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self, FsdpMuonSte
   }
   const NonFiniteGradients non_finite = config.non_finite_gradients();
   const bool check_finite = non_finite != NonFiniteGradients::kIgnore;
-  // [changed, has a gradient per matrix, (checked:) non-finite gradient per matrix], summed.
-  std::vector<int64_t> sums;
-  count_sent(*comm, &CommStats::all_reduce_bytes, stats.check_bytes, [&] {
-    sums = detail::agree_on_sum(
-        *comm, "fsdp_muon::FsdpMuon::step", check_finite ? 2 * n + 1 : n + 1,
-        [&](std::vector<int64_t>& mine) {
-          mine[0] = changed ? 1 : 0;
-          if (changed) return;  // the checks below assume the constructed groups
-          for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
-            muon_options_of(self.param_groups_[gi], gi).validate();  // may have been edited
-          }
-          std::vector<size_t> checked;
-          std::vector<at::Tensor> not_finite;
-          for (size_t m = 0; m < n; ++m) {
-            const at::Tensor& p = matrices[m].sharded_parameter;
-            const at::Tensor& g = p.grad();
-            if (!g.defined()) continue;
-            TORCH_CHECK(!g.is_sparse() && g.sizes() == p.sizes() && g.dtype() == p.dtype(),
-                        "fsdp_muon::FsdpMuon: the gradient of '", matrices[m].name, "' has shape ",
-                        g.sizes(), " and dtype ", g.dtype(), " but its shard is ", p.sizes(), " ",
-                        p.dtype(),
-                        "; FsdpMuon expects the group's gradient-shard slice "
-                        "(FsdpParameterGroup::reduce_scatter_grads())");
-            mine[m + 1] = 1;
-            if (check_finite) {
-              checked.push_back(m);
-              not_finite.push_back(at::logical_not(at::isfinite(g)).any());
-            }
-          }
-          if (checked.empty()) return;
-          // One device-to-host copy for all matrices.
-          const at::Tensor flags = at::stack(not_finite).to(at::kCPU, at::kLong);
-          for (size_t k = 0; k < checked.size(); ++k) {
-            mine[n + 1 + checked[k]] = flags.data_ptr<int64_t>()[k];
-          }
-        });
-  });
+  // [changed, has a gradient per matrix, (checked:) non-finite gradient per matrix]: this
+  // rank's view, summed over the ranks unless the loop guarantees agreement.
+  const size_t size = check_finite ? 2 * n + 1 : n + 1;
+  const auto local_checks = [&](std::vector<int64_t>& mine) {
+    mine[0] = changed ? 1 : 0;
+    if (changed) return;  // the checks below assume the constructed groups
+    for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
+      muon_options_of(self.param_groups_[gi], gi).validate();  // may have been edited
+    }
+    std::vector<size_t> checked;
+    std::vector<at::Tensor> not_finite;
+    for (size_t m = 0; m < n; ++m) {
+      const at::Tensor& p = matrices[m].sharded_parameter;
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      TORCH_CHECK(!g.is_sparse() && g.sizes() == p.sizes() && g.dtype() == p.dtype(),
+                  "fsdp_muon::FsdpMuon: the gradient of '", matrices[m].name, "' has shape ",
+                  g.sizes(), " and dtype ", g.dtype(), " but its shard is ", p.sizes(), " ",
+                  p.dtype(),
+                  "; FsdpMuon expects the group's gradient-shard slice "
+                  "(FsdpParameterGroup::reduce_scatter_grads())");
+      mine[m + 1] = 1;
+      if (check_finite) {
+        checked.push_back(m);
+        not_finite.push_back(at::logical_not(at::isfinite(g)).any());
+      }
+    }
+    if (checked.empty()) return;
+    // One device-to-host copy for all matrices.
+    const at::Tensor flags = at::stack(not_finite).to(at::kCPU, at::kLong);
+    for (size_t k = 0; k < checked.size(); ++k) {
+      mine[n + 1 + checked[k]] = flags.data_ptr<int64_t>()[k];
+    }
+  };
+  std::vector<int64_t> sums(size, 0);
+  if (config.check_gradient_agreement()) {
+    count_sent(*comm, &CommStats::all_reduce_bytes, stats.check_bytes, [&] {
+      sums = detail::agree_on_sum(*comm, "fsdp_muon::FsdpMuon::step", size, local_checks);
+    });
+  } else {
+    // Every rank is taken to see what this one sees.
+    local_checks(sums);
+    for (int64_t& count : sums) count *= world();
+  }
   const int w = world();
   TORCH_CHECK(sums[0] == 0,
               "fsdp_muon::FsdpMuon: the parameter groups were changed after construction on ",

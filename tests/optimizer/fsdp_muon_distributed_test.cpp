@@ -243,18 +243,27 @@ TEST(FsdpMuonExactness, ParametersWithoutGradientsAreSkipped) {
 // The plan FsdpMuon caches is the planner's on the groups' own layout.
 TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
   Model model = make_model(5);
-  for (OwnerPolicy policy : {OwnerPolicy::kHoldersOnly, OwnerPolicy::kAnyRank}) {
-    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), FsdpMuonConfig().owner_policy(policy));
+  for (const FsdpMuonConfig& config :
+       {FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly),
+        FsdpMuonConfig().owner_policy(OwnerPolicy::kAnyRank),
+        FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly).prefetch_budget_bytes(256),
+        FsdpMuonConfig().owner_policy(OwnerPolicy::kAnyRank).prefetch_budget_bytes(0)}) {
+    const OwnerPolicy policy = config.owner_policy();
+    SCOPED_TRACE(std::string(to_string(policy)) + " budget " +
+                 std::to_string(config.prefetch_budget_bytes()));
+    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), config);
     std::vector<PlanGroup> groups;
     for (const auto& specs : model_specs()) {
       std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
       for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
       groups.push_back(plan_group_from_shapes("", shapes, world().size()));
     }
-    const OwnerPlan expected = plan_owners(groups, world().size(),
-                                           OwnerPlanOptions().policy(policy).prefetch_budget_bytes(
-                                               FsdpMuonConfig().prefetch_budget_bytes()));
+    // The planning API is the single source of truth for what runs.
+    const OwnerPlan expected = plan_owners(groups, world().size(), config.owner_plan_options());
     EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
+    EXPECT_EQ(fsdp.windows(), expected.windows);
+    EXPECT_EQ(fsdp.owner_plan().critical_path_ratio_planned(),
+              expected.critical_path_ratio_planned());
     EXPECT_EQ(fsdp.owner_plan().cost_per_rank, expected.cost_per_rank);
     EXPECT_EQ(fsdp.owner_plan().gather_bytes_per_rank, expected.gather_bytes_per_rank);
     for (const FsdpMuonMatrix& m : fsdp.matrices()) {
@@ -708,6 +717,39 @@ TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
       EXPECT_TRUE(poisoned.numel() == 0 || at::isnan(poisoned).all().item<bool>());
     }
   }
+}
+
+// Without the agreement all-reduce (for loops that guarantee agreement) the step gives the same
+// bits and sends nothing for the check; the non-finite check, which needs it, is refused.
+TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
+  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  Model checked = make_model(90);
+  Model unchecked = make_model(90);
+  FsdpMuon with(sharded_matrices(checked), options);
+  FsdpMuon without(sharded_matrices(unchecked), options,
+                   FsdpMuonConfig().check_gradient_agreement(false));
+  for (int step = 0; step < 3; ++step) {
+    feed_gradients(checked, 9000 + step);
+    feed_gradients(unchecked, 9000 + step);
+    with.step();
+    without.step();
+    EXPECT_EQ(without.last_step_stats().check_bytes, 0);
+    EXPECT_EQ(without.last_step_stats().active_parameters,
+              with.last_step_stats().active_parameters);
+  }
+  if (world().size() > 1) {
+    EXPECT_GT(with.last_step_stats().check_bytes, 0);
+  }
+  const auto a = sharded_matrices(checked);
+  const auto b = sharded_matrices(unchecked);
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(at::equal(a[k], b[k])) << k;
+  expect_error(
+      [&] {
+        FsdpMuon(sharded_matrices(checked), options,
+                 FsdpMuonConfig().check_gradient_agreement(false).non_finite_gradients(
+                     NonFiniteGradients::kSkipStep));
+      },
+      {"non_finite_gradients(skip_step) needs check_gradient_agreement(true)"});
 }
 
 }  // namespace

@@ -52,6 +52,17 @@ struct FsdpMuonConfig {
   // See NonFiniteGradients. With kSkipStep the model weights are still refreshed (another
   // optimizer may have stepped the groups' other parameters), and skipped_steps() counts it.
   TORCH_ARG(NonFiniteGradients, non_finite_gradients) = NonFiniteGradients::kIgnore;
+  // Each step starts with one small all-reduce that makes a rank mismatch (different gradients
+  // present, edited parameter groups, a local error) the same error on every rank instead of a
+  // hang, at the price of a host synchronization. false skips it for loops that guarantee
+  // agreement: step() then never waits on the host (on CUDA), and a mismatch hangs or fails
+  // on some ranks only. The non-finite check needs it.
+  TORCH_ARG(bool, check_gradient_agreement) = true;
+
+ public:  // TORCH_ARG leaves the struct in a private section
+  // The options FsdpMuon plans owners with: plan_owners(groups, W, owner_plan_options()) is the
+  // plan a FsdpMuon with this config runs.
+  OwnerPlanOptions owner_plan_options() const;
 };
 
 // What the last step() did on this rank.
