@@ -128,7 +128,13 @@ class NcclCommunicator final : public Communicator {
     // instead of a call that never returns.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    FSDP_MUON_CHECK_NCCL(ncclCommInitRankConfig(&comm_, size, id, rank, &config));
+    // NCCL may hand out a communicator even when the call fails; fail() aborts whatever it
+    // handed out, since a constructor that throws leaves no destructor to do it.
+    const ncclResult_t init = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+    if (init != ncclSuccess && init != ncclInProgress) {
+      fail(std::string("ncclCommInitRankConfig failed: ") + ncclGetErrorString(init) + " (" +
+           ncclGetLastError(comm_) + ")");
+    }
     wait_until_ready("ncclCommInitRankConfig");
   }
 
@@ -179,23 +185,46 @@ class NcclCommunicator final : public Communicator {
                                            static_cast<size_t>(send_counts[rank()]) * elem,
                                            cudaMemcpyDeviceToDevice, stream));
     }
-    FSDP_MUON_CHECK_NCCL(ncclGroupStart());
+    const ncclResult_t started = ncclGroupStart();
+    if (started != ncclSuccess) {
+      fail(std::string("ncclGroupStart failed: ") + ncclGetErrorString(started));
+    }
+    // A call that fails inside the group must still end it before anything throws: NCCL keeps
+    // group state per thread, and an open group would swallow this thread's next NCCL calls.
+    std::string failed_call;
+    ncclResult_t failure = ncclSuccess;
+    const auto ok = [&](ncclResult_t result, const char* call, int peer) {
+      if (result == ncclSuccess || result == ncclInProgress) {
+        return true;
+      }
+      failure = result;
+      failed_call = std::string(call) + " with rank " + std::to_string(peer);
+      return false;
+    };
     for (int p = 0; p < size(); ++p) {
       if (p == rank()) {
         continue;
       }
-      if (send_counts[p] > 0) {
-        FSDP_MUON_CHECK_NCCL(ncclSend(src + send_offsets[p],
-                                      static_cast<size_t>(send_counts[p]) * elem, ncclInt8, p,
-                                      comm_, stream));
+      if (send_counts[p] > 0 &&
+          !ok(ncclSend(src + send_offsets[p], static_cast<size_t>(send_counts[p]) * elem, ncclInt8,
+                       p, comm_, stream),
+              "ncclSend", p)) {
+        break;
       }
-      if (recv_counts[p] > 0) {
-        FSDP_MUON_CHECK_NCCL(ncclRecv(dst + recv_offsets[p],
-                                      static_cast<size_t>(recv_counts[p]) * elem, ncclInt8, p,
-                                      comm_, stream));
+      if (recv_counts[p] > 0 &&
+          !ok(ncclRecv(dst + recv_offsets[p], static_cast<size_t>(recv_counts[p]) * elem, ncclInt8,
+                       p, comm_, stream),
+              "ncclRecv", p)) {
+        break;
       }
     }
-    finish(ncclGroupEnd(), "all_to_all_v (ncclGroupEnd)");
+    const ncclResult_t ended = ncclGroupEnd();
+    if (failure != ncclSuccess) {
+      // The group is closed; whatever part of it NCCL launched dies with the abort in fail().
+      fail(failed_call + " failed: " + ncclGetErrorString(failure) + " (" +
+           ncclGetLastError(comm_) + ")");
+    }
+    finish(ended, "all_to_all_v (ncclGroupEnd)");
   }
 
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
