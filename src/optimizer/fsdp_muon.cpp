@@ -663,7 +663,7 @@ int FsdpMuon::owner_of(const at::Tensor& sharded_parameter) const {
 int64_t FsdpMuon::skipped_steps() const { return impl_->skipped_steps; }
 
 const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
-  impl_->timer->add_to(impl_->stats);
+  impl_->timer->add_to(impl_->stats, *impl_->comm);
   return impl_->stats;
 }
 
