@@ -78,7 +78,14 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
   flags[0] = failed ? 1 : 0;
   std::copy(contribution.begin(), contribution.end(), flags.begin() + 1);
   at::Tensor summed = at::tensor(flags, at::TensorOptions().dtype(at::kLong)).to(comm.device());
-  comm.all_reduce(summed, ReduceOp::kSum);
+  try {
+    comm.all_reduce(summed, ReduceOp::kSum);
+  } catch (...) {
+    // A local failure that also broke the communicator (a host wait that timed out aborts it)
+    // is the root cause; the collective's error comes second.
+    TORCH_CHECK(!failed, error, " (then ", current_exception_message(), ")");
+    throw;
+  }
   // The host copy is the synchronization point: what follows depends on every rank's outcome.
   // Bounded by the communicator's timeout, so a rank that never arrives is an error, not a hang.
   const at::Tensor host = comm.to_host(summed);

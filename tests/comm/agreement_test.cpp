@@ -92,7 +92,8 @@ TEST(Agreement, RanksThatDifferAreNamed) {
 
 // Rank 1 connects and then never calls `agreed`; rank 0 must throw within the timeout. Rank 1
 // stays alive until rank 0 is done, so that rank 0 sees a silent peer, not a closed socket.
-void expect_absent_rank_times_out(const std::function<void(Communicator&)>& agreed) {
+// Returns rank 0's message.
+std::string expect_absent_rank_times_out(const std::function<void(Communicator&)>& agreed) {
   const auto timeout = std::chrono::seconds(2);
   std::promise<void> rank0_done;
   std::shared_future<void> done = rank0_done.get_future().share();
@@ -118,11 +119,24 @@ void expect_absent_rank_times_out(const std::function<void(Communicator&)>& agre
   // It waited for the peer, and then not much longer than the timeout (a loaded machine is slow).
   EXPECT_GE(waited, 0.5 * std::chrono::duration<double>(timeout).count());
   EXPECT_LT(waited, std::chrono::duration<double>(timeout).count() + 30.0);
+  return errors[0];
 }
 
 TEST(Agreement, RunAgreedThrowsWithinTheTimeoutWhenARankStaysAway) {
   expect_absent_rank_times_out(
       [](Communicator& comm) { detail::run_agreed(comm, "fsdp_muon::AgreementTest", [] {}); });
+}
+
+TEST(Agreement, ALocalFailureStaysTheRootCauseWhenTheCollectiveFailsToo) {
+  const std::string message = expect_absent_rank_times_out([](Communicator& comm) {
+    detail::run_agreed(comm, "fsdp_muon::AgreementTest",
+                       [] { TORCH_CHECK(false, "fsdp_muon::AgreementTest: broke here"); });
+  });
+  EXPECT_EQ(message.rfind("fsdp_muon::AgreementTest: broke here (then "
+                          "fsdp_muon::Communicator::all_reduce: gloo failed on rank 0 of 2",
+                          0),
+            0u)
+      << message;
 }
 
 TEST(Agreement, RanksThatDifferThrowsWithinTheTimeoutWhenARankStaysAway) {
