@@ -44,7 +44,7 @@ constexpr int64_t kMessageSlot = 1024;
               failed_ranks > 1
                   ? " (and " + std::to_string(failed_ranks - 1) + " other rank(s) failed too)"
                   : std::string());
-  const at::Tensor host = all.cpu();
+  const at::Tensor host = comm.to_host(all);
   const auto* bytes = host.data_ptr<uint8_t>();
   for (int r = 0; r < comm.size(); ++r) {
     const uint8_t* slot = bytes + r * kMessageSlot;
@@ -78,9 +78,17 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
   flags[0] = failed ? 1 : 0;
   std::copy(contribution.begin(), contribution.end(), flags.begin() + 1);
   at::Tensor summed = at::tensor(flags, at::TensorOptions().dtype(at::kLong)).to(comm.device());
-  comm.all_reduce(summed, ReduceOp::kSum);
+  try {
+    comm.all_reduce(summed, ReduceOp::kSum);
+  } catch (...) {
+    // A local failure that also broke the communicator (a host wait that timed out aborts it)
+    // is the root cause; the collective's error comes second.
+    TORCH_CHECK(!failed, error, " (then ", current_exception_message(), ")");
+    throw;
+  }
   // The host copy is the synchronization point: what follows depends on every rank's outcome.
-  const at::Tensor host = summed.cpu();
+  // Bounded by the communicator's timeout, so a rank that never arrives is an error, not a hang.
+  const at::Tensor host = comm.to_host(summed);
   const int64_t* sums = host.data_ptr<int64_t>();
   if (sums[0] != 0) throw_agreed_failure(comm, what, sums[0], error, failed);
   return std::vector<int64_t>(sums + 1, sums + 1 + contribution_size);
@@ -110,7 +118,7 @@ std::vector<int> ranks_that_differ(Communicator& comm, const std::string& descri
   at::Tensor mine = at::full({1}, stable_hash(description), at::TensorOptions().dtype(at::kLong));
   at::Tensor all = at::empty({world}, mine.options().device(comm.device()));
   comm.all_gather(mine.to(comm.device()), all);
-  const at::Tensor host = all.cpu();
+  const at::Tensor host = comm.to_host(all);
   const int64_t* hashes = host.data_ptr<int64_t>();
   std::vector<int> differ;
   for (int r = 1; r < world; ++r) {

@@ -21,6 +21,7 @@ constexpr const char* kAllGather = "fsdp_muon::Communicator::all_gather";
 constexpr const char* kReduceScatterMean = "fsdp_muon::Communicator::reduce_scatter_mean";
 constexpr const char* kAllReduce = "fsdp_muon::Communicator::all_reduce";
 constexpr const char* kBroadcast = "fsdp_muon::Communicator::broadcast";
+constexpr const char* kToHost = "fsdp_muon::Communicator::to_host";
 
 void check_counts(const std::vector<int64_t>& counts, int size, int64_t numel, const char* what) {
   TORCH_CHECK(static_cast<int>(counts.size()) == size, kAllToAllV, ": ", what, " has ",
@@ -107,5 +108,15 @@ void Communicator::barrier() {
   ++stats_.calls;
   do_barrier();
 }
+
+at::Tensor Communicator::to_host(const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.defined(), kToHost, ": tensor is undefined");
+  if (tensor.is_cpu()) return tensor;
+  TORCH_CHECK(tensor.device() == device(), kToHost, ": tensor is on ", tensor.device(),
+              " but the communicator moves tensors on ", device());
+  return do_to_host(tensor);
+}
+
+at::Tensor Communicator::do_to_host(const at::Tensor& tensor) { return tensor.cpu(); }
 
 }  // namespace fsdp_muon

@@ -77,6 +77,22 @@ ncclRedOp_t to_nccl(ReduceOp op) {
 
 size_t bytes_of(const at::Tensor& t) { return static_cast<size_t>(t.nbytes()); }
 
+constexpr const char* kFactoryApi = "fsdp_muon::make_nccl_communicator";
+
+// A CUDA event that only marks a point on a stream (no timing), destroyed with its scope. An
+// event destroyed before it completes is released by CUDA once it does.
+class MarkerEvent {
+ public:
+  MarkerEvent() { FSDP_MUON_CHECK_CUDA(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+  ~MarkerEvent() { cudaEventDestroy(event_); }
+  MarkerEvent(const MarkerEvent&) = delete;
+  MarkerEvent& operator=(const MarkerEvent&) = delete;
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -112,7 +128,13 @@ class NcclCommunicator final : public Communicator {
     // instead of a call that never returns.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    FSDP_MUON_CHECK_NCCL(ncclCommInitRankConfig(&comm_, size, id, rank, &config));
+    // NCCL may hand out a communicator even when the call fails; fail() aborts whatever it
+    // handed out, since a constructor that throws leaves no destructor to do it.
+    const ncclResult_t init = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+    if (init != ncclSuccess && init != ncclInProgress) {
+      fail(std::string("ncclCommInitRankConfig failed: ") + ncclGetErrorString(init) + " (" +
+           ncclGetLastError(comm_) + ")");
+    }
     wait_until_ready("ncclCommInitRankConfig");
   }
 
@@ -163,23 +185,46 @@ class NcclCommunicator final : public Communicator {
                                            static_cast<size_t>(send_counts[rank()]) * elem,
                                            cudaMemcpyDeviceToDevice, stream));
     }
-    FSDP_MUON_CHECK_NCCL(ncclGroupStart());
+    const ncclResult_t started = ncclGroupStart();
+    if (started != ncclSuccess) {
+      fail(std::string("ncclGroupStart failed: ") + ncclGetErrorString(started));
+    }
+    // A call that fails inside the group must still end it before anything throws: NCCL keeps
+    // group state per thread, and an open group would swallow this thread's next NCCL calls.
+    std::string failed_call;
+    ncclResult_t failure = ncclSuccess;
+    const auto ok = [&](ncclResult_t result, const char* call, int peer) {
+      if (result == ncclSuccess || result == ncclInProgress) {
+        return true;
+      }
+      failure = result;
+      failed_call = std::string(call) + " with rank " + std::to_string(peer);
+      return false;
+    };
     for (int p = 0; p < size(); ++p) {
       if (p == rank()) {
         continue;
       }
-      if (send_counts[p] > 0) {
-        FSDP_MUON_CHECK_NCCL(ncclSend(src + send_offsets[p],
-                                      static_cast<size_t>(send_counts[p]) * elem, ncclInt8, p,
-                                      comm_, stream));
+      if (send_counts[p] > 0 &&
+          !ok(ncclSend(src + send_offsets[p], static_cast<size_t>(send_counts[p]) * elem, ncclInt8,
+                       p, comm_, stream),
+              "ncclSend", p)) {
+        break;
       }
-      if (recv_counts[p] > 0) {
-        FSDP_MUON_CHECK_NCCL(ncclRecv(dst + recv_offsets[p],
-                                      static_cast<size_t>(recv_counts[p]) * elem, ncclInt8, p,
-                                      comm_, stream));
+      if (recv_counts[p] > 0 &&
+          !ok(ncclRecv(dst + recv_offsets[p], static_cast<size_t>(recv_counts[p]) * elem, ncclInt8,
+                       p, comm_, stream),
+              "ncclRecv", p)) {
+        break;
       }
     }
-    finish(ncclGroupEnd(), "all_to_all_v (ncclGroupEnd)");
+    const ncclResult_t ended = ncclGroupEnd();
+    if (failure != ncclSuccess) {
+      // The group is closed; whatever part of it NCCL launched dies with the abort in fail().
+      fail(failed_call + " failed: " + ncclGetErrorString(failure) + " (" +
+           ncclGetLastError(comm_) + ")");
+    }
+    finish(ended, "all_to_all_v (ncclGroupEnd)");
   }
 
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
@@ -234,20 +279,30 @@ class NcclCommunicator final : public Communicator {
     finish(ncclAllReduce(barrier_buffer_.data_ptr(), barrier_buffer_.data_ptr(), 1, ncclFloat32,
                          ncclSum, comm_, stream),
            "barrier (ncclAllReduce)");
-    // The host waits too, polling so that a peer that never arrives becomes an error.
-    const auto deadline = Clock::now() + timeout_;
-    for (;;) {
-      const cudaError_t status = cudaStreamQuery(stream);
-      if (status == cudaSuccess) {
-        break;
-      }
-      TORCH_CHECK(status == cudaErrorNotReady, api_, ": CUDA error ", cudaGetErrorString(status));
-      check_async_error("barrier");
-      if (Clock::now() > deadline) {
-        fail("barrier did not complete within " + std::to_string(timeout_.count()) + " ms");
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    // The host waits too, so that a peer that never arrives becomes an error.
+    wait_on_host(stream, "barrier");
+  }
+
+  at::Tensor do_to_host(const at::Tensor& tensor) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    // Errors name the collective whose result the caller waits for: the one enqueued last.
+    if (api_ == kFactoryApi) {
+      api_ = "fsdp_muon::Communicator::to_host";
     }
+    TORCH_CHECK(!failed_, "fsdp_muon::Communicator::to_host: the nccl communicator (rank ", rank(),
+                " of ", size(), ") was aborted by an earlier error");
+    check_async_error("to_host");
+    const cudaStream_t stream =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+    const at::Tensor source = tensor.contiguous();
+    at::Tensor host =
+        at::empty(source.sizes(), source.options().device(c10::kCPU).pinned_memory(true));
+    // Pinned and non-blocking: the copy is enqueued on the current stream behind the collective
+    // and the host is free to poll. copy_ tells the pinned allocator about the pending copy, so
+    // the block is not handed out again while an aborted stream may still write it.
+    host.copy_(source, /*non_blocking=*/true);
+    wait_on_host(stream, "to_host (waiting for the result on the host)");
+    return host;
   }
 
  private:
@@ -293,6 +348,31 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // Polls until everything enqueued on `stream` so far has run; a timeout or an NCCL error aborts
+  // the communicator and throws. `what` says what the host was waiting for.
+  void wait_on_host(cudaStream_t stream, const std::string& what) {
+    const MarkerEvent done;
+    FSDP_MUON_CHECK_CUDA(cudaEventRecord(done.get(), stream));
+    const auto deadline = Clock::now() + timeout_;
+    for (;;) {
+      const cudaError_t status = cudaEventQuery(done.get());
+      if (status == cudaSuccess) {
+        return;
+      }
+      if (status != cudaErrorNotReady) {
+        fail(what + ": CUDA error " + cudaGetErrorString(status));
+      }
+      // "Not ready" is no error; clear it so that later CUDA checks do not report it.
+      (void)cudaGetLastError();
+      check_async_error(what.c_str());
+      if (Clock::now() > deadline) {
+        fail(what + " did not complete within " + std::to_string(timeout_.count()) +
+             " ms (a rank missing or stuck?)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
   void check_async_error(const char* what) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t query = ncclCommGetAsyncError(comm_, &state);
@@ -300,8 +380,8 @@ class NcclCommunicator final : public Communicator {
       fail(std::string(what) + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query));
     }
     if (state != ncclSuccess && state != ncclInProgress) {
-      fail(std::string("NCCL reported an asynchronous error before ") + what + ": " +
-           ncclGetErrorString(state) + " (" + ncclGetLastError(comm_) + ")");
+      fail(std::string("NCCL reported an asynchronous error (seen at ") + what +
+           "): " + ncclGetErrorString(state) + " (" + ncclGetLastError(comm_) + ")");
     }
   }
 
@@ -322,7 +402,7 @@ class NcclCommunicator final : public Communicator {
   bool failed_ = false;
   at::Tensor barrier_buffer_;
   // The public call errors are reported under: the factory until the first collective.
-  std::string api_ = "fsdp_muon::make_nccl_communicator";
+  std::string api_ = kFactoryApi;
 };
 
 }  // namespace

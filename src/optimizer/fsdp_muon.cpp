@@ -435,8 +435,9 @@ std::vector<bool> FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self, FsdpMuonSte
       }
     }
     if (checked.empty()) return;
-    // One device-to-host copy for all matrices.
-    const at::Tensor flags = at::stack(not_finite).to(at::kCPU, at::kLong);
+    // One device-to-host copy for all matrices. The shards are the reduce-scatter's result, so
+    // the wait is bounded by the communicator's timeout (docs/DESIGN.md §5).
+    const at::Tensor flags = comm->to_host(at::stack(not_finite).to(at::kLong));
     for (size_t k = 0; k < checked.size(); ++k) {
       mine[n + 1 + checked[k]] = flags.data_ptr<int64_t>()[k];
     }
@@ -678,7 +679,7 @@ int FsdpMuon::owner_of(const at::Tensor& sharded_parameter) const {
 int64_t FsdpMuon::skipped_steps() const { return impl_->skipped_steps; }
 
 const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
-  impl_->timer->add_to(impl_->stats);
+  impl_->timer->add_to(impl_->stats, *impl_->comm);
   return impl_->stats;
 }
 

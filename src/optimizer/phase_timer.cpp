@@ -3,7 +3,9 @@
 #include <chrono>
 #include <optional>
 
+#include <ATen/ops/empty.h>
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 namespace fsdp_muon::detail {
@@ -19,6 +21,7 @@ struct PhaseTimer::Interval {
   // creates events that cannot time).
   std::optional<c10::Event> start;
   std::optional<c10::Event> stop;
+  std::optional<c10::Stream> stream;  // the one `stop` was recorded on
 };
 
 PhaseTimer::PhaseTimer(c10::Device device) : device_(device) {}
@@ -47,8 +50,9 @@ void PhaseTimer::end(size_t index) {
   Interval& interval = *intervals_[index];
   if (device_.is_cuda()) {
     const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+    interval.stream = cuda.getStream(device_);
     interval.stop.emplace(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
-    interval.stop->record(cuda.getStream(device_));
+    interval.stop->record(*interval.stream);
   } else {
     interval.host_seconds =
         std::chrono::duration<double>(Clock::now() - interval.host_start).count();
@@ -57,10 +61,18 @@ void PhaseTimer::end(size_t index) {
 
 void PhaseTimer::reset() { intervals_.clear(); }
 
-void PhaseTimer::add_to(FsdpMuonStepStats& stats) {
+void PhaseTimer::add_to(FsdpMuonStepStats& stats, Communicator& comm) {
+  std::optional<c10::Stream> waited;
   for (const auto& interval : intervals_) {
     double seconds = interval->host_seconds;
     if (interval->stop) {
+      if (waited != interval->stream) {
+        // The phases enqueued collectives: a peer that never arrives must make this wait an
+        // error, not a hang (docs/DESIGN.md §5). An empty to_host waits for the whole stream.
+        const c10::StreamGuard on_stream(*interval->stream);
+        comm.to_host(at::empty({0}, at::TensorOptions().device(device_)));
+        waited = interval->stream;
+      }
       interval->stop->synchronize();
       seconds = interval->start->elapsedTime(*interval->stop) / 1000.0;  // milliseconds
     }

@@ -10,6 +10,7 @@
 
 #include <c10/core/Device.h>
 
+#include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
 namespace fsdp_muon::detail {
@@ -41,9 +42,10 @@ class PhaseTimer {
 
   // Forgets the phases of the previous step.
   void reset();
-  // Adds every phase's time, in seconds, to its field of `stats` (on CUDA: waits for the work
-  // timed so far), then forgets them.
-  void add_to(FsdpMuonStepStats& stats);
+  // Adds every phase's time, in seconds, to its field of `stats`, then forgets them. On CUDA it
+  // first waits for the work timed so far through comm.to_host, so that the wait is bounded by
+  // the communicator's timeout: the timed work includes the step's collectives.
+  void add_to(FsdpMuonStepStats& stats, Communicator& comm);
 
  private:
   struct Interval;

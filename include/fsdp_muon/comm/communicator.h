@@ -61,6 +61,15 @@ class Communicator {
   void broadcast(const at::Tensor& tensor, int root = 0);
   void barrier();
 
+  // `tensor` on the host, for library code that reads a collective's result (docs/DESIGN.md §5).
+  // A CPU tensor comes back as it is: a CPU collective has completed when it returns. A tensor on
+  // the communicator's CUDA device is copied to pinned host memory behind everything enqueued on
+  // the current stream, and the host waits for it at most the communicator's timeout: a peer that
+  // never arrives, or an asynchronous NCCL error, aborts the communicator and throws, naming the
+  // collective enqueued last, this rank, the world size and the timeout. Not a collective: no
+  // peer takes part, and nothing is counted.
+  at::Tensor to_host(const at::Tensor& tensor);
+
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats{}; }
 
@@ -74,6 +83,9 @@ class Communicator {
   virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
   virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void do_barrier() = 0;
+  // A tensor on device(), which is not the CPU. This default copies with tensor.cpu(), which is
+  // right only where a collective has completed when it returns.
+  virtual at::Tensor do_to_host(const at::Tensor& tensor);
 
  private:
   int rank_;

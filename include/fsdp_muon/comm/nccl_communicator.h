@@ -14,8 +14,8 @@ namespace fsdp_muon {
 
 // Raw NCCL on cuda:<device_index>; the NCCL unique id travels through `store`. Every call is
 // enqueued on the caller's current CUDA stream. Errors reported by NCCL and collectives that do
-// not finish within `timeout` (checked whenever the host waits: set-up, barrier()) abort the
-// communicator and throw. Throws when this build of fsdp_muon has no CUDA.
+// not finish within `timeout` (checked whenever the host waits: set-up, barrier(), to_host()) abort
+// the communicator and throw. Throws when this build of fsdp_muon has no CUDA.
 std::shared_ptr<Communicator> make_nccl_communicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int size, int device_index,
     std::chrono::milliseconds timeout = std::chrono::minutes(5));

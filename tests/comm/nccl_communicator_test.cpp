@@ -1,0 +1,159 @@
+// The NCCL communicator in a world of one on cuda:0: Communicator::to_host brings a
+// collective's result to the host in order with the current stream, and a host wait that
+// outlasts the timeout aborts the communicator and throws (docs/DESIGN.md §5). Skips, saying
+// why, where no GPU is usable.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <fsdp_muon/comm/nccl_communicator.h>
+#include <fsdp_muon/config.h>
+
+#if FSDP_MUON_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace fsdp_muon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+#if FSDP_MUON_WITH_CUDA
+
+bool skip_without_gpu() {
+  if (torch::cuda::is_available()) return false;
+  std::cout << "[  SKIPPED ] no CUDA device: NCCL is checked on a GPU machine\n";
+  return true;
+}
+
+#define FSDP_MUON_REQUIRE_GPU() \
+  if (skip_without_gpu()) GTEST_SKIP() << "no CUDA device visible"
+
+std::shared_ptr<Communicator> world_of_one(std::chrono::milliseconds timeout) {
+  return make_nccl_communicator(c10::make_intrusive<c10d::HashStore>(), /*rank=*/0, /*size=*/1,
+                                /*device_index=*/0, timeout);
+}
+
+std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no exception)";
+}
+
+TEST(NcclCommunicator, ToHostReturnsTheResultInOrderWithTheCurrentStream) {
+  FSDP_MUON_REQUIRE_GPU();
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  const auto on = at::TensorOptions().device(comm->device());
+  // A non-default stream: to_host must wait for that stream's work, not the default stream's.
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+  const c10::cuda::CUDAStreamGuard guard(side);
+  at::Tensor t = at::arange(6, on.dtype(at::kFloat));
+  comm->all_reduce(t, ReduceOp::kSum);
+  // Enqueued after the collective on the same stream: a copy that did not wait would miss it.
+  at::cuda::sleep(20'000'000);
+  t.mul_(3);
+  const at::Tensor host = comm->to_host(t);
+  EXPECT_TRUE(host.is_cpu());
+  EXPECT_TRUE(host.is_pinned());
+  EXPECT_TRUE(at::equal(host, at::arange(6, at::kFloat) * 3));
+
+  // Integers, a non-contiguous view and an empty tensor.
+  at::Tensor m = at::arange(12, on.dtype(at::kLong)).view({3, 4});
+  comm->all_reduce(m.view({-1}), ReduceOp::kMax);
+  EXPECT_TRUE(at::equal(comm->to_host(m.t()), at::arange(12, at::kLong).view({3, 4}).t()));
+  const at::Tensor empty = comm->to_host(at::empty({0}, on));
+  EXPECT_TRUE(empty.is_cpu());
+  EXPECT_EQ(empty.numel(), 0);
+
+  // A CPU tensor is already on the host.
+  const at::Tensor cpu = at::ones({2});
+  EXPECT_TRUE(comm->to_host(cpu).is_same(cpu));
+  EXPECT_EQ(comm->stats().calls, 2);  // to_host is no collective
+}
+
+// Cycles of at::cuda::sleep per second on this GPU, measured.
+double sleep_cycles_per_second() {
+  at::cuda::sleep(1'000'000);  // the first launch loads the kernel
+  c10::cuda::device_synchronize();
+  const int64_t cycles = 200'000'000;
+  const auto start = Clock::now();
+  at::cuda::sleep(cycles);
+  c10::cuda::device_synchronize();
+  return static_cast<double>(cycles) / std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+TEST(NcclCommunicator, ToHostPastTheTimeoutAbortsAndThrows) {
+  FSDP_MUON_REQUIRE_GPU();
+  // A first communicator, with time to spare, pays NCCL's one-time start-up (plugins,
+  // topology), so that the second one's set-up fits its short timeout.
+  world_of_one(std::chrono::seconds(120)).reset();
+  const auto timeout = std::chrono::seconds(5);
+  const auto comm = world_of_one(timeout);
+  const auto on = at::TensorOptions().device(comm->device());
+  at::Tensor t = at::ones({4}, on);
+  comm->all_reduce(t, ReduceOp::kSum);
+  // The stream stays busy well past the timeout, as it would behind a collective waiting for a
+  // peer that never comes.
+  const double seconds = std::chrono::duration<double>(timeout).count();
+  at::cuda::sleep(static_cast<int64_t>(1.6 * seconds * sleep_cycles_per_second()));
+  const auto start = Clock::now();
+  const std::string message = message_of([&] { comm->to_host(t); });
+  const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+  c10::cuda::device_synchronize();  // let the sleep finish before anything else runs
+
+  EXPECT_EQ(message.rfind("fsdp_muon::Communicator::all_reduce: nccl on rank 0 of 1 (cuda:0): ", 0),
+            0u)
+      << message;
+  EXPECT_NE(message.find("did not complete within 5000 ms"), std::string::npos) << message;
+  EXPECT_NE(message.find("the communicator has been aborted"), std::string::npos) << message;
+  EXPECT_GE(waited, 0.95 * seconds);
+  // Aborting may wait for the busy stream (NCCL frees device memory), so allow the whole sleep.
+  EXPECT_LT(waited, 1.6 * seconds + 30.0);
+
+  // Aborted for good: collectives and host waits refuse.
+  EXPECT_NE(message_of([&] { comm->all_reduce(t); }).find("was aborted by an earlier error"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { comm->to_host(t); }).find("was aborted by an earlier error"),
+            std::string::npos);
+}
+
+TEST(NcclCommunicator, ToHostRejectsATensorOnAnotherDevice) {
+  FSDP_MUON_REQUIRE_GPU();
+  if (torch::cuda::device_count() < 2) {
+    GTEST_SKIP() << "one CUDA device: no other device to put a tensor on";
+  }
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  const at::Tensor elsewhere = at::ones({2}, at::TensorOptions().device(at::kCUDA, 1));
+  EXPECT_NE(message_of([&] {
+              comm->to_host(elsewhere);
+            }).find("fsdp_muon::Communicator::to_host: tensor is on cuda:1"),
+            std::string::npos);
+}
+
+#else
+
+TEST(NcclCommunicator, NeedsCuda) {
+  std::cout << "[  SKIPPED ] this build of fsdp_muon has no CUDA\n";
+  GTEST_SKIP() << "this build of fsdp_muon has no CUDA";
+}
+
+#endif  // FSDP_MUON_WITH_CUDA
+
+}  // namespace
+}  // namespace fsdp_muon
