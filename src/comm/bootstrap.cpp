@@ -25,6 +25,7 @@
 #include <string_view>
 #include <vector>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/cuda.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -278,8 +279,20 @@ std::string backend_names() {
   return names;
 }
 
+// NCCL drives cuda:<local rank>. Without the local rank every rank of a node would share device
+// 0 (and NCCL fails, or worse, runs slowly); checked before CUDA itself so the launch mistake is
+// reported as such on any machine.
+void check_local_rank_for_nccl(const LaunchEnvironment& e, const std::string& why) {
+  TORCH_CHECK(e.world_size == 1 || !e.local_rank_variable.empty(),
+              "fsdp_muon::init_from_env: NCCL (", why, ") in a world of ", e.world_size,
+              " ranks needs this rank's local rank to choose its GPU, but none of LOCAL_RANK, ",
+              "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID is set (", e.launcher,
+              " rank ", e.rank, "); export LOCAL_RANK=<index of this process on its node>, or ",
+              "start the job with torchrun, mpirun or srun, which set it");
+}
+
 // The backend to set up: never kAuto.
-CommBackend choose_backend(const InitOptions& options) {
+CommBackend choose_backend(const InitOptions& options, const LaunchEnvironment& e) {
   std::string name = options.backend;
   const char* source = "InitOptions::backend";
   if (name == to_string(CommBackend::kAuto)) {
@@ -295,6 +308,11 @@ CommBackend choose_backend(const InitOptions& options) {
   CommBackend backend = *parsed;
   if (backend == CommBackend::kAuto) {
     backend = cuda ? CommBackend::kNccl : CommBackend::kGloo;
+    if (backend == CommBackend::kNccl) {
+      check_local_rank_for_nccl(e, "chosen by backend auto: CUDA is available");
+    }
+  } else if (backend == CommBackend::kNccl) {
+    check_local_rank_for_nccl(e, std::string("asked for by ") + source);
   }
   switch (backend) {
     case CommBackend::kNccl:
@@ -374,6 +392,7 @@ LaunchEnvironment read_launch_environment_for(const char* api) {
     for (const auto& a : active) {
       if (a.local_rank) {
         e.local_rank = *a.local_rank;
+        e.local_rank_variable = a.local_var;
         break;
       }
     }
@@ -413,7 +432,7 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
               "fsdp_muon::init_from_env: InitOptions::timeout_seconds=", options.timeout_seconds,
               " must be positive");
   const LaunchEnvironment e = read_launch_environment_for("fsdp_muon::init_from_env");
-  const CommBackend backend = choose_backend(options);
+  const CommBackend backend = choose_backend(options, e);
   const auto timeout =
       std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000.0));
 
@@ -431,6 +450,12 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
                     " has no CUDA device (", devices,
                     " visible); start at most one process per GPU on each node or check "
                     "CUDA_VISIBLE_DEVICES");
+        // The rank's own GPU becomes the current device, so user code that says kCUDA (and
+        // LibTorch's default stream) lands there, not on device 0. The guard interface needs
+        // no CUDA headers.
+        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+            ->setDevice(
+                c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(e.local_rank)));
         return make_nccl_communicator(store, e.rank, e.world_size, e.local_rank, timeout);
       }
       case CommBackend::kGloo: {

@@ -110,6 +110,7 @@ TEST_F(LaunchEnvironmentTest, Torchrun) {
   EXPECT_EQ(e.rank, 2);
   EXPECT_EQ(e.world_size, 4);
   EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_rank_variable, "LOCAL_RANK");
   EXPECT_EQ(e.master_addr, "node7");
   EXPECT_EQ(e.master_port, 29400);
   EXPECT_TRUE(e.use_agent_store);
@@ -125,6 +126,7 @@ TEST_F(LaunchEnvironmentTest, TorchrunWithoutAgentStoreMakesRankZeroTheServer) {
   const LaunchEnvironment e = read_launch_environment();
   EXPECT_FALSE(e.use_agent_store);
   EXPECT_EQ(e.local_rank, 0);  // not given: 0
+  EXPECT_EQ(e.local_rank_variable, "");
 }
 
 TEST_F(LaunchEnvironmentTest, OpenMpiOnOneNodeNeedsNoAddress) {
@@ -438,6 +440,39 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvNccl) {
   comm->broadcast(t, 0);
   comm->barrier();
   EXPECT_EQ(comm->stats().total_bytes(), 0);
+}
+
+// NCCL in a world of more than one needs the local rank to pick the GPU; the error comes before
+// any CUDA check, so it shows on a machine without CUDA too, and before any rendezvous.
+TEST_F(LaunchEnvironmentTest, InitFromEnvNcclNeedsTheLocalRank) {
+  set({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}});
+  InitOptions options;
+  options.backend = "nccl";
+  options.timeout_seconds = 5;
+  try {
+    init_from_env(options);
+    ADD_FAILURE() << "NCCL without a local rank accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "fsdp_muon::init_from_env: NCCL (asked for by InitOptions::backend) in a world "
+                  "of 2 ranks needs this rank's local rank to choose its GPU, but none of "
+                  "LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID is set"),
+              std::string::npos)
+        << e.what();
+  }
+  SetUp();
+  set({{"OMPI_COMM_WORLD_RANK", "0"},
+       {"OMPI_COMM_WORLD_SIZE", "2"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+       {"FSDP_MUON_BACKEND", "nccl"}});
+  try {
+    init_from_env();
+    ADD_FAILURE() << "NCCL without a local rank accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NCCL (asked for by FSDP_MUON_BACKEND) in a world of 2"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
