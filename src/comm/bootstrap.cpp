@@ -15,7 +15,10 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cmath>
+#include <condition_variable>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -23,6 +26,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -214,6 +218,45 @@ std::string file_store_path(const LaunchEnvironment& e) {
   return dir + "/fsdp_muon-" + std::to_string(getuid()) + "-" + sanitize(e.job_id) + ".store";
 }
 
+// A TCPStore client that connects to a program which accepts but never answers waits for the
+// store's handshake far beyond its own timeout. The connection is therefore made on a helper
+// thread, and this rank stops waiting at the deadline; the thread is left to finish or block on
+// its own (it owns everything it touches).
+c10::intrusive_ptr<c10d::Store> connect_within(const std::string& host,
+                                               const c10d::TCPStoreOptions& opts,
+                                               std::chrono::milliseconds timeout) {
+  struct Outcome {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    c10::intrusive_ptr<c10d::Store> store;
+    std::exception_ptr error;
+  };
+  auto outcome = std::make_shared<Outcome>();
+  std::thread([outcome, host, opts] {
+    c10::intrusive_ptr<c10d::Store> store;
+    std::exception_ptr error;
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(outcome->mutex);
+    outcome->store = std::move(store);
+    outcome->error = error;
+    outcome->done = true;
+    outcome->done_cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(outcome->mutex);
+  TORCH_CHECK(outcome->done_cv.wait_for(lock, timeout, [&] { return outcome->done; }),
+              "no rendezvous store answered (nothing accepted the connection, or a program that "
+              "is not a c10d store holds the port)");
+  if (outcome->error) {
+    std::rethrow_exception(outcome->error);
+  }
+  return outcome->store;
+}
+
 c10::intrusive_ptr<c10d::Store> make_base_store(const LaunchEnvironment& e,
                                                 std::chrono::milliseconds timeout) {
   if (!e.master_addr.empty()) {
@@ -225,12 +268,18 @@ c10::intrusive_ptr<c10d::Store> make_base_store(const LaunchEnvironment& e,
     opts.timeout = timeout;
     opts.multiTenant = true;
     try {
-      return c10::make_intrusive<c10d::TCPStore>(e.master_addr, opts);
+      if (opts.isServer) {
+        // Binding and listening do not wait for anyone.
+        return c10::make_intrusive<c10d::TCPStore>(e.master_addr, opts);
+      }
+      return connect_within(e.master_addr, opts, timeout);
     } catch (const std::exception& ex) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&ex);
       TORCH_CHECK(false, "fsdp_muon::init_from_env: could not ", opts.isServer ? "serve" : "reach",
                   " the rendezvous store at MASTER_ADDR=", e.master_addr,
                   " MASTER_PORT=", e.master_port, " within ", timeout.count() / 1000.0, " s (",
-                  e.launcher, " rank ", e.rank, " of ", e.world_size, "): ", ex.what());
+                  e.launcher, " rank ", e.rank, " of ", e.world_size,
+                  "): ", c10_error ? c10_error->what_without_backtrace() : ex.what());
     }
   }
   if (e.world_size == 1) {
@@ -427,14 +476,39 @@ LaunchEnvironment read_launch_environment() {
   return read_launch_environment_for("fsdp_muon::read_launch_environment");
 }
 
-std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
-  TORCH_CHECK(options.timeout_seconds > 0,
+namespace {
+
+// Longest timeout accepted: far beyond any job, and still exact in milliseconds.
+constexpr double kMaxTimeoutSeconds = 1e9;
+
+// InitOptions::timeout_seconds, or FSDP_MUON_TIMEOUT when that is set.
+double timeout_seconds(const InitOptions& options) {
+  if (const auto text = env("FSDP_MUON_TIMEOUT")) {
+    errno = 0;
+    char* end = nullptr;
+    const double parsed = std::strtod(text->c_str(), &end);
+    TORCH_CHECK(end != text->c_str() && *end == '\0' && errno == 0 && std::isfinite(parsed) &&
+                    parsed > 0 && parsed <= kMaxTimeoutSeconds &&
+                    !std::isspace(static_cast<unsigned char>((*text)[0])),
+                "fsdp_muon::init_from_env: FSDP_MUON_TIMEOUT='", *text,
+                "' is not a timeout in seconds; give a positive number such as 30 or 2.5 (at most ",
+                kMaxTimeoutSeconds, "), or unset it to use InitOptions::timeout_seconds");
+    return parsed;
+  }
+  TORCH_CHECK(std::isfinite(options.timeout_seconds) && options.timeout_seconds > 0 &&
+                  options.timeout_seconds <= kMaxTimeoutSeconds,
               "fsdp_muon::init_from_env: InitOptions::timeout_seconds=", options.timeout_seconds,
-              " must be positive");
+              " must be positive and finite (at most ", kMaxTimeoutSeconds, " s)");
+  return options.timeout_seconds;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
+  const double seconds = timeout_seconds(options);
   const LaunchEnvironment e = read_launch_environment_for("fsdp_muon::init_from_env");
   const CommBackend backend = choose_backend(options, e);
-  const auto timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000.0));
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
 
   // Each communicator gets its own key space, numbered in call order (the same on every rank).
   static std::atomic<int> instances{0};
@@ -473,7 +547,7 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
   } catch (const c10::Error& ex) {
     TORCH_CHECK(false, "fsdp_muon::init_from_env: setting up ", to_string(backend), " for ",
                 e.launcher, " rank ", e.rank, " of ", e.world_size, " failed (are all ",
-                e.world_size, " processes started and reachable within ", options.timeout_seconds,
+                e.world_size, " processes started and reachable within ", seconds,
                 " s?): ", ex.what_without_backtrace());
   }
 }

@@ -2,6 +2,7 @@
 // set and unset in-process: every launcher, the nestings that are legitimate, and every error.
 
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -46,7 +47,9 @@ const char* const kVariables[] = {"RANK",
                                   "MPI_LOCALRANKID",
                                   "MPI_LOCALNRANKS",
                                   "FSDP_MUON_BACKEND",
-                                  "FSDP_MUON_STORE_DIR"};
+                                  "FSDP_MUON_STORE_DIR",
+                                  "FSDP_MUON_TIMEOUT",
+                                  "TORCHELASTIC_RESTART_COUNT"};
 
 // Clears every variable the bootstrap reads, and restores the process's own afterwards (this
 // test may itself run under a launcher).
@@ -472,6 +475,44 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvNcclNeedsTheLocalRank) {
     EXPECT_NE(std::string(e.what()).find("NCCL (asked for by FSDP_MUON_BACKEND) in a world of 2"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// FSDP_MUON_TIMEOUT replaces InitOptions::timeout_seconds when set; anything but a positive,
+// finite number of seconds is an error naming it, and so is such an option.
+TEST_F(LaunchEnvironmentTest, InitFromEnvTimeout) {
+  InitOptions options;
+  options.backend = "gloo";
+  for (const char* bad : {"0", "-1", "inf", "nan", "3s", " 3", "1e10", "soon"}) {
+    set({{"FSDP_MUON_TIMEOUT", bad}});
+    try {
+      init_from_env(options);
+      ADD_FAILURE() << "FSDP_MUON_TIMEOUT=" << bad << " accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("fsdp_muon::init_from_env: FSDP_MUON_TIMEOUT='" +
+                                           std::string(bad) + "' is not a timeout in seconds"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  set({{"FSDP_MUON_TIMEOUT", "2.5"}});
+  options.timeout_seconds = -1;  // replaced by the variable
+  EXPECT_EQ(init_from_env(options)->size(), 1);
+  unsetenv("FSDP_MUON_TIMEOUT");
+  for (const double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN()}) {
+    options.timeout_seconds = bad;
+    try {
+      init_from_env(options);
+      ADD_FAILURE() << "timeout_seconds=" << bad << " accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(
+          std::string(e.what()).find("fsdp_muon::init_from_env: InitOptions::timeout_seconds="),
+          std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("must be positive and finite"), std::string::npos)
+          << e.what();
+    }
   }
 }
 

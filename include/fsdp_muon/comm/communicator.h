@@ -122,7 +122,11 @@ struct InitOptions {
   // FSDP_MUON_BACKEND, when set, chooses instead. init_from_env() parses it once and rejects any
   // other name.
   std::string backend = "auto";
-  // Rendezvous and collective timeout.
+  // Bounds every blocking step of init_from_env() (reaching or serving the rendezvous store,
+  // waiting for the other ranks, setting up the backend) and every collective of the
+  // communicator it returns. The environment variable FSDP_MUON_TIMEOUT (seconds, a positive
+  // number such as 30 or 2.5), when set, replaces this value; init_from_env() rejects any other
+  // value of it, and a timeout that is not positive and finite.
   double timeout_seconds = 300.0;
 };
 
