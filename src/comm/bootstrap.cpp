@@ -427,7 +427,7 @@ void agree_on_job(c10d::Store& store, const LaunchEnvironment& e, std::chrono::m
             missing += (missing.empty() ? "" : ", ") + std::to_string(r);
           }
         }
-        TORCH_CHECK(false, waiting, "ranks ", missing, " did not reach the rendezvous store ",
+        TORCH_CHECK(false, waiting, "rank(s) ", missing, " did not reach the rendezvous store ",
                     place, " within ", timeout.count() / 1000.0, " s");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));

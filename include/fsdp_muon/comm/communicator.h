@@ -137,7 +137,11 @@ struct InitOptions {
 // cuda:<local rank> this process's current CUDA device, so tensors created with kCUDA land on the
 // rank's own GPU; in a world of more than one rank NCCL then needs the local rank from the
 // launcher (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or MPI_LOCALRANKID) and is an
-// error without it, rather than every rank sharing device 0. Every call makes a new communicator (its own store prefix), so all ranks must call it equally often.
+// error without it, rather than every rank sharing device 0. Rank 0 records its job (the
+// launcher's job id and its world size) in the store and every other rank checks it before it
+// joins, so ranks of two jobs on one MASTER_PORT, or ranks that disagree on the world size,
+// refuse each other with an error on each side. Every call makes a new communicator (its own
+// store prefix), so all ranks must call it equally often.
 std::shared_ptr<Communicator> init_from_env(const InitOptions& options = {});
 
 }  // namespace fsdp_muon
