@@ -75,6 +75,9 @@ const char* kUsage =
   --resume DIR             continue from the newest checkpoint under DIR (any world size)
   --stop-at N              stop after step N (the schedule still spans --steps), e.g. to
                            checkpoint and --resume later
+  --timeout S              seconds the rendezvous and every collective may wait for the other
+                           ranks (default 300; the environment's FSDP_MUON_TIMEOUT, when set,
+                           wins)
 )";
 
 struct Flags {
@@ -101,6 +104,7 @@ struct Flags {
   std::string checkpoint;
   std::string resume;
   int64_t stop_at = 0;
+  double timeout = fsdp_muon::InitOptions{}.timeout_seconds;
 };
 
 Flags parse_flags(int argc, char** argv) {
@@ -163,6 +167,7 @@ Flags parse_flags(int argc, char** argv) {
   take_string("checkpoint", f.checkpoint);
   take_string("resume", f.resume);
   take("stop-at", f.stop_at);
+  take("timeout", f.timeout);
   TORCH_CHECK(kv.empty(), "char_gpt: unknown option --", kv.begin()->first, "\n", kUsage);
   TORCH_CHECK(f.optimizer == "muon" || f.optimizer == "adamw", "char_gpt: --optimizer must be ",
               "muon or adamw, got '", f.optimizer, "'");
@@ -459,7 +464,9 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
 int run(int argc, char** argv) {
   const Flags flags = parse_flags(argc, argv);
   if (flags.threads > 0) at::set_num_threads(flags.threads);
-  const auto comm = fsdp_muon::init_from_env();
+  fsdp_muon::InitOptions init;
+  init.timeout_seconds = flags.timeout;
+  const auto comm = fsdp_muon::init_from_env(init);
   const bool rank0 = comm->rank() == 0;
 
   const Corpus corpus = load_corpus(flags.data, flags.val_fraction);

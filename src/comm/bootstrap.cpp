@@ -15,16 +15,22 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cmath>
+#include <condition_variable>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/cuda.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -135,7 +141,9 @@ std::string parent_process_key() {
   return "ppid" + std::to_string(parent) + "-" + start;
 }
 
-std::string job_id_for(const std::string& launcher) {
+// The job id the launcher gives its ranks (the same on every rank of one job, different for
+// another job), or nullopt when it gives none.
+std::optional<std::string> launcher_job_id(const std::string& launcher) {
   std::optional<std::string> id;
   if (launcher == "torchrun") {
     id = env("TORCHELASTIC_RUN_ID");
@@ -153,6 +161,11 @@ std::string job_id_for(const std::string& launcher) {
   } else if (launcher == "pmi") {
     id = env("PMIX_NAMESPACE");
   }
+  return id;
+}
+
+std::string job_id_for(const std::string& launcher) {
+  const auto id = launcher_job_id(launcher);
   return launcher + "-" + (id ? *id : parent_process_key());
 }
 
@@ -213,6 +226,45 @@ std::string file_store_path(const LaunchEnvironment& e) {
   return dir + "/fsdp_muon-" + std::to_string(getuid()) + "-" + sanitize(e.job_id) + ".store";
 }
 
+// A TCPStore client that connects to a program which accepts but never answers waits for the
+// store's handshake far beyond its own timeout. The connection is therefore made on a helper
+// thread, and this rank stops waiting at the deadline; the thread is left to finish or block on
+// its own (it owns everything it touches).
+c10::intrusive_ptr<c10d::Store> connect_within(const std::string& host,
+                                               const c10d::TCPStoreOptions& opts,
+                                               std::chrono::milliseconds timeout) {
+  struct Outcome {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    c10::intrusive_ptr<c10d::Store> store;
+    std::exception_ptr error;
+  };
+  auto outcome = std::make_shared<Outcome>();
+  std::thread([outcome, host, opts] {
+    c10::intrusive_ptr<c10d::Store> store;
+    std::exception_ptr error;
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(outcome->mutex);
+    outcome->store = std::move(store);
+    outcome->error = error;
+    outcome->done = true;
+    outcome->done_cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(outcome->mutex);
+  TORCH_CHECK(outcome->done_cv.wait_for(lock, timeout, [&] { return outcome->done; }),
+              "no rendezvous store answered (nothing accepted the connection, or a program that "
+              "is not a c10d store holds the port)");
+  if (outcome->error) {
+    std::rethrow_exception(outcome->error);
+  }
+  return outcome->store;
+}
+
 c10::intrusive_ptr<c10d::Store> make_base_store(const LaunchEnvironment& e,
                                                 std::chrono::milliseconds timeout) {
   if (!e.master_addr.empty()) {
@@ -224,12 +276,18 @@ c10::intrusive_ptr<c10d::Store> make_base_store(const LaunchEnvironment& e,
     opts.timeout = timeout;
     opts.multiTenant = true;
     try {
-      return c10::make_intrusive<c10d::TCPStore>(e.master_addr, opts);
+      if (opts.isServer) {
+        // Binding and listening do not wait for anyone.
+        return c10::make_intrusive<c10d::TCPStore>(e.master_addr, opts);
+      }
+      return connect_within(e.master_addr, opts, timeout);
     } catch (const std::exception& ex) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&ex);
       TORCH_CHECK(false, "fsdp_muon::init_from_env: could not ", opts.isServer ? "serve" : "reach",
                   " the rendezvous store at MASTER_ADDR=", e.master_addr,
                   " MASTER_PORT=", e.master_port, " within ", timeout.count() / 1000.0, " s (",
-                  e.launcher, " rank ", e.rank, " of ", e.world_size, "): ", ex.what());
+                  e.launcher, " rank ", e.rank, " of ", e.world_size,
+                  "): ", c10_error ? c10_error->what_without_backtrace() : ex.what());
     }
   }
   if (e.world_size == 1) {
@@ -257,6 +315,173 @@ c10::intrusive_ptr<c10d::Store> base_store(const LaunchEnvironment& e,
   return it->second;
 }
 
+// ---- job identity (docs/DESIGN.md §5, Launch) ----
+// Two jobs pointed at one MASTER_PORT would otherwise merge: a rank of one joins the other's
+// store and both train on garbage. Rank 0 writes a record of its job; every other rank compares
+// it with its own view before claiming its rank, and reports a mismatch back, so both sides stop
+// with an error instead of merging or hanging.
+
+// The variable that holds the world size for this launcher, for messages.
+const char* world_size_variable(const std::string& launcher) {
+  if (launcher == "mpirun") return "OMPI_COMM_WORLD_SIZE";
+  if (launcher == "srun") return "SLURM_NTASKS";
+  if (launcher == "pmi") return "PMI_SIZE";
+  return "WORLD_SIZE";
+}
+
+std::string host_name() {
+  char name[256] = {};
+  return ::gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("?");
+}
+
+// What a rank says about itself: the same fields for rank 0's record and for a refusal.
+struct JobRecord {
+  std::string token;   // random per process: tells this process's writes from anyone else's
+  int world_size = 0;  // this rank's view of the world size
+  std::string job;     // "<launcher>-<launcher's job id>", or "" when the launcher gives none
+  std::string who;     // "<launcher> rank R on host H (pid P)"
+  std::string reason;  // in a refusal: why this rank refused the job
+
+  std::string encode() const {
+    return token + "\n" + std::to_string(world_size) + "\n" + job + "\n" + who + "\n" + reason;
+  }
+  static JobRecord decode(const std::vector<uint8_t>& bytes) {
+    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    JobRecord r;
+    std::string size;
+    std::getline(in, r.token);
+    std::getline(in, size);
+    std::getline(in, r.job);
+    std::getline(in, r.who);
+    std::getline(in, r.reason);
+    r.world_size = std::atoi(size.c_str());
+    return r;
+  }
+  std::string describe(const std::string& launcher) const {
+    return who + ", " + world_size_variable(launcher) + "=" + std::to_string(world_size) + ", " +
+           (job.empty() ? std::string("no launcher job id") : "job '" + job + "'");
+  }
+};
+
+JobRecord own_record(const LaunchEnvironment& e) {
+  std::random_device device;
+  std::ostringstream token;
+  token << std::hex << device() << device() << device() << device();
+  JobRecord r;
+  r.token = token.str();
+  r.world_size = e.world_size;
+  if (const auto id = launcher_job_id(e.launcher)) r.job = e.launcher + "-" + *id;
+  r.who = e.launcher + " rank " + std::to_string(e.rank) + " on host " + host_name() + " (pid " +
+          std::to_string(::getpid()) + ")";
+  return r;
+}
+
+std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+
+std::string store_place(const LaunchEnvironment& e) {
+  if (!e.master_addr.empty()) {
+    return "at MASTER_ADDR=" + e.master_addr + " MASTER_PORT=" + std::to_string(e.master_port);
+  }
+  return e.world_size == 1 ? "in this process" : "in " + file_store_path(e);
+}
+
+// Every rank calls this once per communicator, before the backend's own rendezvous. `waiting`
+// starts the message of a timeout, which means some rank never came.
+void agree_on_job(c10d::Store& store, const LaunchEnvironment& e, std::chrono::milliseconds timeout,
+                  const std::string& waiting) {
+  const std::string api = "fsdp_muon::init_from_env: ";
+  const JobRecord mine = own_record(e);
+  const std::string place = store_place(e);
+  const std::string fix =
+      "; give every job its own MASTER_PORT (and every rank the same "
+      "launcher variables)";
+  if (e.rank == 0) {
+    const std::string record = mine.encode();
+    const auto held = store.compareSet("job", {}, bytes_of(record));
+    if (held != bytes_of(record)) {
+      const JobRecord other = JobRecord::decode(held);
+      store.set("verdict",
+                bytes_of("another rank 0 (" + mine.describe(e.launcher) + ") uses this store too"));
+      TORCH_CHECK(false, api, "the rendezvous store ", place,
+                  " already belongs to another job: ", "its rank 0 is ", other.describe(e.launcher),
+                  "; this rank is ", mine.describe(e.launcher), fix);
+    }
+    std::vector<std::string> joined;
+    for (int r = 1; r < e.world_size; ++r) joined.push_back("joined/" + std::to_string(r));
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (store.check({"refused/1"})) {
+        const JobRecord other = JobRecord::decode(store.get("refused/1"));
+        const std::string error = "a process reached this job's rendezvous store " + place +
+                                  " and refused to join: " + other.describe(e.launcher) +
+                                  " (it said: " + other.reason + "); this job's rank 0 is " +
+                                  mine.describe(e.launcher);
+        store.set("verdict", bytes_of(error));
+        TORCH_CHECK(false, api, error, fix);
+      }
+      if (joined.empty() || store.check(joined)) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string missing;
+        for (int r = 1; r < e.world_size; ++r) {
+          if (!store.check({joined[r - 1]})) {
+            missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+          }
+        }
+        TORCH_CHECK(false, waiting, "rank(s) ", missing, " did not reach the rendezvous store ",
+                    place, " within ", timeout.count() / 1000.0, " s");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    store.set("verdict", bytes_of("ok"));
+    return;
+  }
+
+  std::vector<uint8_t> held;
+  try {
+    held = store.get("job");
+  } catch (const c10::Error& ex) {
+    TORCH_CHECK(false, waiting, "rank 0 did not describe its job in the rendezvous store ", place,
+                " within ", timeout.count() / 1000.0, " s: ", ex.what_without_backtrace());
+  }
+  const JobRecord zero = JobRecord::decode(held);
+  std::string error;
+  if (!zero.job.empty() && !mine.job.empty() && zero.job != mine.job) {
+    error = "the rendezvous store " + place + " belongs to another job: its rank 0 is " +
+            zero.describe(e.launcher) + "; this rank is " + mine.describe(e.launcher);
+  } else if (zero.world_size != e.world_size) {
+    error = std::string("the ranks disagree on the world size: this rank has ") +
+            world_size_variable(e.launcher) + "=" + std::to_string(e.world_size) +
+            " but rank 0 has " + world_size_variable(e.launcher) + "=" +
+            std::to_string(zero.world_size) + " (this rank is " + mine.describe(e.launcher) +
+            "; rank 0 is " + zero.describe(e.launcher) + ")";
+  } else {
+    const std::string key = "joined/" + std::to_string(e.rank);
+    const auto claimed = store.compareSet(key, {}, bytes_of(mine.encode()));
+    if (claimed != bytes_of(mine.encode())) {
+      error = "rank " + std::to_string(e.rank) + " of this job has already joined the " +
+              "rendezvous store " + place + " (as " + JobRecord::decode(claimed).who +
+              "): two processes have the same rank, or a rank of another job shares the port";
+    }
+  }
+  if (!error.empty()) {
+    // Rank 0 learns of the first refusal and reports it too.
+    JobRecord refusal = mine;
+    refusal.reason = error;
+    const int64_t n = store.add("refusals", 1);
+    store.set("refused/" + std::to_string(n), bytes_of(refusal.encode()));
+    TORCH_CHECK(false, api, error, fix);
+  }
+  std::vector<uint8_t> verdict;
+  try {
+    verdict = store.get("verdict");
+  } catch (const c10::Error& ex) {
+    TORCH_CHECK(false, waiting, "rank 0 did not confirm the job in the rendezvous store ", place,
+                " within ", timeout.count() / 1000.0, " s: ", ex.what_without_backtrace());
+  }
+  const std::string text(verdict.begin(), verdict.end());
+  TORCH_CHECK(text == "ok", api, "rank 0 refused the job: ", text);
+}
+
 struct BackendName {
   CommBackend backend;
   const char* name;
@@ -278,8 +503,20 @@ std::string backend_names() {
   return names;
 }
 
+// NCCL drives cuda:<local rank>. Without the local rank every rank of a node would share device
+// 0 (and NCCL fails, or worse, runs slowly); checked before CUDA itself so the launch mistake is
+// reported as such on any machine.
+void check_local_rank_for_nccl(const LaunchEnvironment& e, const std::string& why) {
+  TORCH_CHECK(e.world_size == 1 || !e.local_rank_variable.empty(),
+              "fsdp_muon::init_from_env: NCCL (", why, ") in a world of ", e.world_size,
+              " ranks needs this rank's local rank to choose its GPU, but none of LOCAL_RANK, ",
+              "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID is set (", e.launcher,
+              " rank ", e.rank, "); export LOCAL_RANK=<index of this process on its node>, or ",
+              "start the job with torchrun, mpirun or srun, which set it");
+}
+
 // The backend to set up: never kAuto.
-CommBackend choose_backend(const InitOptions& options) {
+CommBackend choose_backend(const InitOptions& options, const LaunchEnvironment& e) {
   std::string name = options.backend;
   const char* source = "InitOptions::backend";
   if (name == to_string(CommBackend::kAuto)) {
@@ -295,6 +532,11 @@ CommBackend choose_backend(const InitOptions& options) {
   CommBackend backend = *parsed;
   if (backend == CommBackend::kAuto) {
     backend = cuda ? CommBackend::kNccl : CommBackend::kGloo;
+    if (backend == CommBackend::kNccl) {
+      check_local_rank_for_nccl(e, "chosen by backend auto: CUDA is available");
+    }
+  } else if (backend == CommBackend::kNccl) {
+    check_local_rank_for_nccl(e, std::string("asked for by ") + source);
   }
   switch (backend) {
     case CommBackend::kNccl:
@@ -374,6 +616,7 @@ LaunchEnvironment read_launch_environment_for(const char* api) {
     for (const auto& a : active) {
       if (a.local_rank) {
         e.local_rank = *a.local_rank;
+        e.local_rank_variable = a.local_var;
         break;
       }
     }
@@ -408,20 +651,54 @@ LaunchEnvironment read_launch_environment() {
   return read_launch_environment_for("fsdp_muon::read_launch_environment");
 }
 
-std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
-  TORCH_CHECK(options.timeout_seconds > 0,
+namespace {
+
+// Longest timeout accepted: far beyond any job, and still exact in milliseconds.
+constexpr double kMaxTimeoutSeconds = 1e9;
+
+// InitOptions::timeout_seconds, or FSDP_MUON_TIMEOUT when that is set.
+double timeout_seconds(const InitOptions& options) {
+  if (const auto text = env("FSDP_MUON_TIMEOUT")) {
+    errno = 0;
+    char* end = nullptr;
+    const double parsed = std::strtod(text->c_str(), &end);
+    TORCH_CHECK(end != text->c_str() && *end == '\0' && errno == 0 && std::isfinite(parsed) &&
+                    parsed > 0 && parsed <= kMaxTimeoutSeconds &&
+                    !std::isspace(static_cast<unsigned char>((*text)[0])),
+                "fsdp_muon::init_from_env: FSDP_MUON_TIMEOUT='", *text,
+                "' is not a timeout in seconds; give a positive number such as 30 or 2.5 (at most ",
+                kMaxTimeoutSeconds, "), or unset it to use InitOptions::timeout_seconds");
+    return parsed;
+  }
+  TORCH_CHECK(std::isfinite(options.timeout_seconds) && options.timeout_seconds > 0 &&
+                  options.timeout_seconds <= kMaxTimeoutSeconds,
               "fsdp_muon::init_from_env: InitOptions::timeout_seconds=", options.timeout_seconds,
-              " must be positive");
+              " must be positive and finite (at most ", kMaxTimeoutSeconds, " s)");
+  return options.timeout_seconds;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
+  const double seconds = timeout_seconds(options);
   const LaunchEnvironment e = read_launch_environment_for("fsdp_muon::init_from_env");
-  const CommBackend backend = choose_backend(options);
-  const auto timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000.0));
+  const CommBackend backend = choose_backend(options, e);
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
 
   // Each communicator gets its own key space, numbered in call order (the same on every rank).
   static std::atomic<int> instances{0};
   const int instance = instances++;
+  // torchrun restarts its workers against the same agent store: each attempt gets fresh keys.
+  const std::string attempt =
+      e.launcher == "torchrun" ? env("TORCHELASTIC_RESTART_COUNT").value_or("0") : "0";
   auto store = c10::make_intrusive<c10d::PrefixStore>(
-      "fsdp_muon/communicator_" + std::to_string(instance), base_store(e, timeout));
+      "fsdp_muon/attempt_" + attempt + "/communicator_" + std::to_string(instance),
+      base_store(e, timeout));
+  std::ostringstream waiting;
+  waiting << "fsdp_muon::init_from_env: setting up " << to_string(backend) << " for " << e.launcher
+          << " rank " << e.rank << " of " << e.world_size << " failed (are all " << e.world_size
+          << " processes started and reachable within " << seconds << " s?): ";
+  agree_on_job(*store, e, timeout, waiting.str());
 
   try {
     switch (backend) {
@@ -431,6 +708,12 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
                     " has no CUDA device (", devices,
                     " visible); start at most one process per GPU on each node or check "
                     "CUDA_VISIBLE_DEVICES");
+        // The rank's own GPU becomes the current device, so user code that says kCUDA (and
+        // LibTorch's default stream) lands there, not on device 0. The guard interface needs
+        // no CUDA headers.
+        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+            ->setDevice(
+                c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(e.local_rank)));
         return make_nccl_communicator(store, e.rank, e.world_size, e.local_rank, timeout);
       }
       case CommBackend::kGloo: {
@@ -448,7 +731,7 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
   } catch (const c10::Error& ex) {
     TORCH_CHECK(false, "fsdp_muon::init_from_env: setting up ", to_string(backend), " for ",
                 e.launcher, " rank ", e.rank, " of ", e.world_size, " failed (are all ",
-                e.world_size, " processes started and reachable within ", options.timeout_seconds,
+                e.world_size, " processes started and reachable within ", seconds,
                 " s?): ", ex.what_without_backtrace());
   }
 }

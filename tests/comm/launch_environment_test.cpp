@@ -2,6 +2,7 @@
 // set and unset in-process: every launcher, the nestings that are legitimate, and every error.
 
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -46,7 +47,9 @@ const char* const kVariables[] = {"RANK",
                                   "MPI_LOCALRANKID",
                                   "MPI_LOCALNRANKS",
                                   "FSDP_MUON_BACKEND",
-                                  "FSDP_MUON_STORE_DIR"};
+                                  "FSDP_MUON_STORE_DIR",
+                                  "FSDP_MUON_TIMEOUT",
+                                  "TORCHELASTIC_RESTART_COUNT"};
 
 // Clears every variable the bootstrap reads, and restores the process's own afterwards (this
 // test may itself run under a launcher).
@@ -110,6 +113,7 @@ TEST_F(LaunchEnvironmentTest, Torchrun) {
   EXPECT_EQ(e.rank, 2);
   EXPECT_EQ(e.world_size, 4);
   EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_rank_variable, "LOCAL_RANK");
   EXPECT_EQ(e.master_addr, "node7");
   EXPECT_EQ(e.master_port, 29400);
   EXPECT_TRUE(e.use_agent_store);
@@ -125,6 +129,7 @@ TEST_F(LaunchEnvironmentTest, TorchrunWithoutAgentStoreMakesRankZeroTheServer) {
   const LaunchEnvironment e = read_launch_environment();
   EXPECT_FALSE(e.use_agent_store);
   EXPECT_EQ(e.local_rank, 0);  // not given: 0
+  EXPECT_EQ(e.local_rank_variable, "");
 }
 
 TEST_F(LaunchEnvironmentTest, OpenMpiOnOneNodeNeedsNoAddress) {
@@ -438,6 +443,77 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvNccl) {
   comm->broadcast(t, 0);
   comm->barrier();
   EXPECT_EQ(comm->stats().total_bytes(), 0);
+}
+
+// NCCL in a world of more than one needs the local rank to pick the GPU; the error comes before
+// any CUDA check, so it shows on a machine without CUDA too, and before any rendezvous.
+TEST_F(LaunchEnvironmentTest, InitFromEnvNcclNeedsTheLocalRank) {
+  set({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}});
+  InitOptions options;
+  options.backend = "nccl";
+  options.timeout_seconds = 5;
+  try {
+    init_from_env(options);
+    ADD_FAILURE() << "NCCL without a local rank accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "fsdp_muon::init_from_env: NCCL (asked for by InitOptions::backend) in a world "
+                  "of 2 ranks needs this rank's local rank to choose its GPU, but none of "
+                  "LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID is set"),
+              std::string::npos)
+        << e.what();
+  }
+  SetUp();
+  set({{"OMPI_COMM_WORLD_RANK", "0"},
+       {"OMPI_COMM_WORLD_SIZE", "2"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+       {"FSDP_MUON_BACKEND", "nccl"}});
+  try {
+    init_from_env();
+    ADD_FAILURE() << "NCCL without a local rank accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NCCL (asked for by FSDP_MUON_BACKEND) in a world of 2"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// FSDP_MUON_TIMEOUT replaces InitOptions::timeout_seconds when set; anything but a positive,
+// finite number of seconds is an error naming it, and so is such an option.
+TEST_F(LaunchEnvironmentTest, InitFromEnvTimeout) {
+  InitOptions options;
+  options.backend = "gloo";
+  for (const char* bad : {"0", "-1", "inf", "nan", "3s", " 3", "1e10", "soon"}) {
+    set({{"FSDP_MUON_TIMEOUT", bad}});
+    try {
+      init_from_env(options);
+      ADD_FAILURE() << "FSDP_MUON_TIMEOUT=" << bad << " accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("fsdp_muon::init_from_env: FSDP_MUON_TIMEOUT='" +
+                                           std::string(bad) + "' is not a timeout in seconds"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  set({{"FSDP_MUON_TIMEOUT", "2.5"}});
+  options.timeout_seconds = -1;  // replaced by the variable
+  EXPECT_EQ(init_from_env(options)->size(), 1);
+  unsetenv("FSDP_MUON_TIMEOUT");
+  for (const double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN()}) {
+    options.timeout_seconds = bad;
+    try {
+      init_from_env(options);
+      ADD_FAILURE() << "timeout_seconds=" << bad << " accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(
+          std::string(e.what()).find("fsdp_muon::init_from_env: InitOptions::timeout_seconds="),
+          std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("must be positive and finite"), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 }  // namespace

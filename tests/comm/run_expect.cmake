@@ -1,9 +1,12 @@
 # Runs a command and checks both its exit code and its output, which CTest alone cannot do
 # (PASS_REGULAR_EXPRESSION ignores the exit code, WILL_FAIL ignores the text).
-#   cmake -DEXPECT_EXIT=nonzero|zero -DEXPECT_REGEX=<regex> [-DPYTHON=<python>]
-#         [-DSCRATCH=<dir>] -P run_expect.cmake -- <command> <args...>
-# In the arguments, @FREE_PORT@ becomes a TCP port that was free a moment ago and @SCRATCH@ an
-# emptied directory (removed afterwards).
+#   cmake -DEXPECT_EXIT=nonzero|zero -DEXPECT_REGEX=<regex> [-DEXPECT_REGEX_ALSO_1=<regex> ...]
+#         [-DPYTHON=<python>] [-DSCRATCH=<dir>] -P run_expect.cmake -- <command> <args...>
+# In the arguments, @FREE_PORT@ becomes a TCP port that was free a moment ago, @SCRATCH@ an
+# emptied directory (removed afterwards), and @SILENT_PORT@ the port of a listener on 127.0.0.1
+# that accepts connections and never answers (launch_helper.py silent-listener runs the command).
+# The output must match EXPECT_REGEX and every EXPECT_REGEX_ALSO_<i> given (i = 1, 2, ...), in
+# any order.
 cmake_policy(VERSION 3.25)
 set(cmd "")
 set(seen_separator FALSE)
@@ -31,6 +34,10 @@ if(NOT has_port EQUAL -1)
   endif()
   string(REPLACE "@FREE_PORT@" "${port}" cmd "${cmd}")
 endif()
+string(FIND "${cmd}" "@SILENT_PORT@" has_silent)
+if(NOT has_silent EQUAL -1)
+  list(PREPEND cmd "${PYTHON}" "${CMAKE_CURRENT_LIST_DIR}/launch_helper.py" silent-listener)
+endif()
 string(FIND "${cmd}" "@SCRATCH@" has_scratch)
 if(NOT has_scratch EQUAL -1)
   file(REMOVE_RECURSE "${SCRATCH}")
@@ -52,3 +59,10 @@ endif()
 if(NOT "${out}${err}" MATCHES "${EXPECT_REGEX}")
   message(FATAL_ERROR "output does not match: ${EXPECT_REGEX}")
 endif()
+set(i 1)
+while(DEFINED EXPECT_REGEX_ALSO_${i})
+  if(NOT "${out}${err}" MATCHES "${EXPECT_REGEX_ALSO_${i}}")
+    message(FATAL_ERROR "output does not match: ${EXPECT_REGEX_ALSO_${i}}")
+  endif()
+  math(EXPR i "${i} + 1")
+endwhile()

@@ -27,6 +27,9 @@ int main(int argc, char** argv) {
     fsdp_muon::InitOptions options;
     // A rank that fails should bring the others down in a minute, not at CTest's timeout.
     options.timeout_seconds = 60;
+    // The tests build CPU tensors: on a CUDA machine "auto" would pick NCCL, which moves only
+    // CUDA tensors. Ask for Gloo by name so the suites pass on GPU machines too.
+    options.backend = fsdp_muon::to_string(fsdp_muon::CommBackend::kGloo);
     fsdp_muon::testing::slot() = fsdp_muon::init_from_env(options);
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "init_from_env failed: %s\n", e.what_without_backtrace());

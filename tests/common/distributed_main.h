@@ -1,6 +1,7 @@
 #pragma once
-// Shared main() for distributed GoogleTest executables: one intra-op thread, one communicator
-// from init_from_env() (whatever launcher started us), torn down after the tests. Link
+// Shared main() for distributed GoogleTest executables: one intra-op thread, one Gloo
+// communicator from init_from_env() (whatever launcher started us; Gloo even where CUDA is
+// available, because the tests build CPU tensors), torn down after the tests. Link
 // distributed_main.cpp into the executable and call fsdp_muon::testing::world().
 
 #include <memory>

@@ -306,5 +306,106 @@ TEST(FsdpDistributed, MixedPrecisionAveragesInTheChosenDtype) {
   }
 }
 
+// ---- construction agrees across ranks (docs/DESIGN.md §2: the same group on every rank) ----
+
+// The message construction threw on this rank ("" when it did not throw).
+std::string construction_error(Named params, FsdpParameterGroupOptions options = {}) {
+  try {
+    auto group = std::make_shared<FsdpParameterGroup>(std::move(params), world_ptr(), options);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+Named two_parameters() { return {{"a", torch::ones({4, 3})}, {"b", torch::ones({5})}}; }
+
+// After a refused group the communicator still works on every rank: nobody aborted or left a
+// collective half done.
+void expect_world_still_works() {
+  at::Tensor t = torch::ones({3});
+  world().all_reduce(t);
+  EXPECT_TRUE(torch::equal(t, torch::full({3}, world().size(), torch::kFloat)));
+}
+
+TEST(FsdpDistributed, AnExtraParameterOnOneRankIsAnErrorOnEveryRank) {
+  const int W = world().size();
+  if (W == 1) GTEST_SKIP() << "needs two ranks";
+  Named params = two_parameters();
+  if (world().rank() == W - 1) params.emplace_back("extra", torch::ones({2, 2}));
+  const std::string error = construction_error(params, FsdpParameterGroupOptions().name("blk"));
+  const std::string last = std::to_string(W - 1);
+  EXPECT_NE(error.find("fsdp_muon::FsdpParameterGroup: group 'blk': the ranks built different "
+                       "groups (rank " +
+                       last + " differs from rank 0; this is rank " +
+                       std::to_string(world().rank()) + " of " + std::to_string(W) +
+                       "); first difference, parameter #2: rank 0 has no parameter, rank " + last +
+                       " has 'extra' [2, 2] Float (rank 0 has 2 parameters, rank " + last + " 3)"),
+            std::string::npos)
+      << error;
+  expect_world_still_works();
+}
+
+TEST(FsdpDistributed, ADifferentOrderOnOneRankIsAnErrorOnEveryRank) {
+  const int W = world().size();
+  if (W == 1) GTEST_SKIP() << "needs two ranks";
+  Named params = two_parameters();
+  if (world().rank() == 1) std::swap(params[0], params[1]);
+  const std::string error = construction_error(params);
+  EXPECT_NE(error.find("fsdp_muon::FsdpParameterGroup: the ranks built different groups (rank 1 "
+                       "differs from rank 0; "),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("first difference, parameter #0: rank 0 has 'a' [4, 3] Float, rank 1 has "
+                       "'b' [5] Float"),
+            std::string::npos)
+      << error;
+  expect_world_still_works();
+}
+
+TEST(FsdpDistributed, ADifferentShapeOrOptionOnSomeRanksIsAnErrorOnEveryRank) {
+  const int W = world().size();
+  if (W == 1) GTEST_SKIP() << "needs two ranks";
+  Named params = two_parameters();
+  if (world().rank() >= 1) params[1].second = torch::ones({6});
+  std::string error = construction_error(params);
+  std::string ranks;
+  for (int r = 1; r < W; ++r) ranks += (r > 1 ? ", " : "") + std::to_string(r);
+  EXPECT_NE(
+      error.find(std::string("the ranks built different groups (rank") + (W > 2 ? "s " : " ") +
+                 ranks + (W > 2 ? " differ" : " differs") + " from rank 0"),
+      std::string::npos)
+      << error;
+  EXPECT_NE(error.find("parameter #1: rank 0 has 'b' [5] Float, rank 1 has 'b' [6] Float"),
+            std::string::npos)
+      << error;
+  // An option, not a parameter, differs.
+  error = construction_error(
+      two_parameters(), FsdpParameterGroupOptions().alignment_bytes(world().rank() == 1 ? 4 : 16));
+  EXPECT_NE(error.find("first difference, rank 0 has options: name '', compute_dtype default, "
+                       "main_dtype Float, reduce_dtype default, alignment_bytes 16, "
+                       "broadcast_from_rank0 true; rank 1 has options: name '', compute_dtype "
+                       "default, main_dtype Float, reduce_dtype default, alignment_bytes 4"),
+            std::string::npos)
+      << error;
+  expect_world_still_works();
+}
+
+// A parameter only one rank rejects (here an integer tensor) fails every rank, naming it,
+// instead of leaving the others in the broadcast until the timeout.
+TEST(FsdpDistributed, AParameterOneRankRejectsIsAnErrorOnEveryRank) {
+  const int W = world().size();
+  if (W == 1) GTEST_SKIP() << "needs two ranks";
+  Named params = two_parameters();
+  if (world().rank() == 1) params[1].second = torch::ones({5}, torch::kLong);
+  const std::string error = construction_error(params);
+  EXPECT_NE(error.find("first difference, rank 1 could not build its group: "
+                       "fsdp_muon::FsdpParameterGroup: parameter 'b' has dtype Long; only "
+                       "floating-point parameters can be sharded"),
+            std::string::npos)
+      << error;
+  expect_world_still_works();
+}
+
 }  // namespace
 }  // namespace fsdp_muon

@@ -101,6 +101,9 @@ struct LaunchEnvironment {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  // The variable local_rank came from (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or
+  // MPI_LOCALRANKID); empty when the launcher gave none, and local_rank is then 0.
+  std::string local_rank_variable;
   std::string master_addr;  // empty when the launcher gives none
   int master_port = 0;
   // torchrun's agent hosts the TCPStore on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
@@ -131,15 +134,26 @@ struct InitOptions {
   // FSDP_MUON_BACKEND, when set, chooses instead. init_from_env() parses it once and rejects any
   // other name.
   std::string backend = "auto";
-  // Rendezvous and collective timeout.
+  // Bounds every blocking step of init_from_env() (reaching or serving the rendezvous store,
+  // waiting for the other ranks, setting up the backend) and every collective of the
+  // communicator it returns. The environment variable FSDP_MUON_TIMEOUT (seconds, a positive
+  // number such as 30 or 2.5), when set, replaces this value; init_from_env() rejects any other
+  // value of it, and a timeout that is not positive and finite.
   double timeout_seconds = 300.0;
 };
 
 // Creates the communicator for this process from the launcher environment. Rendezvous through
 // MASTER_ADDR/MASTER_PORT (TCPStore), or a FileStore when a single-node launcher gives no
 // address (in FSDP_MUON_STORE_DIR, else Open MPI's session directory, else /tmp). NCCL on
-// cuda:<local rank> when CUDA is available, Gloo otherwise. Every call makes a new communicator
-// (its own store prefix), so all ranks must call it equally often.
+// cuda:<local rank> when CUDA is available, Gloo otherwise. With NCCL it also makes
+// cuda:<local rank> this process's current CUDA device, so tensors created with kCUDA land on the
+// rank's own GPU; in a world of more than one rank NCCL then needs the local rank from the
+// launcher (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or MPI_LOCALRANKID) and is an
+// error without it, rather than every rank sharing device 0. Rank 0 records its job (the
+// launcher's job id and its world size) in the store and every other rank checks it before it
+// joins, so ranks of two jobs on one MASTER_PORT, or ranks that disagree on the world size,
+// refuse each other with an error on each side. Every call makes a new communicator (its own
+// store prefix), so all ranks must call it equally often.
 std::shared_ptr<Communicator> init_from_env(const InitOptions& options = {});
 
 }  // namespace fsdp_muon

@@ -47,6 +47,10 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
  public:
   // The tensors are the module's parameters: they are re-pointed to views into the group's
   // unsharded model-weight buffer, and their .grad() to views into its full-gradient buffer.
+  // Every rank of `comm` must construct the same group (names, shapes, dtypes, order, options);
+  // the ranks compare what they built before the group's first collective, and where it differs
+  // (or a parameter is invalid on some rank) every rank throws, naming the ranks that differ from
+  // rank 0 and the first difference.
   FsdpParameterGroup(std::vector<std::pair<std::string, at::Tensor>> named_params,
                      std::shared_ptr<Communicator> comm, FsdpParameterGroupOptions options = {});
   ~FsdpParameterGroup();
