@@ -599,21 +599,20 @@ TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
     expect_error([&] { FsdpMuon(params, MuonOptions()); },
                  {"parameter lists differ across ranks", "rank(s) 1"});
   }
-  // Names.
+  // Names and shapes: the groups themselves differ, so FsdpParameterGroup refuses them on every
+  // rank before FsdpMuon sees them.
   {
     auto specs = model_specs();
     if (odd) specs[1][0].name = "b.renamed";
-    Model model = make_model(36, specs);
-    expect_error([&] { FsdpMuon(sharded_matrices(model), MuonOptions()); },
-                 {"parameter lists differ across ranks"});
+    expect_error([&] { make_model(36, specs); },
+                 {"fsdp_muon::FsdpParameterGroup: group 'g1': the ranks built different groups",
+                  "rank 1 has 'b.renamed'"});
   }
-  // Shapes.
   {
     auto specs = model_specs();
     if (odd) specs[2][1].shape = {4, 9};
-    Model model = make_model(37, specs);
-    expect_error([&] { FsdpMuon(sharded_matrices(model), MuonOptions()); },
-                 {"parameter lists differ across ranks"});
+    expect_error([&] { make_model(37, specs); },
+                 {"the ranks built different groups", "rank 1 has", "[4, 9]"});
   }
   // Missing parameter.
   {
