@@ -3,11 +3,13 @@
 // full export that Python's torch.load reads.
 //
 // Layout of a checkpoint root `dir`:
-//   dir/latest                         the name of the newest complete checkpoint (one line)
+//   dir/latest                         the name of the newest complete checkpoint and its save
+//                                      id (one line: "ckpt-000007 <32 hex digits>")
 //   dir/ckpt-000007/manifest.pt        written last, by rank 0: a checkpoint is complete iff
-//                                      its manifest exists
+//                                      its manifest exists; checksummed, with the save id
 //   dir/ckpt-000007/rank-00002-of-00004.bin   what rank 2 of 4 held: per parameter, its held
-//                                      slice of the main weights and of each optimizer state
+//                                      slice of the main weights and of each optimizer state;
+//                                      header checksummed, data checksummed in 1 MiB chunks
 // Every file is written to a temporary name in its own folder, flushed and renamed, and every
 // save goes into a fresh folder, so a crash mid-save leaves the previous checkpoint whole and
 // `latest` pointing at it.
