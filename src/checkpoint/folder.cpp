@@ -282,7 +282,15 @@ SavedMeta read_manifest(const std::string& folder, const char* api) {
     TORCH_CHECK(false, api, ": ", path, " is truncated or corrupt (", bytes.size(),
                 " bytes): ", detail::current_exception_message());
   }
-  SavedMeta meta = parse_meta(value, path, /*manifest=*/true, api);
+  SavedMeta meta;
+  try {
+    meta = parse_meta(value, path, /*manifest=*/true, api);
+  } catch (const c10::Error& e) {
+    // Version 1 manifests have no checksum: whatever a damaged one fails with names it.
+    const std::string msg = e.what_without_backtrace();
+    if (msg.find(path) != std::string::npos) throw;
+    corrupt(path, msg, api);
+  }
   if (meta.version != 1)
     corrupt(path, "a manifest of format version 2 or later needs a frame", api);
   return meta;

@@ -1007,6 +1007,25 @@ TEST(CheckpointCorruption, LoadsAVersion1Checkpoint) {
   expect_snapshot(s, snapshot(ref), "a version 1 checkpoint");
   EXPECT_DOUBLE_EQ(s.adamw->param_groups()[0].options().get_lr(), 0.007);
   EXPECT_DOUBLE_EQ(s.muon->param_groups()[1].options().get_lr(), 0.015);
+
+  // A damaged version 1 manifest (no checksum) whose pickles no longer parse (the first one in
+  // the file is a param group's options): the error names it.
+  const std::string copy = scratch("v1_damaged");
+  if (world().rank() == 0) {
+    copy_tree(v1 + "/sharded", copy);
+    const std::string manifest = copy + "/ckpt-000001/manifest.pt";
+    std::vector<char> bytes = checkpoint::read_whole_file(manifest, "checkpoint_test");
+    const std::string text(bytes.begin(), bytes.end());
+    const size_t pickle = text.find("\x80\x02");  // PROTO 2: where data.pkl starts
+    ASSERT_NE(pickle, std::string::npos);
+    for (size_t k = pickle; k < pickle + 16; ++k) bytes[k] = '\xff';
+    std::ofstream(manifest, std::ios::binary | std::ios::trunc)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  world().barrier();
+  expect_error([&] { load_checkpoint(copy, s.groups, s.optimizers()); },
+               {"fsdp_muon::load_checkpoint: ", copy + "/ckpt-000001/manifest.pt", "corrupt"},
+               "a damaged version 1 manifest");
 }
 
 }  // namespace
