@@ -1,18 +1,17 @@
 #include "checkpoint_hook.h"
 
-#include <cstdio>
 #include <fstream>
 #include <string>
 
 #include <c10/util/Exception.h>
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
-#include <fsdp_muon/comm/communicator.h>
 
 namespace char_gpt {
 namespace {
 
-constexpr const char* kStepFile = "char_gpt_step.txt";
+constexpr const char* kStepKey = "char_gpt.step";
+constexpr const char* kLegacyStepFile = "char_gpt_step.txt";
 
 // The same order at save and load: the library matches optimizers by position.
 std::vector<torch::optim::Optimizer*> optimizers_of(const TrainingState& state) {
@@ -22,44 +21,32 @@ std::vector<torch::optim::Optimizer*> optimizers_of(const TrainingState& state) 
   return out;
 }
 
-fsdp_muon::Communicator& communicator_of(const TrainingState& state) {
-  TORCH_CHECK(!state.groups.empty(), "char_gpt: no parameter groups to checkpoint");
-  return *state.groups.front()->communicator();
-}
-
 }  // namespace
 
 std::string save_checkpoint(const std::string& directory, const TrainingState& state) {
-  const std::string folder =
-      fsdp_muon::save_checkpoint(directory, state.groups, optimizers_of(state));
-  auto& comm = communicator_of(state);
-  if (comm.rank() == 0) {
-    // Atomic like the library's files: a reader sees the old step or the new one, never half.
-    const std::string path = folder + "/" + kStepFile;
-    const std::string tmp = path + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << state.step << "\n";
-      out.flush();
-      TORCH_CHECK(out.good(), "char_gpt: cannot write ", tmp);
-    }
-    TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "char_gpt: cannot rename ", tmp,
-                " to ", path);
-  }
-  comm.barrier();
-  return folder;
+  fsdp_muon::CheckpointUserState user;
+  user.ints[kStepKey] = state.step;
+  return fsdp_muon::save_checkpoint(directory, state.groups, optimizers_of(state),
+                                    fsdp_muon::SaveCheckpointOptions().user_state(user));
 }
 
 void load_checkpoint(const std::string& directory, TrainingState& state) {
+  // An unusable checkpoint under `directory` throws here, naming the file; a folder that holds
+  // no checkpoint at all gets the library's explanation from load_checkpoint.
   const auto latest = fsdp_muon::latest_checkpoint(directory);
   const std::string folder = latest ? *latest : directory;
-  std::ifstream in(folder + "/" + kStepFile);
-  int64_t step = -1;
-  in >> step;
-  TORCH_CHECK(in && step >= 0, "char_gpt: --resume ", directory, ": no char_gpt checkpoint (",
-              folder, "/", kStepFile, " is missing or unreadable); resume from a folder that ",
-              "char_gpt --checkpoint wrote");
-  fsdp_muon::load_checkpoint(folder, state.groups, optimizers_of(state));
+  const fsdp_muon::CheckpointUserState user =
+      fsdp_muon::load_checkpoint(folder, state.groups, optimizers_of(state));
+  auto it = user.ints.find(kStepKey);
+  int64_t step = it != user.ints.end() ? it->second : -1;
+  if (it == user.ints.end()) {
+    // Checkpoints of earlier char_gpt versions kept the step in a file beside the manifest.
+    std::ifstream in(folder + "/" + kLegacyStepFile);
+    if (!(in >> step)) step = -1;
+  }
+  TORCH_CHECK(step >= 0, "char_gpt: --resume ", directory, ": ", folder,
+              " holds no char_gpt step (no user state '", kStepKey, "', no ", kLegacyStepFile,
+              "); resume from a folder that char_gpt --checkpoint wrote");
   state.step = step;
 }
 

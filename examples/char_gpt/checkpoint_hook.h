@@ -1,8 +1,10 @@
 #pragma once
 // Where char_gpt saves and resumes training, through the library's sharded checkpoints
 // (docs/DESIGN.md §6): main-weight shards and both optimizers' state go through fsdp_muon's
-// save_checkpoint/load_checkpoint (any world size on resume); char_gpt adds the step reached.
-// The data stream is a function of (seed, rank, step), so it needs no saved state.
+// save_checkpoint/load_checkpoint (any world size on resume); the step reached goes into the
+// same checkpoint as its user state, so it becomes visible with the weights, by one rename, and
+// no crash can separate them. The data stream is a function of (seed, rank, step), so it needs
+// no saved state of its own.
 
 #include <cstdint>
 #include <memory>

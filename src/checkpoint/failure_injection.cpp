@@ -10,13 +10,16 @@ namespace {
 
 std::mutex g_mutex;
 int64_t g_fail_after = -1;  // completed writes to let through first; negative: disarmed
+InjectedFailure g_kind = InjectedFailure::kCrash;
 bool g_env_read = false;
+constexpr int64_t kDefaultChunkBytes = int64_t{1} << 20;
+int64_t g_chunk_bytes = kDefaultChunkBytes;
 
 }  // namespace
 
 namespace checkpoint {
 
-bool take_injected_failure(const char* api) {
+InjectedFailure take_injected_failure(const char* api) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_env_read) {
     g_env_read = true;
@@ -25,26 +28,40 @@ bool take_injected_failure(const char* api) {
       const long long n = std::strtoll(env, &end, 10);
       TORCH_CHECK(end != env && *end == '\0', api, ": FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES='", env,
                   "' is not an integer");
-      if (g_fail_after < 0) g_fail_after = n;
+      if (g_fail_after < 0) {
+        g_fail_after = n;
+        g_kind = InjectedFailure::kCrash;
+      }
     }
   }
-  if (g_fail_after < 0) return false;
+  if (g_fail_after < 0) return InjectedFailure::kNone;
   if (g_fail_after == 0) {
     g_fail_after = -1;
-    return true;
+    return g_kind;
   }
   --g_fail_after;
-  return false;
+  return InjectedFailure::kNone;
+}
+
+int64_t checkpoint_chunk_bytes() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_chunk_bytes;
 }
 
 }  // namespace checkpoint
 
 namespace detail {
 
-void set_checkpoint_failure_injection(int64_t files) {
+void set_checkpoint_chunk_bytes(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_chunk_bytes = bytes > 0 ? bytes : kDefaultChunkBytes;
+}
+
+void set_checkpoint_failure_injection(int64_t files, InjectedFailure kind) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_env_read = true;
   g_fail_after = files;
+  g_kind = kind;
 }
 
 }  // namespace detail

@@ -1,26 +1,39 @@
 #pragma once
-// A test hook that makes one checkpoint file write stop half-way and throw, leaving what a crash
-// would leave: tests use it to show that an interrupted save keeps the previous checkpoint
-// loadable. Internal header: not part of the public API (tests have src/ on their include path).
+// A test hook that makes one checkpoint file write stop half-way and throw: as a crash (the
+// half-written temporary file stays, as a killed process would leave it), or as a write error
+// such as a full disk (the write cleans up after itself and throws, as a real error does).
+// Tests use it to show that an interrupted save keeps the previous checkpoint loadable and that
+// a retry succeeds. Internal header: not part of the public API (tests have src/ on their
+// include path).
 
 #include <cstdint>
 
 namespace fsdp_muon {
+enum class InjectedFailure { kNone, kCrash, kWriteError };
+
 namespace detail {
 
 // This process completes `files` more checkpoint file writes, then the next one writes half its
-// bytes to its temporary file and throws. Negative disarms. The environment variable
-// FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES arms it too (read once, at the first write); a call
-// here wins over it.
-void set_checkpoint_failure_injection(int64_t files);
+// bytes to its temporary file and throws, as `kind` says. Negative disarms. The environment
+// variable FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES arms it too, as a crash (read once, at the
+// first write); a call here wins over it.
+void set_checkpoint_failure_injection(int64_t files,
+                                      InjectedFailure kind = InjectedFailure::kCrash);
+
+// The chunk size of rank-file checksums (1 MiB by default; the file records it, so any size
+// loads): tests make it small so that their small models span many chunks. 0 restores it.
+void set_checkpoint_chunk_bytes(int64_t bytes);
 
 }  // namespace detail
 
 namespace checkpoint {
 
-// Called by every checkpoint file write as it starts: true when this write must fail half-way
-// (which disarms the hook). `api` names the public function in errors.
-bool take_injected_failure(const char* api);
+// The chunk size the next rank file is written with.
+int64_t checkpoint_chunk_bytes();
+
+// Called by every checkpoint file write as it starts: how this write must fail half-way
+// (anything but kNone disarms the hook). `api` names the public function in errors.
+InjectedFailure take_injected_failure(const char* api);
 
 }  // namespace checkpoint
 }  // namespace fsdp_muon

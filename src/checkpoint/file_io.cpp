@@ -109,28 +109,38 @@ void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks
                           : slash == 0               ? std::string("/")
                                                      : path.substr(0, slash);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const bool fail = take_injected_failure(api);
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const InjectedFailure fail = take_injected_failure(api);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, api, ": cannot create ", tmp, ": ", errno_text());
   try {
     size_t total = 0;
     for (const Chunk& c : chunks) total += c.size;
-    size_t budget = fail ? total / 2 : total;
+    size_t budget = fail != InjectedFailure::kNone ? total / 2 : total;
     for (const Chunk& c : chunks) {
       const size_t n = std::min(budget, c.size);
       write_all(fd, static_cast<const char*>(c.data), n, tmp, api);
       budget -= n;
     }
-    TORCH_CHECK(!fail, api, ": injected failure while writing ", path, " (", total / 2, " of ",
-                total, " bytes written to ", tmp, ")");
+    TORCH_CHECK(fail != InjectedFailure::kCrash, api, ": injected failure while writing ", path,
+                " (", total / 2, " of ", total, " bytes written to ", tmp, ")");
+    TORCH_CHECK(fail != InjectedFailure::kWriteError, api, ": injected write error while writing ",
+                path, " (as when the disk is full: ", total / 2, " of ", total,
+                " bytes written to ", tmp, ")");
     TORCH_CHECK(::fsync(fd) == 0, api, ": fsync of ", tmp, " failed: ", errno_text());
+    const int closed = ::close(fd);
+    fd = -1;
+    TORCH_CHECK(closed == 0, api, ": closing ", tmp, " failed: ", errno_text());
   } catch (...) {
-    ::close(fd);
+    if (fd >= 0) ::close(fd);
+    // A crash would leave the temporary file; an error must not, or a full disk stays full.
+    if (fail != InjectedFailure::kCrash) ::unlink(tmp.c_str());
     throw;
   }
-  TORCH_CHECK(::close(fd) == 0, api, ": closing ", tmp, " failed: ", errno_text());
-  TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, api, ": renaming ", tmp, " to ", path,
-              " failed: ", errno_text());
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string err = errno_text();
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, api, ": renaming ", tmp, " to ", path, " failed: ", err);
+  }
   fsync_dir(dir);
 }
 
@@ -179,6 +189,12 @@ ReadFile::ReadFile(const std::string& path, const char* api) : path_(path), api_
     ::close(fd_);
     fd_ = -1;
     TORCH_CHECK(false, api, ": cannot stat ", path, ": ", err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fd_ = -1;
+    TORCH_CHECK(false, api, ": ", path, " is ", S_ISDIR(st.st_mode) ? "a folder" : "not a file",
+                " where a checkpoint file should be");
   }
   size_ = static_cast<int64_t>(st.st_size);
 }

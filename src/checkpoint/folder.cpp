@@ -1,9 +1,12 @@
 #include "checkpoint/folder.h"
 
 #include <algorithm>
+#include <cctype>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <optional>
+#include <random>
 #include <utility>
 
 #include <ATen/core/Dict.h>
@@ -13,6 +16,7 @@
 #include <fsdp_muon/checkpoint/checkpoint.h>
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/framing.h"
 #include "checkpoint/rank_file.h"
 #include "comm/agreement.h"
 
@@ -33,9 +37,11 @@ int64_t folder_sequence(const std::string& name) {
   return n;
 }
 
-std::vector<char> encode_manifest(int64_t sequence, const ModelIndex& model,
-                                  const std::vector<OptimizerEntry>& opts,
-                                  const std::vector<int64_t>& rank_file_bytes) {
+// The manifest's bytes: a frame around the dict (checkpoint/folder.h).
+std::vector<char> encode_manifest(int64_t sequence, const std::string& save_id,
+                                  const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
+                                  const std::vector<int64_t>& rank_file_bytes,
+                                  const CheckpointUserState& user_state, const char* api) {
   c10::impl::GenericList files(c10::AnyType::get());
   c10::impl::GenericList file_bytes(c10::AnyType::get());
   const int world = model.comm->size();
@@ -43,79 +49,112 @@ std::vector<char> encode_manifest(int64_t sequence, const ModelIndex& model,
     files.push_back(rank_file_name(r, world));
     file_bytes.push_back(rank_file_bytes[r]);
   }
+  c10::impl::GenericDict user(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& [key, value] : user_state.ints) user.insert(key, value);
+  for (const auto& [key, value] : user_state.strings) {
+    TORCH_CHECK(!user.contains(key), api, ": user_state key '", key,
+                "' is both an integer and a string; use one");
+    user.insert(key, value);
+  }
   c10::impl::GenericDict manifest = describe(model, opts);
   manifest.insert("type", std::string("manifest"));
+  manifest.insert("save_id", save_id);
   manifest.insert("sequence", sequence);
   manifest.insert("rank_files", files);
   manifest.insert("rank_file_bytes", file_bytes);
-  return pickle_save_plain(manifest);
+  manifest.insert("user_state", user);
+  const std::vector<char> header = pickle_save_plain(manifest);
+  const auto prefix = encode_frame_prefix(header, kFormatVersion);
+  std::vector<char> bytes(prefix.begin(), prefix.end());
+  bytes.insert(bytes.end(), header.begin(), header.end());
+  return bytes;
 }
 
 void write_text_atomic(const std::string& path, const std::string& text, const char* api) {
   write_file_atomic(path, {{text.data(), text.size()}}, api);
 }
 
-// What a root holds apart from checkpoint `current` and anything newer.
-struct RootContents {
-  std::vector<std::pair<int64_t, std::string>> complete;  // (sequence, path)
-  // Folders of earlier saves that never got a manifest, and temporary `latest` files.
-  std::vector<std::string> leftovers;
+bool is_latest_temporary(const std::string& name) {
+  return name.rfind(std::string(kLatestName) + ".tmp.", 0) == 0;
+}
+
+// What `latest` says: a folder name and, from format version 2, the save id.
+struct LatestLine {
+  std::string name;
+  std::string save_id;  // empty: a version 1 `latest`
 };
 
-RootContents survey_root(const std::string& dir, int64_t current) {
-  RootContents contents;
+// `latest` must be exactly one line "<name>[ <save id>]\n"; anything else is an error naming it.
+LatestLine read_latest(const std::string& path, const char* api) {
+  const std::vector<char> bytes = read_whole_file(path, api);
+  const std::string text(bytes.begin(), bytes.end());
+  TORCH_CHECK(!text.empty(), api, ": ", path, " is empty; it should name the newest checkpoint");
+  const bool one_line = text.back() == '\n' && text.find('\n') == text.size() - 1;
+  const std::string line = text.substr(0, text.size() - 1);
+  const size_t space = line.find(' ');
+  LatestLine latest;
+  latest.name = line.substr(0, space);
+  if (space != std::string::npos) latest.save_id = line.substr(space + 1);
+  bool ok = one_line && folder_sequence(latest.name) >= 0 &&
+            (space == std::string::npos || !latest.save_id.empty());
+  for (char ch : latest.save_id) ok = ok && std::isxdigit(static_cast<unsigned char>(ch)) != 0;
+  TORCH_CHECK(ok, api, ": ", path, " is corrupt: it should be one line 'ckpt-<number> <save id>'",
+              " but holds ", bytes.size(), " bytes that are not");
+  return latest;
+}
+
+// Names of the ckpt-* folders in `dir`, by sequence number.
+std::vector<std::pair<int64_t, std::string>> checkpoint_folders(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> folders;
   for (const std::string& name : list_directory(dir)) {
-    const std::string path = join_path(dir, name);
     const int64_t sequence = folder_sequence(name);
-    if (sequence >= 0 && sequence <= current && is_directory(path)) {
-      if (path_exists(join_path(path, kManifestName))) {
-        contents.complete.emplace_back(sequence, path);
-      } else if (sequence < current) {
-        contents.leftovers.push_back(path);
-      }
-    } else if (name.rfind(std::string(kLatestName) + ".tmp.", 0) == 0) {
-      contents.leftovers.push_back(path);
-    }
+    if (sequence >= 0 && is_directory(join_path(dir, name))) folders.emplace_back(sequence, name);
   }
-  return contents;
+  std::sort(folders.begin(), folders.end());
+  return folders;
+}
+
+bool is_complete(const std::string& folder) {
+  return path_exists(join_path(folder, kManifestName));
+}
+
+// Before a save writes anything: the leftovers of earlier saves that failed or crashed. Never
+// a complete checkpoint, nor the folder `latest` names.
+void remove_leftovers(const std::string& dir) {
+  std::string named;
+  {
+    std::ifstream in(join_path(dir, kLatestName));
+    if (in) in >> named;
+  }
+  for (const auto& [sequence, name] : checkpoint_folders(dir)) {
+    const std::string folder = join_path(dir, name);
+    if (name != named && !is_complete(folder)) remove_tree(folder);
+  }
+  for (const std::string& name : list_directory(dir)) {
+    if (is_latest_temporary(name)) remove_tree(join_path(dir, name));
+  }
 }
 
 // Best effort: the new checkpoint is already complete and named by `latest`, so nothing here
-// may fail the save.
+// may fail the save. Only complete checkpoints older than `current` go, the newest first kept.
 void prune(const std::string& dir, int64_t current, int64_t keep_last) {
-  RootContents contents = survey_root(dir, current);
-  std::vector<std::string> remove = std::move(contents.leftovers);
-  auto& complete = contents.complete;
-  std::sort(complete.begin(), complete.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first; });
-  if (keep_last > 0) {
-    for (size_t i = static_cast<size_t>(keep_last); i < complete.size(); ++i) {
-      remove.push_back(complete[i].second);
-    }
+  if (keep_last <= 0) return;
+  std::vector<std::string> complete;  // newest first
+  const auto folders = checkpoint_folders(dir);
+  for (auto it = folders.rbegin(); it != folders.rend(); ++it) {
+    const std::string folder = join_path(dir, it->second);
+    if (it->first <= current && is_complete(folder)) complete.push_back(folder);
   }
-  for (const std::string& path : remove) remove_tree(path);
+  for (size_t i = static_cast<size_t>(keep_last); i < complete.size(); ++i) {
+    remove_tree(complete[i]);
+  }
 }
 
-// The first line of the file at `path`; empty when it cannot be read.
-std::string first_line(const std::string& path) {
-  std::ifstream in(path);
-  std::string line;
-  if (in) std::getline(in, line);
-  return line;
-}
-
-// Why `dir`, which has neither a manifest nor `latest`, holds no checkpoint.
+// Why `dir` holds no checkpoint (find_checkpoint found none).
 [[noreturn]] void explain_no_checkpoint(const std::string& dir, const char* api) {
   TORCH_CHECK(path_exists(dir), api, ": ", dir, " does not exist");
-  bool has_rank_files = false;
-  for (const std::string& name : list_directory(dir)) {
-    if (name.rfind("rank-", 0) == 0) has_rank_files = true;
-  }
-  TORCH_CHECK(!has_rank_files, api, ": ", dir,
-              " is an incomplete checkpoint: it has rank files but no ", kManifestName,
-              " (the save that wrote it did not finish)");
   TORCH_CHECK(false, api, ": no checkpoint in ", dir, ": it has neither a ", kManifestName,
-              " nor a '", kLatestName, "' file");
+              ", nor a '", kLatestName, "' file, nor a complete checkpoint folder");
 }
 
 }  // namespace
@@ -126,45 +165,116 @@ std::string folder_name(int64_t sequence) {
   return buf;
 }
 
+std::string new_save_id() {
+  std::random_device device;
+  std::mt19937_64 gen(
+      (static_cast<uint64_t>(device()) << 32) ^ device() ^
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%016llx%016llx", static_cast<unsigned long long>(gen()),
+                static_cast<unsigned long long>(gen()));
+  return buf;
+}
+
 int64_t create_checkpoint_folder(const std::string& dir, const char* api) {
   make_directories(dir, api);
   int64_t last = 0;
   for (const std::string& name : list_directory(dir)) {
     last = std::max(last, folder_sequence(name));
   }
+  // After `last` is known: a sequence number is never used twice, even when its folder goes.
+  remove_leftovers(dir);
   const int64_t sequence = last + 1;
   const std::string folder = join_path(dir, folder_name(sequence));
   TORCH_CHECK(make_directory(folder, api), api, ": cannot create ", folder, " (it exists)");
   return sequence;
 }
 
-void publish_checkpoint(const std::string& dir, int64_t sequence, const ModelIndex& model,
-                        const std::vector<OptimizerEntry>& opts,
-                        const std::vector<int64_t>& rank_file_bytes, int64_t keep_last,
-                        const char* api) {
+void publish_checkpoint(const std::string& dir, int64_t sequence, const std::string& save_id,
+                        const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
+                        const std::vector<int64_t>& rank_file_bytes,
+                        const CheckpointUserState& user_state, int64_t keep_last, const char* api) {
   const std::string folder = join_path(dir, folder_name(sequence));
-  const std::vector<char> manifest = encode_manifest(sequence, model, opts, rank_file_bytes);
+  const std::vector<char> manifest =
+      encode_manifest(sequence, save_id, model, opts, rank_file_bytes, user_state, api);
   write_file_atomic(join_path(folder, kManifestName), {{manifest.data(), manifest.size()}}, api);
-  write_text_atomic(join_path(dir, kLatestName), folder_name(sequence) + "\n", api);
+  write_text_atomic(join_path(dir, kLatestName), folder_name(sequence) + " " + save_id + "\n", api);
   prune(dir, sequence, keep_last);
 }
 
-std::string resolve_checkpoint_folder(const std::string& dir, const char* api) {
-  if (path_exists(join_path(dir, kManifestName))) return dir;
-  const std::string latest = join_path(dir, kLatestName);
-  if (!path_exists(latest)) explain_no_checkpoint(dir, api);
-  const std::string name = first_line(latest);
-  TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos, api, ": ", latest,
-              " does not name a checkpoint folder");
-  const std::string folder = join_path(dir, name);
-  TORCH_CHECK(path_exists(join_path(folder, kManifestName)), api, ": ", latest, " names '", name,
-              "', but ", join_path(folder, kManifestName), " does not exist");
-  return folder;
+std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir, const char* api) {
+  if (is_complete(dir)) return FoundCheckpoint{dir, read_manifest(dir, api)};
+  const std::string latest_path = join_path(dir, kLatestName);
+  if (path_exists(latest_path)) {
+    const LatestLine latest = read_latest(latest_path, api);
+    const std::string folder = join_path(dir, latest.name);
+    TORCH_CHECK(is_directory(folder), api, ": ", latest_path, " names '", latest.name, "', but ",
+                folder, " does not exist");
+    TORCH_CHECK(is_complete(folder), api, ": ", latest_path, " names '", latest.name, "', but ",
+                join_path(folder, kManifestName),
+                " does not exist: that checkpoint is incomplete or damaged");
+    SavedMeta manifest = read_manifest(folder, api);
+    if (latest.save_id.empty()) {
+      TORCH_CHECK(manifest.version == 1, api, ": ", latest_path, " names '", latest.name,
+                  "' without a save id, but its manifest (format version ", manifest.version,
+                  ") has one: ", latest_path, " is corrupt");
+    } else {
+      TORCH_CHECK(manifest.save_id == latest.save_id, api, ": ", latest_path, " names '",
+                  latest.name, "' of save ", latest.save_id, ", but ", manifest.path,
+                  " is of save ", manifest.save_id.empty() ? "(none: version 1)" : manifest.save_id,
+                  ": ", latest_path, " is corrupt or the folder was replaced");
+    }
+    return FoundCheckpoint{folder, std::move(manifest)};
+  }
+  if (!path_exists(dir)) return std::nullopt;
+  TORCH_CHECK(is_directory(dir), api, ": ", dir, " is a file, not a checkpoint folder");
+  for (const std::string& name : list_directory(dir)) {
+    TORCH_CHECK(name.rfind("rank-", 0) != 0, api, ": ", dir,
+                " is an incomplete checkpoint: it has rank files but no ", kManifestName,
+                " (the save that wrote it did not finish)");
+  }
+  // No `latest` yet: the first save stopped after its manifest. That checkpoint is complete.
+  const auto folders = checkpoint_folders(dir);
+  for (auto it = folders.rbegin(); it != folders.rend(); ++it) {
+    const std::string folder = join_path(dir, it->second);
+    if (is_complete(folder)) return FoundCheckpoint{folder, read_manifest(folder, api)};
+  }
+  return std::nullopt;
+}
+
+FoundCheckpoint resolve_checkpoint(const std::string& dir, const char* api) {
+  std::optional<FoundCheckpoint> found = find_checkpoint(dir, api);
+  if (!found) explain_no_checkpoint(dir, api);
+  return std::move(*found);
 }
 
 SavedMeta read_manifest(const std::string& folder, const char* api) {
   const std::string path = join_path(folder, kManifestName);
-  const std::vector<char> bytes = read_whole_file(path, api);
+  const ReadFile file(path, api);
+  char prefix[kFramePrefixBytes] = {};
+  if (file.size() >= kFramePrefixBytes) file.read(0, prefix, sizeof(prefix));
+  const char* magic = prefix;
+  if (has_frame_magic(prefix, sizeof(prefix))) {
+    const uint64_t framed = kFramePrefixBytes + get_u64(prefix + 8);
+    TORCH_CHECK(framed == static_cast<uint64_t>(file.size()), api, ": ", path,
+                " is truncated or corrupt (", file.size(), " bytes, its frame says ", framed, ")");
+    const Frame frame = read_frame(file, api);
+    if (frame.version < 2) corrupt(path, "a framed manifest of format version 1", api);
+    const Fields top(frame.header, path, api);
+    if (top.str("type") != "manifest") corrupt(path, "it is not a manifest", api);
+    SavedMeta meta = parse_meta(frame.header, path, /*manifest=*/true, api);
+    if (meta.version != frame.version) {
+      corrupt(path, "its frame and its header disagree on the format version", api);
+    }
+    return meta;
+  }
+  // Version 1: the pickle alone, without a checksum.
+  TORCH_CHECK(file.size() >= kFramePrefixBytes && magic[0] == 'P' && magic[1] == 'K', api, ": ",
+              path,
+              " is corrupt or not an fsdp_muon manifest: it starts with neither the fsdp_muon ",
+              "magic bytes nor a version 1 pickle archive (", file.size(), " bytes)");
+  std::vector<char> bytes(static_cast<size_t>(file.size()));
+  file.read(0, bytes.data(), bytes.size());
   c10::IValue value;
   try {
     value = torch::pickle_load(bytes);
@@ -172,7 +282,18 @@ SavedMeta read_manifest(const std::string& folder, const char* api) {
     TORCH_CHECK(false, api, ": ", path, " is truncated or corrupt (", bytes.size(),
                 " bytes): ", detail::current_exception_message());
   }
-  return parse_meta(value, path, /*manifest=*/true, api);
+  SavedMeta meta;
+  try {
+    meta = parse_meta(value, path, /*manifest=*/true, api);
+  } catch (const c10::Error& e) {
+    // Version 1 manifests have no checksum: whatever a damaged one fails with names it.
+    const std::string msg = e.what_without_backtrace();
+    if (msg.find(path) != std::string::npos) throw;
+    corrupt(path, msg, api);
+  }
+  if (meta.version != 1)
+    corrupt(path, "a manifest of format version 2 or later needs a frame", api);
+  return meta;
 }
 
 }  // namespace fsdp_muon::checkpoint
@@ -180,14 +301,9 @@ SavedMeta read_manifest(const std::string& folder, const char* api) {
 namespace fsdp_muon {
 
 std::optional<std::string> latest_checkpoint(const std::string& dir) {
-  const std::string name =
-      checkpoint::first_line(checkpoint::join_path(dir, checkpoint::kLatestName));
-  if (name.empty()) return std::nullopt;
-  const std::string folder = checkpoint::join_path(dir, name);
-  if (!checkpoint::path_exists(checkpoint::join_path(folder, checkpoint::kManifestName))) {
-    return std::nullopt;
-  }
-  return folder;
+  auto found = checkpoint::find_checkpoint(dir, "fsdp_muon::latest_checkpoint");
+  if (!found) return std::nullopt;
+  return found->folder;
 }
 
 }  // namespace fsdp_muon

@@ -4,8 +4,15 @@
 // checkpoint is complete iff its manifest exists; then `latest` names it and older checkpoints
 // are pruned. A crash at any point leaves the previous complete checkpoint and `latest` as
 // they were.
+//
+// The manifest (format version 2) is a frame (checkpoint/framing.h) and nothing else: describe()
+// plus "type" = "manifest", "save_id", "sequence", "rank_files", "rank_file_bytes",
+// "user_state". Version 1 wrote the dict with pickle_save_plain alone, unchecked.
+// `latest` is one line, "ckpt-000007 <save id>\n" (version 1: "ckpt-000007\n"): the save id
+// ties it to the manifest it names, so a garbled `latest` is an error, never another checkpoint.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,23 +27,37 @@ constexpr const char* kLatestName = "latest";
 // "ckpt-000007"
 std::string folder_name(int64_t sequence);
 
-// Rank 0: creates `dir` when needed and in it the folder that follows the highest sequence
-// number present (complete or not); returns its sequence number.
+// A new random save id: 32 hex digits.
+std::string new_save_id();
+
+// Rank 0: creates `dir` when needed, removes what earlier saves that failed or crashed left
+// (folders without a manifest, temporary `latest` files) so that they cannot fill the disk
+// again, and creates the folder that follows the highest sequence number present; returns its
+// sequence number.
 int64_t create_checkpoint_folder(const std::string& dir, const char* api);
 
 // Rank 0, once every rank's file of checkpoint `sequence` is in place (`rank_file_bytes` are
 // their sizes): writes its manifest, which makes it complete, points `latest` at it, then
 // prunes to the newest `keep_last` complete checkpoints (0 keeps all).
-void publish_checkpoint(const std::string& dir, int64_t sequence, const ModelIndex& model,
-                        const std::vector<OptimizerEntry>& opts,
-                        const std::vector<int64_t>& rank_file_bytes, int64_t keep_last,
-                        const char* api);
+void publish_checkpoint(const std::string& dir, int64_t sequence, const std::string& save_id,
+                        const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
+                        const std::vector<int64_t>& rank_file_bytes,
+                        const CheckpointUserState& user_state, int64_t keep_last, const char* api);
 
-// `dir` when it is a complete checkpoint folder, else the folder dir/latest names; an error that
-// says what `dir` is otherwise (missing, incomplete, no checkpoint).
-std::string resolve_checkpoint_folder(const std::string& dir, const char* api);
+struct FoundCheckpoint {
+  std::string folder;
+  SavedMeta manifest;  // read and checked
+};
 
-// The parsed manifest of the checkpoint in `folder`.
+// latest_checkpoint's rule (checkpoint.h): the checkpoint to load from `dir`, nullopt when there
+// is none, an error naming the file when one is there but unusable.
+std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir, const char* api);
+
+// find_checkpoint, where nullopt is an error that says what `dir` is (missing, incomplete, no
+// checkpoint).
+FoundCheckpoint resolve_checkpoint(const std::string& dir, const char* api);
+
+// The parsed and checked manifest of the checkpoint in `folder`.
 SavedMeta read_manifest(const std::string& folder, const char* api);
 
 }  // namespace fsdp_muon::checkpoint

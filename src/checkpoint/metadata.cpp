@@ -155,8 +155,14 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
     corrupt(path, std::string("it does not say format '") + kFormatName + "'", api);
   }
   const int64_t version = top.integer("format_version");
+  if (version < 1) corrupt(path, "format_version < 1", api);
   TORCH_CHECK(version <= kFormatVersion, api, ": ", path, " has format version ", version,
               ", written by a newer fsdp_muon; this one reads versions up to ", kFormatVersion);
+  meta.version = version;
+  if (version >= 2) {
+    meta.save_id = top.str("save_id");
+    if (meta.save_id.empty()) corrupt(path, "empty save_id", api);
+  }
   meta.world_size = static_cast<int>(top.integer("world_size"));
   if (meta.world_size < 1) corrupt(path, "world_size < 1", api);
   for (const c10::IValue& gv : top.list("groups")) {
@@ -227,6 +233,20 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
     if (static_cast<int>(meta.rank_files.size()) != meta.world_size ||
         static_cast<int>(meta.rank_file_bytes.size()) != meta.world_size) {
       corrupt(path, "it does not list one rank file per saved rank", api);
+    }
+    if (version >= 2) {
+      const Fields user = top.dict("user_state");
+      for (const auto& item : user.raw()) {
+        if (!item.key().isString()) corrupt(path, "a user_state key is not a string", api);
+        const std::string& key = item.key().toStringRef();
+        if (item.value().isInt()) {
+          meta.user_state.ints[key] = item.value().toInt();
+        } else if (item.value().isString()) {
+          meta.user_state.strings[key] = item.value().toStringRef();
+        } else {
+          corrupt(path, "user_state '" + key + "' is neither an integer nor a string", api);
+        }
+      }
     }
   }
   return meta;

@@ -11,11 +11,16 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <fsdp_muon/checkpoint/checkpoint.h>
+
 #include "checkpoint/model_index.h"
 
 namespace fsdp_muon::checkpoint {
 
-constexpr int64_t kFormatVersion = 1;
+// 1: entries checksummed whole, manifest unchecked. 2: data checksummed in fixed-size chunks,
+// a framed and checksummed manifest, a save id in every file and in `latest`, user state.
+// Version 1 checkpoints still load, with the checks they had (docs/DESIGN.md §6).
+constexpr int64_t kFormatVersion = 2;
 constexpr const char* kFormatName = "fsdp_muon.checkpoint";
 
 // Layout and optimizer description of the live model on this rank (optimizer state as this
@@ -50,6 +55,8 @@ struct SavedOptimizer {
 
 struct SavedMeta {
   std::string path;  // for messages
+  int64_t version = 0;
+  std::string save_id;  // version 2 on: the same in the manifest and every rank file of a save
   int world_size = 0;
   std::vector<SavedGroup> groups;
   std::unordered_map<std::string, std::pair<size_t, size_t>> by_name;
@@ -58,6 +65,7 @@ struct SavedMeta {
   int64_t sequence = 0;
   std::vector<std::string> rank_files;
   std::vector<int64_t> rank_file_bytes;
+  CheckpointUserState user_state;
 };
 
 // Parses the fields describe() writes; `manifest` also requires the manifest-only ones.

@@ -1,5 +1,6 @@
 #include "checkpoint/rank_file.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstring>
@@ -8,14 +9,15 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
 
+#include "checkpoint/failure_injection.h"
+#include "checkpoint/framing.h"
 #include "checkpoint/optimizer_state.h"
 #include "comm/agreement.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
 
-constexpr char kMagic[8] = {'F', 'S', 'D', 'P', 'M', 'U', 'O', 'N'};
-constexpr int64_t kPrefixBytes = 24;
+constexpr int64_t kPrefixBytes = kFramePrefixBytes;
 constexpr int64_t kAlign = 64;
 
 int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -23,30 +25,12 @@ int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 // Where the entries start in a file whose header is `header_bytes` long.
 int64_t data_start_after(int64_t header_bytes) { return align_up(kPrefixBytes + header_bytes); }
 
-void put_u64(char* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xFF);
-}
-void put_u32(char* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xFF);
-}
-uint64_t get_u64(const char* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
-  return v;
-}
-uint32_t get_u32(const char* p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
-  return v;
-}
-
 // ---- writing ----
 
 struct OutEntry {
   std::string key;
   at::Tensor data;  // CPU, contiguous, 1-D
   int64_t offset = 0;
-  uint32_t crc = 0;
 
   int64_t nbytes() const { return data.numel() * static_cast<int64_t>(data.element_size()); }
 };
@@ -90,16 +74,59 @@ void append_state_entries(const ModelIndex& model, const std::vector<OptimizerEn
   }
 }
 
-// Gives each entry its aligned offset from the data start and its CRC; returns the length of
-// the data.
+// Gives each entry its aligned offset from the data start; returns the length of the data.
 int64_t lay_out(std::vector<OutEntry>& entries) {
   int64_t data_bytes = 0;
   for (OutEntry& e : entries) {
     e.offset = align_up(data_bytes);
-    e.crc = crc32(e.data.data_ptr(), static_cast<size_t>(e.nbytes()));
     data_bytes = e.offset + e.nbytes();
   }
   return data_bytes;
+}
+
+// CRC-32 of each chunk of a byte stream fed in pieces. The chunk size is the checksum
+// granularity of the data: what one CRC covers and what a read rounds out to.
+class ChunkCrcs {
+ public:
+  explicit ChunkCrcs(int64_t chunk_bytes) : chunk_bytes_(chunk_bytes) {}
+  void feed(const char* p, int64_t n) {
+    while (n > 0) {
+      const int64_t take = std::min(n, chunk_bytes_ - filled_);
+      crc_ = crc32(p, static_cast<size_t>(take), crc_);
+      filled_ += take;
+      p += take;
+      n -= take;
+      if (filled_ == chunk_bytes_) flush();
+    }
+  }
+  std::vector<uint32_t> finish() {
+    if (filled_ > 0) flush();
+    return std::move(crcs_);
+  }
+
+ private:
+  void flush() {
+    crcs_.push_back(crc_);
+    crc_ = 0;
+    filled_ = 0;
+  }
+  int64_t chunk_bytes_;
+  std::vector<uint32_t> crcs_;
+  uint32_t crc_ = 0;
+  int64_t filled_ = 0;
+};
+
+// The chunk CRCs of the data region: each entry after the zeros that align it.
+std::vector<uint32_t> data_chunk_crcs(const std::vector<OutEntry>& entries, int64_t chunk_bytes) {
+  static const std::vector<char> zeros(kAlign, 0);
+  ChunkCrcs crcs(chunk_bytes);
+  int64_t at = 0;
+  for (const OutEntry& e : entries) {
+    crcs.feed(zeros.data(), e.offset - at);
+    crcs.feed(static_cast<const char*>(e.data.data_ptr()), e.nbytes());
+    at = e.offset + e.nbytes();
+  }
+  return crcs.finish();
 }
 
 // Per parameter, the elements [first, last) this rank holds.
@@ -126,32 +153,31 @@ c10::impl::GenericList entry_table(const std::vector<OutEntry>& entries) {
     d.insert("numel", e.data.numel());
     d.insert("offset", e.offset);
     d.insert("nbytes", e.nbytes());
-    d.insert("crc32", static_cast<int64_t>(e.crc));
     table.push_back(d);
   }
   return table;
 }
 
 std::vector<char> encode_header(const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
-                                const std::vector<OutEntry>& entries, int64_t data_bytes) {
+                                const std::vector<OutEntry>& entries, int64_t data_bytes,
+                                const std::string& save_id) {
   const c10::impl::GenericDict held = held_table(model);
   const c10::impl::GenericList table = entry_table(entries);
+  const int64_t chunk_bytes = checkpoint_chunk_bytes();
+  c10::impl::GenericList crcs(c10::AnyType::get());
+  for (uint32_t crc : data_chunk_crcs(entries, chunk_bytes)) {
+    crcs.push_back(static_cast<int64_t>(crc));
+  }
   c10::impl::GenericDict header = describe(model, opts);
   header.insert("type", std::string("rank"));
   header.insert("rank", static_cast<int64_t>(model.comm->rank()));
+  header.insert("save_id", save_id);
   header.insert("held", held);
   header.insert("entries", table);
   header.insert("data_bytes", data_bytes);
+  header.insert("chunk_bytes", chunk_bytes);
+  header.insert("chunk_crc32", crcs);
   return pickle_save_plain(header);
-}
-
-std::array<char, kPrefixBytes> encode_prefix(const std::vector<char>& header) {
-  std::array<char, kPrefixBytes> prefix{};
-  std::memcpy(prefix.data(), kMagic, sizeof(kMagic));
-  put_u64(prefix.data() + 8, header.size());
-  put_u32(prefix.data() + 16, crc32(header.data(), header.size()));
-  put_u32(prefix.data() + 20, static_cast<uint32_t>(kFormatVersion));
-  return prefix;
 }
 
 // The file's bytes in order: prefix, header, zeros up to the data start, then each entry after
@@ -178,42 +204,8 @@ std::vector<Chunk> file_chunks(const std::array<char, kPrefixBytes>& prefix,
 
 // ---- reading ----
 
-struct Prefix {
-  uint64_t header_bytes = 0;
-  uint32_t header_crc = 0;
-  uint32_t version = 0;
-};
-
-Prefix read_prefix(const ReadFile& file, const char* api) {
-  char bytes[kPrefixBytes];
-  file.read(0, bytes, sizeof(bytes));
-  if (std::memcmp(bytes, kMagic, sizeof(kMagic)) != 0) corrupt(file.path(), "bad magic bytes", api);
-  Prefix prefix;
-  prefix.version = get_u32(bytes + 20);
-  TORCH_CHECK(prefix.version <= kFormatVersion, api, ": ", file.path(), " has format version ",
-              prefix.version, "; this fsdp_muon reads up to ", kFormatVersion);
-  prefix.header_bytes = get_u64(bytes + 8);
-  prefix.header_crc = get_u32(bytes + 16);
-  if (static_cast<int64_t>(prefix.header_bytes) > file.size() - kPrefixBytes) {
-    corrupt(file.path(), "its header length runs past the end of the file", api);
-  }
-  return prefix;
-}
-
-c10::IValue read_header(const ReadFile& file, const Prefix& prefix, const char* api) {
-  std::vector<char> header(prefix.header_bytes);
-  file.read(kPrefixBytes, header.data(), header.size());
-  if (crc32(header.data(), header.size()) != prefix.header_crc) {
-    corrupt(file.path(), "header checksum mismatch", api);
-  }
-  try {
-    return torch::pickle_load(header);
-  } catch (...) {
-    corrupt(file.path(), "unreadable header: " + detail::current_exception_message(), api);
-  }
-}
-
-EntryLocation parse_entry(const Fields& e, int64_t data_bytes, const std::string& path) {
+EntryLocation parse_entry(const Fields& e, int64_t version, int64_t data_bytes,
+                          const std::string& path) {
   EntryLocation h;
   const int64_t dtype = e.integer("dtype");
   if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) {
@@ -223,7 +215,7 @@ EntryLocation parse_entry(const Fields& e, int64_t data_bytes, const std::string
   h.numel = e.integer("numel");
   h.offset = e.integer("offset");
   h.nbytes = e.integer("nbytes");
-  h.crc = static_cast<uint32_t>(e.integer("crc32"));
+  if (version == 1) h.crc = static_cast<uint32_t>(e.integer("crc32"));
   if (h.numel < 0 || h.offset < 0 ||
       h.nbytes != h.numel * static_cast<int64_t>(c10::elementSize(h.dtype)) ||
       h.offset + h.nbytes > data_bytes) {
@@ -239,6 +231,7 @@ std::unordered_map<std::string, std::pair<int64_t, int64_t>> parse_held(const Fi
       corrupt(held.path(), "bad 'held' table", held.api());
     }
     const auto r = item.value().toListRef();
+    if (!r[0].isInt() || !r[1].isInt()) corrupt(held.path(), "bad 'held' table", held.api());
     out[item.key().toStringRef()] = {r[0].toInt(), r[1].toInt()};
   }
   return out;
@@ -259,12 +252,13 @@ std::string state_entry_key(size_t optimizer, const std::string& param, const st
 }
 
 int64_t write_rank_file(const std::string& folder, const ModelIndex& model,
-                        const std::vector<OptimizerEntry>& opts, const char* api) {
+                        const std::vector<OptimizerEntry>& opts, const std::string& save_id,
+                        const char* api) {
   std::vector<OutEntry> entries = weight_entries(model);
   append_state_entries(model, opts, api, entries);
   const int64_t data_bytes = lay_out(entries);
-  const std::vector<char> header = encode_header(model, opts, entries, data_bytes);
-  const std::array<char, kPrefixBytes> prefix = encode_prefix(header);
+  const std::vector<char> header = encode_header(model, opts, entries, data_bytes, save_id);
+  const std::array<char, kPrefixBytes> prefix = encode_frame_prefix(header, kFormatVersion);
   const std::string path =
       join_path(folder, rank_file_name(model.comm->rank(), model.comm->size()));
   write_file_atomic(path, file_chunks(prefix, header, entries), api);
@@ -283,23 +277,94 @@ RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, in
               " bytes, the manifest says ", expected);
   TORCH_CHECK(rf.file.size() == expected, api, ": ", p, " has ", rf.file.size(),
               " bytes but the manifest says ", expected, "; it was changed after the save");
-  const Prefix prefix = read_prefix(rf.file, api);
-  const Fields top(read_header(rf.file, prefix, api), p, api);
-  TORCH_CHECK(top.integer("rank") == rank && top.integer("world_size") == manifest.world_size, api,
-              ": ", p, " was written by rank ", top.integer("rank"), " of ",
-              top.integer("world_size"), ", not rank ", rank, " of ", manifest.world_size);
-  rf.data_start = data_start_after(static_cast<int64_t>(prefix.header_bytes));
-  const int64_t data_bytes = top.integer("data_bytes");
-  TORCH_CHECK(rf.file.size() >= rf.data_start + data_bytes, api, ": ", p, " is truncated: it has ",
-              rf.file.size(), " bytes, its header says ", rf.data_start + data_bytes);
-  for (const c10::IValue& ev : top.list("entries")) {
-    const Fields e(ev, p, api, " (an entry)");
-    const EntryLocation location = parse_entry(e, data_bytes, p);
-    rf.entries.emplace(e.str("key"), location);
+  const Frame frame = read_frame(rf.file, api);
+  rf.version = frame.version;
+  const Fields top(frame.header, p, api);
+  // A header that passed its checksum but does not parse is still this file's problem: every
+  // message names it.
+  try {
+    TORCH_CHECK(top.integer("format_version") == frame.version, api, ": ", p,
+                " is corrupt: its frame says format version ", frame.version, ", its header ",
+                top.integer("format_version"));
+    TORCH_CHECK(frame.version == manifest.version, api, ": ", p, " has format version ",
+                frame.version, " but ", manifest.path, " has ", manifest.version,
+                ": the files are of different saves");
+    if (frame.version >= 2) {
+      TORCH_CHECK(top.str("type") == "rank", api, ": ", p, " is not a rank file (type '",
+                  top.str("type"), "')");
+      const std::string id = top.str("save_id");
+      TORCH_CHECK(id == manifest.save_id, api, ": ", p, " belongs to another save (save id ", id,
+                  ") than ", manifest.path, " (save id ", manifest.save_id,
+                  "); rank files of different saves cannot be mixed");
+    }
+    TORCH_CHECK(top.integer("rank") == rank && top.integer("world_size") == manifest.world_size,
+                api, ": ", p, " was written by rank ", top.integer("rank"), " of ",
+                top.integer("world_size"), ", not rank ", rank, " of ", manifest.world_size);
+    rf.data_start = data_start_after(frame.header_bytes);
+    rf.data_bytes = top.integer("data_bytes");
+    if (rf.data_bytes < 0) corrupt(p, "negative data_bytes", api);
+    TORCH_CHECK(rf.file.size() >= rf.data_start + rf.data_bytes, api, ": ", p,
+                " is truncated: it has ", rf.file.size(), " bytes, its header says ",
+                rf.data_start + rf.data_bytes);
+    if (frame.version >= 2) {
+      // The zeros between the header and the data are the only bytes no checksum covers.
+      const int64_t gap = rf.data_start - (kPrefixBytes + frame.header_bytes);
+      std::array<char, kAlign> zeros{};
+      rf.file.read(kPrefixBytes + frame.header_bytes, zeros.data(), static_cast<size_t>(gap));
+      for (int64_t k = 0; k < gap; ++k) {
+        if (zeros[k] != 0) corrupt(p, "non-zero padding after the header", api);
+      }
+      rf.chunk_bytes = top.integer("chunk_bytes");
+      if (rf.chunk_bytes <= 0) corrupt(p, "chunk_bytes <= 0", api);
+      for (int64_t crc : top.ints("chunk_crc32"))
+        rf.chunk_crcs.push_back(static_cast<uint32_t>(crc));
+      const int64_t chunks = (rf.data_bytes + rf.chunk_bytes - 1) / rf.chunk_bytes;
+      if (static_cast<int64_t>(rf.chunk_crcs.size()) != chunks) {
+        corrupt(p,
+                "it lists " + std::to_string(rf.chunk_crcs.size()) + " chunk checksums for " +
+                    std::to_string(chunks) + " chunks",
+                api);
+      }
+    }
+    for (const c10::IValue& ev : top.list("entries")) {
+      const Fields e(ev, p, api, " (an entry)");
+      const EntryLocation location = parse_entry(e, frame.version, rf.data_bytes, p);
+      rf.entries.emplace(e.str("key"), location);
+    }
+    rf.held = parse_held(top.dict("held"));
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    if (msg.find(p) != std::string::npos) throw;
+    corrupt(p, "unreadable header: " + msg, api);
   }
-  rf.held = parse_held(top.dict("held"));
   return rf;
 }
+
+namespace {
+
+// Version 2: copies data bytes [begin, begin + size) into `out`, verifying every chunk they
+// touch.
+void read_checked(const RankFile& file, int64_t begin, int64_t size, char* out, const char* api) {
+  const int64_t c = file.chunk_bytes;
+  std::vector<char> chunk;
+  for (int64_t k = begin / c; k * c < begin + size; ++k) {
+    const int64_t chunk_begin = k * c;
+    const int64_t chunk_end = std::min(chunk_begin + c, file.data_bytes);
+    chunk.resize(static_cast<size_t>(chunk_end - chunk_begin));
+    file.file.read(file.data_start + chunk_begin, chunk.data(), chunk.size());
+    if (crc32(chunk.data(), chunk.size()) != file.chunk_crcs[static_cast<size_t>(k)]) {
+      corrupt(file.file.path(),
+              "checksum mismatch in data bytes [" + std::to_string(chunk_begin) + ", " +
+                  std::to_string(chunk_end) + ") (chunk " + std::to_string(k) + ")",
+              api);
+    }
+    const int64_t a = std::max(begin, chunk_begin);
+    const int64_t b = std::min(begin + size, chunk_end);
+    std::memcpy(out + (a - begin), chunk.data() + (a - chunk_begin), static_cast<size_t>(b - a));
+  }
+}
+
+}  // namespace
 
 void read_entry_range(const RankFile& file, const std::string& key, int64_t first, int64_t count,
                       const at::Tensor& dst, const char* api) {
@@ -309,17 +374,23 @@ void read_entry_range(const RankFile& file, const std::string& key, int64_t firs
             api);
   }
   const EntryLocation& h = it->second;
-  if (first < 0 || first + count > h.numel) {
+  if (first < 0 || count < 0 || first + count > h.numel) {
     corrupt(file.file.path(), "entry '" + key + "' holds fewer elements than its held range", api);
   }
+  if (count == 0) return;
   const int64_t elsize = static_cast<int64_t>(c10::elementSize(h.dtype));
   at::Tensor buf =
       dst.scalar_type() == h.dtype ? dst : at::empty({count}, dst.options().dtype(h.dtype));
-  file.file.read(file.data_start + h.offset + first * elsize, buf.data_ptr(),
-                 static_cast<size_t>(count * elsize));
-  if (first == 0 && count == h.numel &&
-      crc32(buf.data_ptr(), static_cast<size_t>(count * elsize)) != h.crc) {
-    corrupt(file.file.path(), "checksum mismatch in entry '" + key + "'", api);
+  char* out = static_cast<char*>(buf.data_ptr());
+  if (file.version >= 2) {
+    read_checked(file, h.offset + first * elsize, count * elsize, out, api);
+  } else {
+    file.file.read(file.data_start + h.offset + first * elsize, out,
+                   static_cast<size_t>(count * elsize));
+    if (first == 0 && count == h.numel &&
+        crc32(out, static_cast<size_t>(count * elsize)) != h.crc) {
+      corrupt(file.file.path(), "checksum mismatch in entry '" + key + "'", api);
+    }
   }
   if (!buf.is_same(dst)) dst.copy_(buf);
 }

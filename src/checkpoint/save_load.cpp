@@ -4,6 +4,7 @@
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
 
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,37 +67,50 @@ std::string save_checkpoint(const std::string& dir,
     model = checkpoint::index_model(groups, kSaveApi);
     opts = checkpoint::index_optimizers(optimizers, model, kSaveApi);
   });
-  // Rank 0 creates the folder; the agreed sum tells every rank its sequence number.
-  const int64_t sequence = detail::agree_on_sum(comm, kSaveApi, 1, [&](std::vector<int64_t>& mine) {
-    if (comm.rank() == 0) mine[0] = checkpoint::create_checkpoint_folder(dir, kSaveApi);
-  })[0];
+  // Rank 0 creates the folder and draws the save id; the agreed sum tells every rank both (the
+  // id as two 63-bit halves, so the sum of rank 0's value and zeros cannot overflow).
+  const std::vector<int64_t> agreed =
+      detail::agree_on_sum(comm, kSaveApi, 3, [&](std::vector<int64_t>& mine) {
+        if (comm.rank() != 0) return;
+        mine[0] = checkpoint::create_checkpoint_folder(dir, kSaveApi);
+        const std::string id = checkpoint::new_save_id();
+        mine[1] = static_cast<int64_t>(std::stoull(id.substr(0, 16), nullptr, 16) >> 1);
+        mine[2] = static_cast<int64_t>(std::stoull(id.substr(16), nullptr, 16) >> 1);
+      });
+  const int64_t sequence = agreed[0];
+  char id[40];
+  std::snprintf(id, sizeof(id), "%016llx%016llx", static_cast<unsigned long long>(agreed[1]),
+                static_cast<unsigned long long>(agreed[2]));
+  const std::string save_id = id;
   const std::string folder = checkpoint::join_path(dir, checkpoint::folder_name(sequence));
   // Every rank writes its file and puts its size at its own index: the sum is every size.
   const std::vector<int64_t> rank_file_bytes =
       detail::agree_on_sum(comm, kSaveApi, comm.size(), [&](std::vector<int64_t>& mine) {
-        mine[comm.rank()] = checkpoint::write_rank_file(folder, model, opts, kSaveApi);
+        mine[comm.rank()] = checkpoint::write_rank_file(folder, model, opts, save_id, kSaveApi);
       });
   // Only now that every rank file is in place may the manifest make the checkpoint complete.
   detail::run_agreed(comm, kSaveApi, [&] {
     if (comm.rank() != 0) return;
-    checkpoint::publish_checkpoint(dir, sequence, model, opts, rank_file_bytes, options.keep_last(),
-                                   kSaveApi);
+    checkpoint::publish_checkpoint(dir, sequence, save_id, model, opts, rank_file_bytes,
+                                   options.user_state(), options.keep_last(), kSaveApi);
   });
   return folder;
 }
 
-void load_checkpoint(const std::string& dir,
-                     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                     const std::vector<torch::optim::Optimizer*>& optimizers) {
+CheckpointUserState load_checkpoint(const std::string& dir,
+                                    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                                    const std::vector<torch::optim::Optimizer*>& optimizers) {
   Communicator& comm = checkpoint::communicator_of(groups, kLoadApi);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;
   checkpoint::StagedRestore staged;
+  CheckpointUserState user_state;
   detail::run_agreed(comm, kLoadApi, [&] {
     model = checkpoint::index_model(groups, kLoadApi);
     opts = checkpoint::index_optimizers(optimizers, model, kLoadApi);
-    const std::string folder = checkpoint::resolve_checkpoint_folder(dir, kLoadApi);
-    const checkpoint::SavedMeta saved = checkpoint::read_manifest(folder, kLoadApi);
+    const checkpoint::FoundCheckpoint found = checkpoint::resolve_checkpoint(dir, kLoadApi);
+    const std::string& folder = found.folder;
+    const checkpoint::SavedMeta& saved = found.manifest;
     checkpoint::check_same_model(saved, model, kLoadApi);
     checkpoint::check_same_optimizers(saved, model, opts, kLoadApi);
     staged.options = checked_saved_options(saved, opts, kLoadApi);
@@ -104,9 +118,11 @@ void load_checkpoint(const std::string& dir,
     checkpoint::read_planned(plan, saved, folder, kLoadApi);
     staged.weights = std::move(plan.weights);
     staged.states = std::move(plan.states);
+    user_state = saved.user_state;
   });
   // Every rank has read everything it needs: only now does anything change.
   checkpoint::install_staged(model, opts, staged);
+  return user_state;
 }
 
 }  // namespace fsdp_muon

@@ -6,7 +6,13 @@
 // CheckpointResume.* (world sizes 1-4): loads that checkpoint into a differently initialized
 //                    model with fresh optimizers, runs 3 more steps, and must equal an
 //                    uninterrupted 6-step single-device run bit for bit (fp32 Newton–Schulz).
-// CheckpointFailures.* (own scratch folder): interrupted saves, bad inputs, export/import.
+// CheckpointFailures.* (own scratch folder): interrupted saves, bad inputs, export/import, broken
+//                    `latest`, failed saves and their retry, rank files of another save.
+// CheckpointCorruptionSave.* (world size 2, a CTest fixture): two saves of the same state with
+//                    small checksum chunks, and a full export of it.
+// CheckpointCorruption.* (world sizes 1-3): every file of that checkpoint with bytes flipped
+//                    must fail to load on every rank; the intact one loads. Also a checkpoint of
+//                    format version 1 (tests/checkpoint/data/v1) still loads.
 //
 // Gradients are the same full tensors on every rank, written into the gradient shards, so the
 // single-device reference (Muon + AdamW on full tensors) sees exactly what the shards see.
@@ -14,11 +20,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -448,6 +456,24 @@ void expect_snapshot(Sharded& s, const Snapshot& want, const std::string& what) 
   }
 }
 
+// Every file under `dir` whose name contains `needle`, recursively.
+std::vector<std::string> files_named(const std::string& dir, const std::string& needle) {
+  std::vector<std::string> found;
+  for (const std::string& name : list_directory(dir)) {
+    const std::string path = join_path(dir, name);
+    if (is_directory(path)) {
+      for (const std::string& f : files_named(path, needle)) found.push_back(f);
+    } else if (name.find(needle) != std::string::npos) {
+      found.push_back(path);
+    }
+  }
+  return found;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
 TEST(CheckpointFailures, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
   const int me = world().rank();
   const int last = world().size() - 1;
@@ -659,6 +685,347 @@ TEST(CheckpointFailures, ExportImportRoundTripAndPythonWeights) {
   world().barrier();
   expect_error([&] { import_full_checkpoint(dir + "/garbage.pt", u.groups, u.optimizers()); },
                {"is not a readable torch.save / pickle file"}, "garbage");
+}
+
+// ---- broken `latest`, failed saves, mixed saves, user state ----
+
+std::string rank_file(int rank, int world_size) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "rank-%05d-of-%05d.bin", rank, world_size);
+  return name;
+}
+
+// The README's resume pattern must throw on a checkpoint it cannot use, not start afresh (and
+// then let the next saves prune the good checkpoints).
+TEST(CheckpointFailures, BrokenLatestIsAnErrorNotAFreshStart) {
+  const int me = world().rank();
+  const std::string dir = scratch("broken_latest");
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  // No checkpoint: no root, or only what a first save that crashed left.
+  EXPECT_EQ(latest_checkpoint(dir), std::nullopt);
+  world().barrier();
+  if (me == 0) {
+    checkpoint::make_directories(dir + "/ckpt-000001", "checkpoint_test");
+    write_text(dir + "/ckpt-000001/" + rank_file(0, world().size()), "half a file");
+  }
+  world().barrier();
+  EXPECT_EQ(latest_checkpoint(dir), std::nullopt);
+  world().barrier();
+
+  const std::string first = save_checkpoint(dir, s.groups, s.optimizers());
+  EXPECT_EQ(first, dir + "/ckpt-000002");
+  EXPECT_FALSE(path_exists(dir + "/ckpt-000001")) << "the crashed save's leftovers";
+  train_step(&s, nullptr, 2);
+  const std::string second = save_checkpoint(dir, s.groups, s.optimizers());
+  const Snapshot saved = snapshot(s);
+  train_step(&s, nullptr, 3);
+  const Snapshot before = snapshot(s);
+  const std::string latest = dir + "/latest";
+  const std::vector<char> good = checkpoint::read_whole_file(latest, "checkpoint_test");
+  const std::string good_text(good.begin(), good.end());
+  const std::string second_id = good_text.substr(good_text.find(' ') + 1);  // with its newline
+  world().barrier();
+
+  struct Case {
+    std::string what;
+    std::function<void()> make;  // rank 0
+    std::vector<std::string> needles;
+  };
+  const std::string manifest = second + "/manifest.pt";
+  const std::vector<Case> cases = {
+      {"empty", [&] { write_text(latest, ""); }, {"latest is empty"}},
+      {"garbage", [&] { write_text(latest, "\x01\x7fgarbage\n"); }, {"latest is corrupt"}},
+      {"two lines", [&] { write_text(latest, good_text + good_text); }, {"latest is corrupt"}},
+      {"a missing folder",
+       [&] { write_text(latest, "ckpt-000009 " + second_id); },
+       {"names 'ckpt-000009'", "ckpt-000009 does not exist"}},
+      {"an incomplete folder",
+       [&] { ASSERT_EQ(std::rename(manifest.c_str(), (manifest + ".away").c_str()), 0); },
+       {"manifest.pt does not exist", "incomplete"}},
+      {"another save's folder",
+       [&] { write_text(latest, "ckpt-000002 " + second_id); },
+       {"names 'ckpt-000002' of save", "is of save"}},
+      {"no save id", [&] { write_text(latest, "ckpt-000003\n"); }, {"without a save id"}},
+  };
+  for (const Case& c : cases) {
+    if (me == 0) c.make();
+    world().barrier();
+    std::vector<std::string> needles = c.needles;
+    needles.push_back(latest);
+    needles.insert(needles.begin(), "fsdp_muon::latest_checkpoint: ");
+    expect_error(
+        [&] {
+          if (auto ckpt = latest_checkpoint(dir)) load_checkpoint(*ckpt, s.groups, s.optimizers());
+        },
+        needles, "resume pattern, latest with " + c.what);
+    needles.front() = "fsdp_muon::load_checkpoint: ";
+    expect_error([&] { load_checkpoint(dir, s.groups, s.optimizers()); }, needles,
+                 "load_checkpoint, latest with " + c.what);
+    world().barrier();
+    if (me == 0) {
+      write_text(latest, good_text);
+      if (!path_exists(manifest)) std::rename((manifest + ".away").c_str(), manifest.c_str());
+    }
+    world().barrier();
+  }
+  expect_snapshot(s, before, "after the refused resumes");
+  // Nothing was pruned; the pattern resumes from the newest.
+  EXPECT_TRUE(path_exists(first + "/manifest.pt"));
+  const auto ckpt = latest_checkpoint(dir);
+  ASSERT_EQ(ckpt, second);
+  load_checkpoint(*ckpt, s.groups, s.optimizers());
+  expect_snapshot(s, saved, "resumed from the newest");
+  // Without `latest` (a first save stopped between its manifest and `latest`): the newest
+  // complete folder.
+  world().barrier();
+  if (me == 0) {
+    ASSERT_EQ(::unlink(latest.c_str()), 0);
+  }
+  world().barrier();
+  EXPECT_EQ(latest_checkpoint(dir), second);
+}
+
+// A write that fails as on a full disk: its temporary file goes at once, the incomplete folder
+// with the next save, before that writes anything; no complete checkpoint is pruned for it.
+TEST(CheckpointFailures, FailedSaveCleansUpAndARetrySucceeds) {
+  const int me = world().rank();
+  const int last = world().size() - 1;
+  const std::string dir = scratch("disk_full");
+  const auto keep_one = SaveCheckpointOptions().keep_last(1);
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string first = save_checkpoint(dir, s.groups, s.optimizers(), keep_one);
+  train_step(&s, nullptr, 2);
+  struct Failure {
+    int rank;
+    int64_t after;  // writes of that rank's save that succeed first
+    std::string file;
+  };
+  for (const Failure& f :
+       {Failure{last, 0, "rank-"}, Failure{0, 1, "manifest.pt"}, Failure{0, 2, dir + "/latest"}}) {
+    if (me == f.rank)
+      detail::set_checkpoint_failure_injection(f.after, InjectedFailure::kWriteError);
+    expect_error(
+        [&] { save_checkpoint(dir, s.groups, s.optimizers(), keep_one); },
+        {me == f.rank ? "fsdp_muon::save_checkpoint: injected write error while writing"
+                      : "fsdp_muon::save_checkpoint failed on rank " + std::to_string(f.rank),
+         f.file},
+        "a failed write of " + f.file);
+    world().barrier();
+    EXPECT_EQ(files_named(dir, ".tmp").size(), 0u) << "after the failed write of " << f.file;
+    EXPECT_EQ(latest_checkpoint(dir), first) << f.file;
+    EXPECT_TRUE(path_exists(first + "/manifest.pt")) << f.file;
+    world().barrier();
+  }
+  const std::string retry = save_checkpoint(dir, s.groups, s.optimizers(), keep_one);
+  world().barrier();
+  EXPECT_EQ(latest_checkpoint(dir), retry);
+  std::vector<std::string> names = list_directory(dir);
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{retry.substr(dir.size() + 1), "latest"}));
+  EXPECT_EQ(files_named(dir, ".tmp").size(), 0u);
+  Sharded t = make_sharded(99);
+  load_checkpoint(dir, t.groups, t.optimizers());
+  expect_snapshot(t, snapshot(s), "loaded after the retry");
+}
+
+TEST(CheckpointFailures, RankFileOfAnotherSaveIsRefused) {
+  const int me = world().rank();
+  const int w = world().size();
+  const std::string dir = scratch("mixed");
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const auto keep_all = SaveCheckpointOptions().keep_last(0);
+  const std::string a = save_checkpoint(dir, s.groups, s.optimizers(), keep_all);
+  const std::string b = save_checkpoint(dir, s.groups, s.optimizers(), keep_all);
+  const std::string name = rank_file(0, w);
+  // The same state twice: only the save id tells the two files apart.
+  EXPECT_EQ(file_size(a + "/" + name), file_size(b + "/" + name));
+  if (me == 0) {
+    copy_tree(b, dir + "/mixed");
+    const std::vector<char> bytes = checkpoint::read_whole_file(a + "/" + name, "checkpoint_test");
+    std::ofstream(dir + "/mixed/" + name, std::ios::binary | std::ios::trunc)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    copy_tree(b, dir + "/folder");
+    ASSERT_EQ(::unlink((dir + "/folder/" + name).c_str()), 0);
+    checkpoint::make_directories(dir + "/folder/" + name, "checkpoint_test");
+  }
+  world().barrier();
+  Sharded t = make_sharded(99);
+  train_step(&t, nullptr, 1);  // snapshot() reads the optimizer state a step creates
+  const Snapshot before = snapshot(t);
+  expect_error([&] { load_checkpoint(dir + "/mixed", t.groups, t.optimizers()); },
+               {"fsdp_muon::load_checkpoint", dir + "/mixed/" + name, "belongs to another save",
+                "rank files of different saves cannot be mixed"},
+               "a rank file of another save");
+  expect_error([&] { load_checkpoint(dir + "/folder", t.groups, t.optimizers()); },
+               {"fsdp_muon::load_checkpoint", dir + "/folder/" + name,
+                "is a folder where a checkpoint file should be"},
+               "a folder for a rank file");
+  expect_snapshot(t, before, "after the refused loads");
+}
+
+TEST(CheckpointFailures, UserStateTravelsWithTheCheckpoint) {
+  const std::string dir = scratch("user_state");
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  CheckpointUserState user;
+  user.ints["step"] = 1;
+  user.ints["negative"] = -7;
+  user.strings["run"] = "alpha beta\n";
+  save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions().user_state(user));
+  Sharded t = make_sharded(99);
+  const CheckpointUserState back = load_checkpoint(dir, t.groups, t.optimizers());
+  EXPECT_EQ(back.ints, user.ints);
+  EXPECT_EQ(back.strings, user.strings);
+  CheckpointUserState clash;
+  clash.ints["k"] = 1;
+  clash.strings["k"] = "x";
+  expect_error(
+      [&] {
+        save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions().user_state(clash));
+      },
+      {"user_state key 'k' is both an integer and a string"}, "a key in both maps");
+}
+
+// ---- corruption: a save at world size 2, loaded with flipped bytes at 1-3 ----
+
+TEST(CheckpointCorruptionSave, TwoSavesOfOneStateAndAnExport) {
+  const std::string dir = env_dir("FSDP_MUON_CHECKPOINT_DIR");
+  ASSERT_FALSE(dir.empty());
+  if (world().rank() == 0) remove_tree(dir);
+  world().barrier();
+  // Chunks far smaller than the files, so that loads at other world sizes read parts of them.
+  detail::set_checkpoint_chunk_bytes(256);
+  Sharded s = make_sharded(7);
+  for (int step = 1; step <= 2; ++step) train_step(&s, nullptr, step);
+  const auto keep_all = SaveCheckpointOptions().keep_last(0);
+  save_checkpoint(dir + "/sharded", s.groups, s.optimizers(), keep_all);
+  EXPECT_EQ(save_checkpoint(dir + "/sharded", s.groups, s.optimizers(), keep_all),
+            dir + "/sharded/ckpt-000002");
+  detail::set_checkpoint_chunk_bytes(0);
+  export_full_checkpoint(dir + "/export.pt", s.groups, s.optimizers());
+}
+
+// Flips bit 0 of the byte at `offset` (twice restores it).
+void flip(const std::string& path, int64_t offset) {
+  std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+  ASSERT_TRUE(f.good()) << path;
+  f.seekg(offset);
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x01);
+  f.seekp(offset);
+  f.write(&c, 1);
+  ASSERT_TRUE(f.good()) << path << " at " << offset;
+}
+
+uint64_t read_u64(const std::string& path, int64_t offset) {
+  const std::vector<char> bytes = checkpoint::read_whole_file(path, "checkpoint_test");
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(bytes[offset + i]);
+  return v;
+}
+
+TEST(CheckpointCorruption, EveryFlippedByteFailsToLoadOnEveryRank) {
+  const int me = world().rank();
+  const std::string src = env_dir("FSDP_MUON_CHECKPOINT_DIR");
+  ASSERT_TRUE(path_exists(src + "/sharded/ckpt-000002/manifest.pt"))
+      << "run checkpoint_corruption_save first (it is this test's CTest fixture)";
+  const std::string root = scratch("flips");
+  if (me == 0) copy_tree(src + "/sharded", root);
+  world().barrier();
+  Sharded ref = make_sharded(5);
+  import_full_checkpoint(src + "/export.pt", ref.groups, ref.optimizers());
+  const Snapshot want = snapshot(ref);
+  Sharded s = make_sharded(99);
+  train_step(&s, nullptr, 1);  // snapshot() reads the optimizer state a step creates
+  const Snapshot before = snapshot(s);
+
+  // Per file, the offsets to flip: every field of the frame, the header, the padding after it,
+  // the data from its first byte to its last; all of the manifest; every byte of `latest`.
+  const std::string folder = root + "/ckpt-000002";
+  std::vector<std::pair<std::string, std::vector<int64_t>>> targets;
+  for (int r = 0; r < 2; ++r) {
+    const std::string path = folder + "/" + rank_file(r, 2);
+    const int64_t size = file_size(path);
+    const auto header = static_cast<int64_t>(read_u64(path, 8));
+    const int64_t data_start = (24 + header + 63) / 64 * 64;
+    std::vector<int64_t> offsets = {
+        0, 7, 8, 15, 16, 19, 20, 23, 24, 24 + header / 2, 24 + header - 1};
+    if (data_start > 24 + header) offsets.push_back(data_start - 1);
+    for (int k = 0; k < 8; ++k) offsets.push_back(data_start + (size - data_start) * k / 8);
+    offsets.push_back(size - 1);
+    targets.emplace_back(path, offsets);
+  }
+  {
+    const std::string path = folder + "/manifest.pt";
+    const int64_t size = file_size(path);
+    std::vector<int64_t> offsets = {0, 8, 16, 20, 24};
+    for (int k = 1; k < 8; ++k) offsets.push_back(size * k / 8);
+    offsets.push_back(size - 1);
+    targets.emplace_back(path, offsets);
+  }
+  {
+    const std::string path = root + "/latest";
+    std::vector<int64_t> offsets;
+    for (int64_t k = 0; k < file_size(path); ++k) offsets.push_back(k);
+    targets.emplace_back(path, offsets);
+  }
+  int loads = 0;
+  for (const auto& [path, offsets] : targets) {
+    for (int64_t offset : offsets) {
+      if (me == 0) flip(path, offset);
+      world().barrier();
+      expect_error([&] { load_checkpoint(root, s.groups, s.optimizers()); },
+                   {"fsdp_muon::load_checkpoint", path},
+                   path + " with byte " + std::to_string(offset) + " flipped, world size " +
+                       std::to_string(world().size()));
+      ++loads;
+      world().barrier();
+      if (me == 0) flip(path, offset);
+      world().barrier();
+    }
+  }
+  EXPECT_GT(loads, 60);
+  expect_snapshot(s, before, "after the corrupt loads");
+  load_checkpoint(root, s.groups, s.optimizers());
+  expect_snapshot(s, want, "the intact checkpoint");
+}
+
+// Checkpoints of format version 1 (saved at world size 4 by the previous release, with a full
+// export of the same state) still load, at any world size.
+TEST(CheckpointCorruption, LoadsAVersion1Checkpoint) {
+  const std::string v1 = env_dir("FSDP_MUON_CHECKPOINT_V1");
+  EXPECT_EQ(latest_checkpoint(v1 + "/sharded"), v1 + "/sharded/ckpt-000001");
+  Sharded ref = make_sharded(5);
+  import_full_checkpoint(v1 + "/export.pt", ref.groups, ref.optimizers());
+  Sharded s = make_sharded(12345);
+  const CheckpointUserState user = load_checkpoint(v1 + "/sharded", s.groups, s.optimizers());
+  EXPECT_TRUE(user.ints.empty() && user.strings.empty());
+  expect_snapshot(s, snapshot(ref), "a version 1 checkpoint");
+  EXPECT_DOUBLE_EQ(s.adamw->param_groups()[0].options().get_lr(), 0.007);
+  EXPECT_DOUBLE_EQ(s.muon->param_groups()[1].options().get_lr(), 0.015);
+
+  // A damaged version 1 manifest (no checksum) whose pickles no longer parse (the first one in
+  // the file is a param group's options): the error names it.
+  const std::string copy = scratch("v1_damaged");
+  if (world().rank() == 0) {
+    copy_tree(v1 + "/sharded", copy);
+    const std::string manifest = copy + "/ckpt-000001/manifest.pt";
+    std::vector<char> bytes = checkpoint::read_whole_file(manifest, "checkpoint_test");
+    const std::string text(bytes.begin(), bytes.end());
+    const size_t pickle = text.find("\x80\x02");  // PROTO 2: where data.pkl starts
+    ASSERT_NE(pickle, std::string::npos);
+    for (size_t k = pickle; k < pickle + 16; ++k) bytes[k] = '\xff';
+    std::ofstream(manifest, std::ios::binary | std::ios::trunc)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  world().barrier();
+  expect_error([&] { load_checkpoint(copy, s.groups, s.optimizers()); },
+               {"fsdp_muon::load_checkpoint: ", copy + "/ckpt-000001/manifest.pt", "corrupt"},
+               "a damaged version 1 manifest");
 }
 
 }  // namespace

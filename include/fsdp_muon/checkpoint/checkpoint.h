@@ -3,16 +3,19 @@
 // full export that Python's torch.load reads.
 //
 // Layout of a checkpoint root `dir`:
-//   dir/latest                         the name of the newest complete checkpoint (one line)
+//   dir/latest                         the name of the newest complete checkpoint and its save
+//                                      id (one line: "ckpt-000007 <32 hex digits>")
 //   dir/ckpt-000007/manifest.pt        written last, by rank 0: a checkpoint is complete iff
-//                                      its manifest exists
+//                                      its manifest exists; checksummed, with the save id
 //   dir/ckpt-000007/rank-00002-of-00004.bin   what rank 2 of 4 held: per parameter, its held
-//                                      slice of the main weights and of each optimizer state
+//                                      slice of the main weights and of each optimizer state;
+//                                      header checksummed, data checksummed in 1 MiB chunks
 // Every file is written to a temporary name in its own folder, flushed and renamed, and every
 // save goes into a fresh folder, so a crash mid-save leaves the previous checkpoint whole and
 // `latest` pointing at it.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,10 +28,20 @@
 
 namespace fsdp_muon {
 
+// The caller's own resume state (the step reached, a data cursor, a run name): a few values
+// stored in the checkpoint's manifest, so that they and the weights become visible by the same
+// rename and no crash can separate them. A key is in one map only.
+struct CheckpointUserState {
+  std::map<std::string, int64_t> ints;
+  std::map<std::string, std::string> strings;
+};
+
 struct SaveCheckpointOptions {
   // Complete checkpoints kept in the root after a successful save, the new one included
   // (older ones and incomplete leftovers of crashed saves are removed); 0 keeps everything.
   TORCH_ARG(int64_t, keep_last) = 2;
+  // Stored as rank 0 passes it; load_checkpoint returns it.
+  TORCH_ARG(CheckpointUserState, user_state);
 };
 
 struct ImportCheckpointOptions {
@@ -44,7 +57,8 @@ struct ImportCheckpointOptions {
 // checkpoint under `dir`, then points dir/latest at it. Collective: every rank calls it with
 // the same groups and optimizers in the same order. Returns the checkpoint folder. A failure on
 // any rank throws on every rank (with that rank's message) and leaves the previous checkpoint
-// as it was.
+// as it was; the failed save's temporary files are removed as the write fails, its incomplete
+// folder by the next save (before it writes anything), so a retry after e.g. a full disk works.
 std::string save_checkpoint(const std::string& dir,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers,
@@ -55,14 +69,22 @@ std::string save_checkpoint(const std::string& dir,
 // the saved rank files whose shards overlap what it holds now, and only those byte ranges.
 // Then the model weights are refreshed and optimizer state and options installed, as the
 // optimizers would have created them. Nothing is changed unless every rank read everything it
-// needs; errors (another model, a missing or truncated file, another optimizer set-up) name
-// what is wrong and are raised on every rank.
-void load_checkpoint(const std::string& dir,
-                     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                     const std::vector<torch::optim::Optimizer*>& optimizers);
+// needs; errors (another model, a missing or truncated file, another optimizer set-up, a
+// checksum mismatch, a rank file of another save) name what is wrong and the file, and are
+// raised on every rank. Every byte the load uses is checked against a checksum (format version
+// 2; version 1 checkpoints load with the checks they had). Returns the saved user state.
+CheckpointUserState load_checkpoint(const std::string& dir,
+                                    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                                    const std::vector<torch::optim::Optimizer*>& optimizers);
 
-// The folder dir/latest names, when it exists and holds a manifest; nullopt otherwise (no
-// checkpoint yet). Local: reads files, no communication.
+// The checkpoint folder to resume from: `dir` itself when it holds a manifest.pt, else the
+// folder dir/latest names (or, when `latest` is absent because the first save stopped between
+// its manifest and `latest`, the newest complete ckpt-* folder). nullopt only when there is no
+// checkpoint: `dir` does not exist, or holds neither `latest` nor a complete checkpoint folder.
+// A checkpoint that is there but unusable (`latest` empty, garbled, naming a missing or
+// incomplete folder or another save; a corrupt manifest) throws, naming the file and the
+// problem, so that a resume never silently restarts from scratch. Local: reads `latest` and the
+// manifest (checksummed), no communication; every rank must see the same files.
 std::optional<std::string> latest_checkpoint(const std::string& dir);
 
 // Writes one file of full tensors keyed by parameter name, in LibTorch's pickle format
