@@ -57,7 +57,7 @@ std::vector<std::vector<at::Tensor>> gather_full_weights(const ModelIndex& model
     at::Tensor full = at::empty({group->padded_numel()}, shard.options());
     comm.all_gather(shard.contiguous(), full);
     if (comm.rank() != 0) continue;
-    full = full.cpu();
+    full = comm.to_host(full);  // bounded by the communicator's timeout (docs/DESIGN.md §5)
     for (size_t i = 0; i < group->num_parameters(); ++i) {
       weights[g].push_back(full_parameter(full, group->slot(i)));
     }
@@ -87,7 +87,7 @@ std::vector<PooledStateInfo> pool_state_info(const std::vector<ParamState>& loca
   if (n > 0) {
     at::Tensor reduced = packed.to(comm.device());
     comm.all_reduce(reduced, ReduceOp::kMax);
-    packed = reduced.cpu();
+    packed = comm.to_host(reduced);
   }
   std::vector<PooledStateInfo> pooled(local.size());
   row = packed.data_ptr<int64_t>();
@@ -121,7 +121,7 @@ void gather_state_key(const ModelIndex& model, size_t g, const std::vector<Param
   at::Tensor full = at::empty({group->padded_numel()}, buffer.options());
   comm.all_gather(buffer, full);
   if (comm.rank() != 0) return;
-  full = full.cpu();
+  full = comm.to_host(full);
   for (size_t k = 0; k < refs.size(); ++k) {
     if (refs[k].group != g || !pooled[k].has_key[key_index]) continue;
     const ParameterSlot& slot = model.slot(refs[k]);

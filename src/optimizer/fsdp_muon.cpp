@@ -379,14 +379,20 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
   Impl& d = *impl_;
   FsdpMuonStepStats stats;
   d.timer->reset();
-  const std::vector<bool> active = d.agree_on_gradients(*this, stats);
-  for (const auto& window : d.plan.windows) {
-    ++stats.windows;
-    std::vector<GroupInFlight> flight = d.momentum_inputs(*this, window, active);
-    d.gather_to_owners(flight, window.first, stats);
-    d.orthogonalize_owned(*this, flight, window.first);
-    d.scatter_to_holders(flight, window.first, stats);
-    d.apply_and_refresh(*this, flight, window.first, stats);
+  try {
+    const std::vector<bool> active = d.agree_on_gradients(*this, stats);
+    for (const auto& window : d.plan.windows) {
+      ++stats.windows;
+      std::vector<GroupInFlight> flight = d.momentum_inputs(*this, window, active);
+      d.gather_to_owners(flight, window.first, stats);
+      d.orthogonalize_owned(*this, flight, window.first);
+      d.scatter_to_holders(flight, window.first, stats);
+      d.apply_and_refresh(*this, flight, window.first, stats);
+    }
+  } catch (...) {
+    // A failed step's phase times must not be added to the last completed step's stats.
+    d.timer->reset();
+    throw;
   }
   d.stats = stats;
   return loss;

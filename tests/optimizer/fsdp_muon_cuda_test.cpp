@@ -4,6 +4,7 @@
 // (CUDA events). Skips, saying why, where no GPU is usable; scripts/gpu-check runs it on a GPU.
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -19,7 +20,15 @@
 namespace fsdp_muon {
 namespace {
 
+// A world of one whatever launcher started the test binary: its variables are cleared first.
 std::shared_ptr<Communicator> nccl_world_of_one() {
+  for (const char* var :
+       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "PMI_RANK",
+        "PMI_SIZE", "FSDP_MUON_BACKEND"}) {
+    ::unsetenv(var);
+  }
   InitOptions options;
   options.backend = "nccl";
   options.timeout_seconds = 60;

@@ -82,7 +82,8 @@ struct FsdpMuonStepStats {
   int64_t max_transient_bytes = 0;
   // Seconds per phase. On the CPU: wall time. On CUDA: execution time on the caller's stream,
   // measured by CUDA events around each phase; last_step_stats() waits for the step's work the
-  // first time it is called after a step (step() itself never waits for them).
+  // first time it is called after a step (step() itself never waits for them), bounded by the
+  // communicator's timeout: a peer that never arrives makes it throw instead of hang.
   double check_seconds = 0;
   double elementwise_seconds = 0;
   double gather_seconds = 0;
