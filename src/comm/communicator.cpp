@@ -44,8 +44,29 @@ Communicator::Communicator(int rank, int size) : rank_(rank), size_(size) {
 
 Communicator::~Communicator() = default;
 
-void Communicator::all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
-                                const at::Tensor& recv, const std::vector<int64_t>& recv_counts) {
+namespace {
+
+// A work whose collective completed when it was started.
+class FinishedWork final : public CommWork {
+ protected:
+  void do_wait() override {}
+};
+
+}  // namespace
+
+CommWork::~CommWork() = default;
+
+void CommWork::wait() {
+  if (waited_) return;
+  // Marked first: a failed wait must not be retried against a backend that has given up.
+  waited_ = true;
+  do_wait();
+}
+
+void Communicator::check_all_to_all_v(const at::Tensor& send,
+                                      const std::vector<int64_t>& send_counts,
+                                      const at::Tensor& recv,
+                                      const std::vector<int64_t>& recv_counts) {
   check_flat(kAllToAllV, send, "send buffer", device());
   check_flat(kAllToAllV, recv, "receive buffer", device());
   TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllToAllV,
@@ -58,10 +79,9 @@ void Communicator::all_to_all_v(const at::Tensor& send, const std::vector<int64_
   const int64_t sent = send.numel() - send_counts[rank_];
   stats_.all_to_all_v_bytes += sent * static_cast<int64_t>(send.element_size());
   ++stats_.calls;
-  do_all_to_all_v(send, send_counts, recv, recv_counts);
 }
 
-void Communicator::all_gather(const at::Tensor& send, const at::Tensor& recv) {
+void Communicator::check_all_gather(const at::Tensor& send, const at::Tensor& recv) {
   check_flat(kAllGather, send, "send buffer", device());
   check_flat(kAllGather, recv, "receive buffer", device());
   TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllGather, ": dtypes differ");
@@ -69,10 +89,9 @@ void Communicator::all_gather(const at::Tensor& send, const at::Tensor& recv) {
               recv.numel(), " elements, needs world size x send = ", send.numel() * size_);
   stats_.all_gather_bytes += (size_ - 1) * send.numel() * static_cast<int64_t>(send.element_size());
   ++stats_.calls;
-  do_all_gather(send, recv);
 }
 
-void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) {
+void Communicator::check_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) {
   check_flat(kReduceScatterMean, send, "send buffer", device());
   check_flat(kReduceScatterMean, recv, "receive buffer", device());
   TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kReduceScatterMean, ": dtypes differ");
@@ -81,7 +100,61 @@ void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor&
   stats_.reduce_scatter_bytes +=
       (size_ - 1) * recv.numel() * static_cast<int64_t>(recv.element_size());
   ++stats_.calls;
+}
+
+void Communicator::all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
+                                const at::Tensor& recv, const std::vector<int64_t>& recv_counts) {
+  check_all_to_all_v(send, send_counts, recv, recv_counts);
+  do_all_to_all_v(send, send_counts, recv, recv_counts);
+}
+
+void Communicator::all_gather(const at::Tensor& send, const at::Tensor& recv) {
+  check_all_gather(send, recv);
+  do_all_gather(send, recv);
+}
+
+void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) {
+  check_reduce_scatter_mean(send, recv);
   do_reduce_scatter_mean(send, recv);
+}
+
+std::unique_ptr<CommWork> Communicator::all_to_all_v_async(const at::Tensor& send,
+                                                           const std::vector<int64_t>& send_counts,
+                                                           const at::Tensor& recv,
+                                                           const std::vector<int64_t>& recv_counts) {
+  check_all_to_all_v(send, send_counts, recv, recv_counts);
+  return do_all_to_all_v_async(send, send_counts, recv, recv_counts);
+}
+
+std::unique_ptr<CommWork> Communicator::all_gather_async(const at::Tensor& send,
+                                                         const at::Tensor& recv) {
+  check_all_gather(send, recv);
+  return do_all_gather_async(send, recv);
+}
+
+std::unique_ptr<CommWork> Communicator::reduce_scatter_mean_async(const at::Tensor& send,
+                                                                  const at::Tensor& recv) {
+  check_reduce_scatter_mean(send, recv);
+  return do_reduce_scatter_mean_async(send, recv);
+}
+
+std::unique_ptr<CommWork> Communicator::do_all_to_all_v_async(
+    const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
+    const std::vector<int64_t>& recv_counts) {
+  do_all_to_all_v(send, send_counts, recv, recv_counts);
+  return std::make_unique<FinishedWork>();
+}
+
+std::unique_ptr<CommWork> Communicator::do_all_gather_async(const at::Tensor& send,
+                                                            const at::Tensor& recv) {
+  do_all_gather(send, recv);
+  return std::make_unique<FinishedWork>();
+}
+
+std::unique_ptr<CommWork> Communicator::do_reduce_scatter_mean_async(const at::Tensor& send,
+                                                                     const at::Tensor& recv) {
+  do_reduce_scatter_mean(send, recv);
+  return std::make_unique<FinishedWork>();
 }
 
 void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {

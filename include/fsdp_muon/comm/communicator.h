@@ -1,8 +1,10 @@
 #pragma once
 // The handful of collectives fsdp_muon needs (docs/DESIGN.md §5). Every call takes flat 1-D
 // contiguous tensors on the communicator's device; on CUDA each is enqueued on the caller's current
-// stream, on CPU it has completed when the call returns. Every call counts the bytes this rank
-// sends to other ranks, so tests and benchmarks can compare traffic with the minimum.
+// stream, on CPU it has completed when the call returns. The *_async calls start the same
+// collectives without waiting and return a CommWork to wait on, so communication can overlap
+// compute. Every call counts the bytes this rank sends to other ranks, so tests and benchmarks can
+// compare traffic with the minimum.
 
 #include <cstdint>
 #include <memory>
@@ -30,6 +32,31 @@ struct CommStats {
     return all_to_all_v_bytes + all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes +
            broadcast_bytes;
   }
+};
+
+// A collective started by one of Communicator's *_async calls. Until wait() returns, the send
+// buffer must not be written and the receive buffer neither read nor written; the work keeps both
+// alive. wait() is what makes the result visible: on the CPU it blocks until the collective has
+// completed (bounded by the communicator's timeout; a failure throws, naming the collective); on
+// CUDA it makes the caller's current stream wait for the collective (the host does not wait). A
+// second wait() does nothing, also after a wait() that threw. A work destroyed without wait()
+// lets its collective finish: the Gloo work waits for it (swallowing errors), the NCCL work leaves
+// it running with its buffers recorded on the communication stream, so an exception between start
+// and wait() neither corrupts memory nor leaves the collective half-issued.
+class CommWork {
+ public:
+  virtual ~CommWork();
+  CommWork(const CommWork&) = delete;
+  CommWork& operator=(const CommWork&) = delete;
+  void wait();
+  bool waited() const { return waited_; }
+
+ protected:
+  CommWork() = default;
+  virtual void do_wait() = 0;
+
+ private:
+  bool waited_ = false;
 };
 
 class Communicator {
@@ -61,6 +88,22 @@ class Communicator {
   void broadcast(const at::Tensor& tensor, int root = 0);
   void barrier();
 
+  // ---- asynchronous collectives ----
+  // The same collectives, checked and counted the same way, with the same results bit for bit,
+  // started without waiting. Collectives run in the order they are started, synchronous ones
+  // included, so every rank must start the same collectives in the same order (waiting may be in
+  // any order). On the CPU (Gloo) they run on the backend's own thread while the caller computes;
+  // on CUDA (NCCL) on a communication stream of the communicator's own, which first waits for
+  // everything already enqueued on the caller's current stream (so the send buffer may be
+  // produced there), and the buffers are recorded on that stream for the caching allocator.
+  std::unique_ptr<CommWork> all_to_all_v_async(const at::Tensor& send,
+                                               const std::vector<int64_t>& send_counts,
+                                               const at::Tensor& recv,
+                                               const std::vector<int64_t>& recv_counts);
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& send, const at::Tensor& recv);
+  std::unique_ptr<CommWork> reduce_scatter_mean_async(const at::Tensor& send,
+                                                      const at::Tensor& recv);
+
   // `tensor` on the host, for library code that reads a collective's result (docs/DESIGN.md §5).
   // A CPU tensor comes back as it is: a CPU collective has completed when it returns. A tensor on
   // the communicator's CUDA device is copied to pinned host memory behind everything enqueued on
@@ -86,8 +129,24 @@ class Communicator {
   // A tensor on device(), which is not the CPU. This default copies with tensor.cpu(), which is
   // right only where a collective has completed when it returns.
   virtual at::Tensor do_to_host(const at::Tensor& tensor);
+  // Asynchronous counterparts; the defaults run the synchronous call and return a finished work,
+  // which is right for a backend whose collectives complete on return and have no thread.
+  virtual std::unique_ptr<CommWork> do_all_to_all_v_async(const at::Tensor& send,
+                                                          const std::vector<int64_t>& send_counts,
+                                                          const at::Tensor& recv,
+                                                          const std::vector<int64_t>& recv_counts);
+  virtual std::unique_ptr<CommWork> do_all_gather_async(const at::Tensor& send,
+                                                        const at::Tensor& recv);
+  virtual std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,
+                                                                 const at::Tensor& recv);
 
  private:
+  // Validate the buffers and count the bytes, for the call and its *_async twin alike.
+  void check_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
+                          const at::Tensor& recv, const std::vector<int64_t>& recv_counts);
+  void check_all_gather(const at::Tensor& send, const at::Tensor& recv);
+  void check_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv);
+
   int rank_;
   int size_;
   CommStats stats_;
