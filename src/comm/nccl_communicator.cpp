@@ -2,6 +2,9 @@
 
 #include <chrono>
 #include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -93,6 +96,27 @@ class MarkerEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// An asynchronous collective on the communication stream: `done` marks its end there. wait()
+// orders the caller's current stream after it; the host never waits. The buffers were recorded on
+// the communication stream, so a work dropped without wait() frees nothing too early.
+class NcclWork final : public CommWork {
+ public:
+  NcclWork(std::shared_ptr<MarkerEvent> done, int device_index)
+      : done_(std::move(done)), device_index_(device_index) {}
+
+ protected:
+  void do_wait() override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t caller =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, done_->get(), 0));
+  }
+
+ private:
+  std::shared_ptr<MarkerEvent> done_;
+  int device_index_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -170,7 +194,44 @@ class NcclCommunicator final : public Communicator {
   void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
                        const at::Tensor& recv, const std::vector<int64_t>& recv_counts) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaStream_t stream = begin("all_to_all_v");
+    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, begin("all_to_all_v"));
+  }
+
+  void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    enqueue_all_gather(send, recv, begin("all_gather"));
+  }
+
+  void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    enqueue_reduce_scatter_mean(send, recv, begin("reduce_scatter_mean"));
+  }
+
+  std::unique_ptr<CommWork> do_all_to_all_v_async(
+      const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
+      const std::vector<int64_t>& recv_counts) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, begin_async("all_to_all_v"));
+    return end_async({send, recv});
+  }
+
+  std::unique_ptr<CommWork> do_all_gather_async(const at::Tensor& send,
+                                                const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    enqueue_all_gather(send, recv, begin_async("all_gather"));
+    return end_async({send, recv});
+  }
+
+  std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,
+                                                         const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    enqueue_reduce_scatter_mean(send, recv, begin_async("reduce_scatter_mean"));
+    return end_async({send, recv});
+  }
+
+  void enqueue_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
+                            const at::Tensor& recv, const std::vector<int64_t>& recv_counts,
+                            cudaStream_t stream) {
     const size_t elem = send.element_size();
     const auto* src = static_cast<const char*>(send.data_ptr());
     auto* dst = static_cast<char*>(recv.data_ptr());
@@ -227,9 +288,7 @@ class NcclCommunicator final : public Communicator {
     finish(ended, "all_to_all_v (ncclGroupEnd)");
   }
 
-  void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaStream_t stream = begin("all_gather");
+  void enqueue_all_gather(const at::Tensor& send, const at::Tensor& recv, cudaStream_t stream) {
     if (send.numel() == 0) {
       return;  // the same on every rank; NCCL may reject the null pointers of empty tensors
     }
@@ -237,9 +296,8 @@ class NcclCommunicator final : public Communicator {
            "ncclAllGather");
   }
 
-  void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaStream_t stream = begin("reduce_scatter_mean");
+  void enqueue_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv,
+                                   cudaStream_t stream) {
     if (recv.numel() == 0) {
       return;
     }
@@ -308,12 +366,52 @@ class NcclCommunicator final : public Communicator {
  private:
   // Checks that earlier work has not failed; returns the caller's stream on our device. From
   // here on errors name the collective `what` (a Communicator member).
-  cudaStream_t begin(const char* what) {
+  cudaStream_t check_usable(const char* what) {
     api_ = std::string("fsdp_muon::Communicator::") + what;
     TORCH_CHECK(!failed_, api_, ": the nccl communicator (rank ", rank(), " of ", size(),
                 ") was aborted by an earlier error");
     check_async_error(what);
     return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+  }
+
+  // check_usable() for a synchronous collective, which runs on the caller's stream.
+  cudaStream_t begin(const char* what) {
+    const cudaStream_t caller = check_usable(what);
+    // Collectives run in the order they were started (docs/DESIGN.md §5): a synchronous one
+    // waits for the asynchronous ones started before it.
+    if (last_async_) {
+      FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, last_async_->get(), 0));
+    }
+    return caller;
+  }
+
+  // check_usable() for an asynchronous collective: returns the communication stream, made to
+  // wait for everything enqueued so far on the caller's current stream (which produced the send
+  // buffer and ran the synchronous collectives started earlier). The caller's stream does not
+  // wait for anything: that is the overlap.
+  cudaStream_t begin_async(const char* what) {
+    const cudaStream_t caller = check_usable(what);
+    if (!comm_stream_) {
+      comm_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
+                                                  static_cast<c10::DeviceIndex>(device_index_));
+    }
+    const MarkerEvent ready;
+    FSDP_MUON_CHECK_CUDA(cudaEventRecord(ready.get(), caller));
+    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(comm_stream_->stream(), ready.get(), 0));
+    return comm_stream_->stream();
+  }
+
+  // Marks the end of the collective just enqueued on the communication stream. The caching
+  // allocator learns that the buffers are in use there, so memory the caller frees before its
+  // stream has waited is not handed out again until the collective is done.
+  std::unique_ptr<CommWork> end_async(std::initializer_list<at::Tensor> buffers) {
+    for (const at::Tensor& t : buffers) {
+      if (t.defined() && t.numel() > 0) t.record_stream(*comm_stream_);
+    }
+    auto done = std::make_shared<MarkerEvent>();
+    FSDP_MUON_CHECK_CUDA(cudaEventRecord(done->get(), comm_stream_->stream()));
+    last_async_ = done;
+    return std::make_unique<NcclWork>(std::move(done), device_index_);
   }
 
   // A non-blocking communicator may still be enqueuing when the call returns; NCCL requires
@@ -401,6 +499,9 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   bool failed_ = false;
   at::Tensor barrier_buffer_;
+  // The asynchronous collectives' stream (created at the first one) and the end of the last one.
+  std::optional<c10::cuda::CUDAStream> comm_stream_;
+  std::shared_ptr<MarkerEvent> last_async_;
   // The public call errors are reported under: the factory until the first collective.
   std::string api_ = kFactoryApi;
 };
