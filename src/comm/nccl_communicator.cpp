@@ -1,13 +1,17 @@
 #include <fsdp_muon/comm/nccl_communicator.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <initializer_list>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -96,25 +100,60 @@ class MarkerEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// The asynchronous collectives of every NCCL communicator on one device share one communication
+// stream and one "last started" event. NCCL serializes the kernels of one communicator, but two
+// communicators' kernels running side by side in different orders on different ranks can hang
+// (NCCL's guide, "Using multiple NCCL communicators concurrently"); one stream keeps them in the
+// order they were started.
+struct DeviceOrder {
+  std::mutex mutex;
+  std::optional<c10::cuda::CUDAStream> stream;  // created at the first asynchronous collective
+  std::shared_ptr<MarkerEvent> last_async;      // the end of the last one started
+};
+
+DeviceOrder& device_order(int device_index) {
+  static std::mutex mutex;
+  static std::map<int, std::unique_ptr<DeviceOrder>> orders;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& order = orders[device_index];
+  if (!order) order = std::make_unique<DeviceOrder>();
+  return *order;
+}
+
 // An asynchronous collective on the communication stream: `done` marks its end there. wait()
 // orders the caller's current stream after it; the host never waits. The buffers were recorded on
-// the communication stream, so a work dropped without wait() frees nothing too early.
+// the communication stream before it was enqueued, and the work holds them until wait(), so
+// neither the caching allocator nor a caller that drops its handles frees them too early.
 class NcclWork final : public CommWork {
  public:
-  NcclWork(std::shared_ptr<MarkerEvent> done, int device_index)
-      : done_(std::move(done)), device_index_(device_index) {}
+  NcclWork(std::shared_ptr<MarkerEvent> done, int device_index,
+           std::shared_ptr<std::atomic<bool>> aborted, std::string api,
+           std::vector<at::Tensor> buffers)
+      : done_(std::move(done)),
+        device_index_(device_index),
+        aborted_(std::move(aborted)),
+        api_(std::move(api)),
+        buffers_(std::move(buffers)) {}
 
  protected:
   void do_wait() override {
+    // An aborted communicator's collectives never completed: the receive buffer is undefined.
+    TORCH_CHECK(!aborted_->load(), api_,
+                ": the nccl communicator was aborted by an error before this collective was "
+                "waited for; its result is undefined");
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const cudaStream_t caller =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
     FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, done_->get(), 0));
+    buffers_.clear();
   }
 
  private:
   std::shared_ptr<MarkerEvent> done_;
   int device_index_;
+  std::shared_ptr<std::atomic<bool>> aborted_;
+  std::string api_;
+  std::vector<at::Tensor> buffers_;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -211,21 +250,24 @@ class NcclCommunicator final : public Communicator {
       const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
       const std::vector<int64_t>& recv_counts) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, begin_async("all_to_all_v"));
+    const cudaStream_t stream = begin_async("all_to_all_v", {send, recv});
+    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, stream);
     return end_async({send, recv});
   }
 
   std::unique_ptr<CommWork> do_all_gather_async(const at::Tensor& send,
                                                 const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    enqueue_all_gather(send, recv, begin_async("all_gather"));
+    const cudaStream_t stream = begin_async("all_gather", {send, recv});
+    enqueue_all_gather(send, recv, stream);
     return end_async({send, recv});
   }
 
   std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,
                                                          const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    enqueue_reduce_scatter_mean(send, recv, begin_async("reduce_scatter_mean"));
+    const cudaStream_t stream = begin_async("reduce_scatter_mean", {send, recv});
+    enqueue_reduce_scatter_mean(send, recv, stream);
     return end_async({send, recv});
   }
 
@@ -378,9 +420,12 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t begin(const char* what) {
     const cudaStream_t caller = check_usable(what);
     // Collectives run in the order they were started (docs/DESIGN.md §5): a synchronous one
-    // waits for the asynchronous ones started before it.
-    if (last_async_) {
-      FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, last_async_->get(), 0));
+    // waits for the asynchronous ones started before it, this communicator's and any other's on
+    // the device.
+    DeviceOrder& order = device_order(device_index_);
+    std::lock_guard<std::mutex> lock(order.mutex);
+    if (order.last_async) {
+      FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, order.last_async->get(), 0));
     }
     return caller;
   }
@@ -389,29 +434,34 @@ class NcclCommunicator final : public Communicator {
   // wait for everything enqueued so far on the caller's current stream (which produced the send
   // buffer and ran the synchronous collectives started earlier). The caller's stream does not
   // wait for anything: that is the overlap.
-  cudaStream_t begin_async(const char* what) {
+  cudaStream_t begin_async(const char* what, std::initializer_list<at::Tensor> buffers) {
     const cudaStream_t caller = check_usable(what);
-    if (!comm_stream_) {
-      comm_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
+    DeviceOrder& order = device_order(device_index_);
+    std::lock_guard<std::mutex> lock(order.mutex);
+    if (!order.stream) {
+      order.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
                                                   static_cast<c10::DeviceIndex>(device_index_));
     }
     const MarkerEvent ready;
     FSDP_MUON_CHECK_CUDA(cudaEventRecord(ready.get(), caller));
-    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(comm_stream_->stream(), ready.get(), 0));
-    return comm_stream_->stream();
+    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(order.stream->stream(), ready.get(), 0));
+    // Recorded before anything is enqueued, so that buffers the caller frees after a failed
+    // start (an aborted group may leave a queued copy behind) are not handed out too early.
+    for (const at::Tensor& t : buffers) {
+      if (t.defined() && t.numel() > 0) t.record_stream(*order.stream);
+    }
+    return order.stream->stream();
   }
 
-  // Marks the end of the collective just enqueued on the communication stream. The caching
-  // allocator learns that the buffers are in use there, so memory the caller frees before its
-  // stream has waited is not handed out again until the collective is done.
-  std::unique_ptr<CommWork> end_async(std::initializer_list<at::Tensor> buffers) {
-    for (const at::Tensor& t : buffers) {
-      if (t.defined() && t.numel() > 0) t.record_stream(*comm_stream_);
-    }
+  // Marks the end of the collective just enqueued on the communication stream.
+  std::unique_ptr<CommWork> end_async(std::vector<at::Tensor> buffers) {
+    DeviceOrder& order = device_order(device_index_);
+    std::lock_guard<std::mutex> lock(order.mutex);
     auto done = std::make_shared<MarkerEvent>();
-    FSDP_MUON_CHECK_CUDA(cudaEventRecord(done->get(), comm_stream_->stream()));
-    last_async_ = done;
-    return std::make_unique<NcclWork>(std::move(done), device_index_);
+    FSDP_MUON_CHECK_CUDA(cudaEventRecord(done->get(), order.stream->stream()));
+    order.last_async = done;
+    return std::make_unique<NcclWork>(std::move(done), device_index_, aborted_, api_,
+                                      std::move(buffers));
   }
 
   // A non-blocking communicator may still be enqueuing when the call returns; NCCL requires
@@ -487,6 +537,7 @@ class NcclCommunicator final : public Communicator {
   [[noreturn]] void fail(const std::string& message) {
     if (comm_ != nullptr && !failed_) {
       failed_ = true;
+      aborted_->store(true);
       ncclCommAbort(comm_);
       comm_ = nullptr;
     }
@@ -499,9 +550,8 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   bool failed_ = false;
   at::Tensor barrier_buffer_;
-  // The asynchronous collectives' stream (created at the first one) and the end of the last one.
-  std::optional<c10::cuda::CUDAStream> comm_stream_;
-  std::shared_ptr<MarkerEvent> last_async_;
+  // Set by fail(), read by the works this communicator handed out.
+  std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
   // The public call errors are reported under: the factory until the first collective.
   std::string api_ = kFactoryApi;
 };

@@ -164,14 +164,16 @@ TEST(NcclCommunicator, AsyncCollectivesOrderWithTheCallersStream) {
   at::Tensor reduced = at::zeros({1000}, on);
   at::Tensor moved = at::zeros({1000}, on);
   auto g = comm->all_gather_async(send, gathered);
+  g->wait();
+  // On the caller's stream right after wait(), before anything else orders the two streams: a
+  // wait() that did not order the caller's stream would race the gather and leave 5s or 1s.
+  gathered.add_(1);
   auto r = comm->reduce_scatter_mean_async(send, reduced);
   auto a = comm->all_to_all_v_async(send, {1000}, moved, {1000});
   at::Tensor summed = at::full({4}, 2.0f, on);
   comm->all_reduce(summed);  // synchronous, after the asynchronous ones
   a->wait();
   r->wait();
-  g->wait();
-  gathered.add_(1);  // on the caller's stream, after wait()
   EXPECT_TRUE(at::equal(comm->to_host(gathered), at::full({1000}, 6.0f)));
   EXPECT_TRUE(at::equal(comm->to_host(reduced), at::full({1000}, 5.0f)));
   EXPECT_TRUE(at::equal(comm->to_host(moved), at::full({1000}, 5.0f)));
