@@ -670,6 +670,35 @@ TEST(NewtonSchulzCuda, CublasMatchesAtenReferenceAndCpu) {
   }
 }
 
+// Strided-batched GEMM against one GemmEx per matrix: equal to rounding, asserted; whether bit
+// for bit is printed (batched_newton_schulz_is_bitwise stays false on CUDA until this, and
+// bench/newton_schulz_batching --bits in scripts/gpu-check, show identical bits).
+TEST(NewtonSchulzCuda, BatchedMatchesOneByOneAndReportsBits) {
+  FSDP_MUON_REQUIRE_GPU();
+  const std::vector<std::pair<int64_t, int64_t>> shapes{{1, 7},    {7, 1},    {3, 5},    {16, 24},
+                                                        {64, 176}, {176, 64}, {256, 704}};
+  for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    const NewtonSchulzOptions options = NewtonSchulzOptions().compute_dtype(dtype);
+    int64_t differing = 0, compared = 0;
+    for (const auto& [rows, cols] : shapes) {
+      for (int64_t batch = 1; batch <= 8; ++batch) {
+        const at::Tensor u = seeded_randn({batch, rows, cols}, 100 * batch + rows + cols).cuda();
+        const at::Tensor out = newton_schulz(u, options).cpu();
+        for (int64_t i = 0; i < batch; ++i) {
+          const at::Tensor single = newton_schulz(u[i], options).cpu();
+          ++compared;
+          differing += at::equal(out[i], single) ? 0 : 1;
+          EXPECT_LE(max_abs_diff(out[i], single), dtype == at::kBFloat16 ? 4e-2 : 5e-5)
+              << dtype_name(dtype) << " " << rows << "x" << cols << " batch " << batch;
+        }
+      }
+    }
+    std::cout << "CUDA, " << dtype_name(dtype) << ": " << differing << " of " << compared
+              << " batched matrices differ from the 2-D call"
+              << (differing == 0 ? " (identical)" : "") << "\n";
+  }
+}
+
 TEST(NewtonSchulzCuda, BandsHoldOnGpu) {
   FSDP_MUON_REQUIRE_GPU();
   check_bands([](const at::Tensor& u,
