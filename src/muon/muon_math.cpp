@@ -74,9 +74,10 @@ double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
 }
 
 at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options) {
-  TORCH_CHECK(full_u.dim() == 2, "fsdp_muon::Muon: expected a 2-D matrix, got shape ",
+  TORCH_CHECK(full_u.dim() == 2 || full_u.dim() == 3,
+              "fsdp_muon::Muon: expected a 2-D matrix or a 3-D batch of matrices, got shape ",
               full_u.sizes());
-  const double scale = muon_scale(full_u.size(0), full_u.size(1), options.scale_mode()) *
+  const double scale = muon_scale(full_u.size(-2), full_u.size(-1), options.scale_mode()) *
                        options.extra_scale_factor();
   at::Tensor update = newton_schulz(full_u, options.newton_schulz_options());
   if (update.scalar_type() != full_u.scalar_type()) {

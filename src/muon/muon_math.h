@@ -41,8 +41,8 @@ at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
 // sqrt(rows/cols); match_rms_adamw 0.2*sqrt(max(rows, cols)); none 1.
 double muon_scale(int64_t rows, int64_t cols, ScaleMode mode);
 
-// newton_schulz(U) * (muon_scale(rows, cols) * extra_scale_factor) for a full 2-D matrix U, in
-// U's dtype.
+// newton_schulz(U) * (muon_scale(rows, cols) * extra_scale_factor) for a full 2-D matrix U, or
+// for a 3-D batch of same-shape matrices (rows, cols its last two sizes), in U's dtype.
 at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options);
 
 // param <- param - lr * update, computed as one mul (lr * update) and one sub, in place.

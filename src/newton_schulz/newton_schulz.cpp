@@ -6,6 +6,7 @@
 #include <optional>
 #include <string_view>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bmm.h>
@@ -162,6 +163,10 @@ at::Tensor finish_newton_schulz(const at::Tensor& x, const NsPrepared& prepared)
   at::Tensor out = prepared.transposed ? x.mT() : x;
   if (!prepared.batched) out = out.squeeze(0);
   return out.to(prepared.input_dtype).contiguous();
+}
+
+bool batched_newton_schulz_is_bitwise(const c10::Device& device, c10::ScalarType compute_dtype) {
+  return device.is_cpu() && compute_dtype == at::kFloat && at::get_num_threads() == 1;
 }
 
 at::Tensor newton_schulz_aten(const at::Tensor& x, const NewtonSchulzOptions& options) {

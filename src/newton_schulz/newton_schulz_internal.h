@@ -41,6 +41,13 @@ NsPrepared prepare_newton_schulz(const at::Tensor& x, const NewtonSchulzOptions&
 // Undoes prepare_newton_schulz's transposition, batching and dtype on the final iterate.
 at::Tensor finish_newton_schulz(const at::Tensor& x, const NsPrepared& prepared);
 
+// Whether a 3-D batch is known to compute every matrix bit for bit as the 2-D call does on this
+// device with this compute dtype (docs/DESIGN.md §4, "Batching"): measured so on the CPU with
+// fp32 and one intra-op thread (tests/newton_schulz), and not otherwise (bf16 goes through
+// oneDNN kernels whose batched and single rounding differ in the last bit; with several threads
+// the batch splits the work differently). CUDA is false until scripts/gpu-check measures it.
+bool batched_newton_schulz_is_bitwise(const c10::Device& device, c10::ScalarType compute_dtype);
+
 // The iteration through ATen operators on whatever device x lives on: the CPU path, and the
 // reference a GPU benchmark or test compares the cuBLAS path with. Same contract as
 // newton_schulz().

@@ -1,7 +1,9 @@
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
 #include <algorithm>
+#include <map>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
@@ -15,6 +17,7 @@
 
 #include "comm/agreement.h"
 #include "muon/muon_math.h"
+#include "newton_schulz/newton_schulz_internal.h"
 #include "optimizer/exchange_layout.h"
 #include "optimizer/phase_timer.h"
 
@@ -106,6 +109,18 @@ const char* to_string(NonFiniteGradients mode) {
   return "?";
 }
 
+const char* to_string(NewtonSchulzBatching mode) {
+  switch (mode) {
+    case NewtonSchulzBatching::kWhereBitwise:
+      return "where_bitwise";
+    case NewtonSchulzBatching::kAlways:
+      return "always";
+    case NewtonSchulzBatching::kNever:
+      return "never";
+  }
+  return "?";
+}
+
 OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
   return OwnerPlanOptions().policy(owner_policy()).prefetch_budget_bytes(prefetch_budget_bytes());
 }
@@ -151,7 +166,8 @@ struct FsdpMuon::Impl {
   std::vector<GroupInFlight> momentum_inputs(FsdpMuon& self, std::pair<size_t, size_t> window,
                                              const std::vector<bool>& active);
   void gather_to_owners(std::vector<GroupInFlight>& flight, size_t first, FsdpMuonStepStats& stats);
-  void orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlight>& flight, size_t first);
+  void orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlight>& flight, size_t first,
+                           FsdpMuonStepStats& stats);
   void scatter_to_holders(std::vector<GroupInFlight>& flight, size_t first,
                           FsdpMuonStepStats& stats);
   void apply_and_refresh(FsdpMuon& self, std::vector<GroupInFlight>& flight, size_t first,
@@ -385,7 +401,7 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
       ++stats.windows;
       std::vector<GroupInFlight> flight = d.momentum_inputs(*this, window, active);
       d.gather_to_owners(flight, window.first, stats);
-      d.orthogonalize_owned(*this, flight, window.first);
+      d.orthogonalize_owned(*this, flight, window.first, stats);
       d.scatter_to_holders(flight, window.first, stats);
       d.apply_and_refresh(*this, flight, window.first, stats);
     }
@@ -582,10 +598,22 @@ void FsdpMuon::Impl::gather_to_owners(std::vector<GroupInFlight>& flight, size_t
   stats.max_transient_bytes = std::max(stats.max_transient_bytes, transient);
 }
 
-// Newton–Schulz and the scale on each full matrix this rank owns, in place.
+// Newton–Schulz and the scale on each full matrix this rank owns, in place. Same-shape matrices
+// of one optimizer group go through one batched call where FsdpMuonConfig::batch_newton_schulz
+// allows it (docs/DESIGN.md §4, "Batching").
 void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlight>& flight,
-                                         size_t first) {
+                                         size_t first, FsdpMuonStepStats& stats) {
   const auto phase = timer->measure(&Stats::orthogonalize_seconds);
+  // Bounds the batch's stacked copy and Newton–Schulz workspace (2^25 elements: 128 MiB fp32).
+  constexpr int64_t kMaxBatchElements = int64_t{1} << 25;
+  struct Owned {
+    at::Tensor u;  // the full matrix as rows x cols, a view of its storage
+    const MuonOptions* options;
+  };
+  // Batches in order of their first matrix; the key keeps apart what one call cannot share.
+  using Key = std::tuple<int64_t, int64_t, c10::ScalarType, size_t>;  // rows, cols, dtype, group
+  std::vector<std::vector<Owned>> batches;
+  std::map<Key, size_t> open_batch;  // key -> index in batches of the batch still filling
   for (size_t k = 0; k < flight.size(); ++k) {
     const auto& local = group_matrices[first + k];
     for (size_t j = 0; j < local.size(); ++j) {
@@ -594,9 +622,38 @@ void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlig
       const FsdpMuonMatrix& mat = matrices[local[j]];
       const MuonOptions& options =
           muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
-      at::Tensor u = full.view({mat.rows, mat.cols});
-      u.copy_(detail::muon_orthogonalized_update(u, options));
+      Owned owned{full.view({mat.rows, mat.cols}), &options};
+      const NewtonSchulzBatching mode = config.batch_newton_schulz();
+      const bool batch =
+          mode == NewtonSchulzBatching::kAlways ||
+          (mode == NewtonSchulzBatching::kWhereBitwise &&
+           detail::batched_newton_schulz_is_bitwise(full.device(), options.ns_dtype()));
+      const Key key{mat.rows, mat.cols, full.scalar_type(), mat.param_group};
+      auto open = batch ? open_batch.find(key) : open_batch.end();
+      if (open != open_batch.end() &&
+          static_cast<int64_t>(batches[open->second].size() + 1) * mat.rows * mat.cols <=
+              kMaxBatchElements) {
+        batches[open->second].push_back(std::move(owned));
+        continue;
+      }
+      if (batch) open_batch[key] = batches.size();
+      batches.push_back({std::move(owned)});
     }
+  }
+  for (const std::vector<Owned>& batch : batches) {
+    const MuonOptions& options = *batch.front().options;
+    stats.orthogonalized_matrices += static_cast<int64_t>(batch.size());
+    ++stats.newton_schulz_calls;
+    if (batch.size() == 1) {
+      const at::Tensor& u = batch.front().u;
+      u.copy_(detail::muon_orthogonalized_update(u, options));
+      continue;
+    }
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(batch.size());
+    for (const Owned& owned : batch) inputs.push_back(owned.u);
+    const at::Tensor updates = detail::muon_orthogonalized_update(at::stack(inputs), options);
+    for (size_t b = 0; b < batch.size(); ++b) batch[b].u.copy_(updates[static_cast<int64_t>(b)]);
   }
 }
 

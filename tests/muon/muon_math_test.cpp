@@ -5,6 +5,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <fsdp_muon/muon/muon_options.h>
@@ -122,6 +123,37 @@ TEST(MuonMath, ApplyUpdate) {
   at::Tensor w = at::full({3, 2}, 1.0);
   detail::muon_apply_update(w, at::full({3, 2}, 4.0), MuonOptions(0.25));
   EXPECT_TRUE(at::equal(w, at::zeros({3, 2})));
+}
+
+// FsdpMuon's batched orthogonalize phase: a 3-D batch gets the 2-D update of each matrix, scale
+// included (the scale is a single-rounding mul, so where bits hold for Newton–Schulz — fp32,
+// one thread, docs/DESIGN.md §4 "Batching" — they hold for the update), and anything else is
+// refused.
+TEST(MuonMath, OrthogonalizedUpdateOfABatchIsEachMatrixsUpdate) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  for (ScaleMode mode : {ScaleMode::kSpectral, ScaleMode::kShapeScaling, ScaleMode::kUnitRmsNorm}) {
+    const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat).scale_mode(mode);
+    for (const std::vector<int64_t>& shape :
+         std::vector<std::vector<int64_t>>{{5, 3, 7}, {4, 7, 3}, {3, 1, 9}, {6, 16, 24}}) {
+      at::manual_seed(shape[1] * 31 + shape[2]);
+      const at::Tensor u = at::randn(shape);
+      const at::Tensor batch = detail::muon_orthogonalized_update(u, options);
+      ASSERT_EQ(batch.sizes(), u.sizes());
+      for (int64_t i = 0; i < shape[0]; ++i) {
+        EXPECT_TRUE(at::equal(batch[i], detail::muon_orthogonalized_update(u[i], options)))
+            << at::IntArrayRef(shape) << " entry " << i;
+      }
+    }
+  }
+  at::set_num_threads(threads);
+  try {
+    detail::muon_orthogonalized_update(at::randn({2, 2, 3, 4}), MuonOptions());
+    ADD_FAILURE() << "a 4-D tensor was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("2-D matrix or a 3-D batch"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -390,7 +390,64 @@ TEST(NewtonSchulzStructure, SquareCommutesWithTransposition) {
   }
 }
 
-TEST(NewtonSchulzStructure, BatchEqualsOneByOne) {
+// Sets ATen's intra-op thread count for one scope and puts the previous count back.
+class CpuThreads {
+ public:
+  explicit CpuThreads(int threads) : previous_(at::get_num_threads()) {
+    at::set_num_threads(threads);
+  }
+  ~CpuThreads() { at::set_num_threads(previous_); }
+  CpuThreads(const CpuThreads&) = delete;
+  CpuThreads& operator=(const CpuThreads&) = delete;
+
+ private:
+  int previous_;
+};
+
+// The finding FsdpMuon's batching rests on (docs/DESIGN.md §4, "Batching"): with fp32 and one
+// intra-op thread, the CPU batch computes every matrix bit for bit as the 2-D call does, for
+// every batch size and position, wide, tall and degenerate shapes. bf16 does not (its oneDNN
+// GEMMs round some entries of some batch sizes differently; counted and printed here), nor does
+// fp32 with 4 threads (bench/RESULTS.md); batched_newton_schulz_is_bitwise says exactly this.
+TEST(NewtonSchulzStructure, BatchIsBitwiseOneByOneWhereTheRuleSaysSo) {
+  const CpuThreads one_thread(1);
+  const std::vector<std::pair<int64_t, int64_t>> shapes{
+      {1, 7},   {7, 1},   {1, 64},  {3, 5},    {5, 3},    {8, 8},    {16, 16},
+      {16, 24}, {40, 40}, {33, 65}, {64, 176}, {176, 64}, {96, 256}, {256, 704}};
+  const c10::Device cpu(c10::kCPU);
+  EXPECT_TRUE(detail::batched_newton_schulz_is_bitwise(cpu, at::kFloat));
+  EXPECT_FALSE(detail::batched_newton_schulz_is_bitwise(cpu, at::kBFloat16));
+  EXPECT_FALSE(detail::batched_newton_schulz_is_bitwise(c10::Device(c10::kCUDA, 0), at::kFloat));
+  for (c10::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const NewtonSchulzOptions options = NewtonSchulzOptions().compute_dtype(dtype);
+    int64_t differing = 0, compared = 0;
+    for (const auto& [rows, cols] : shapes) {
+      for (int64_t batch = 1; batch <= 16; ++batch) {
+        if (rows * cols > 100000 && batch > 4) break;  // the largest shape: 1..4
+        const at::Tensor u = seeded_randn({batch, rows, cols}, 100 * batch + rows + cols);
+        const at::Tensor out = newton_schulz(u, options);
+        ASSERT_EQ(out.sizes(), u.sizes());
+        for (int64_t i = 0; i < batch; ++i) {
+          const bool same = at::equal(out[i], newton_schulz(u[i], options));
+          ++compared;
+          differing += same ? 0 : 1;
+          if (detail::batched_newton_schulz_is_bitwise(cpu, dtype)) {
+            EXPECT_TRUE(same) << dtype_name(dtype) << " " << rows << "x" << cols << " batch "
+                              << batch << " entry " << i;
+          } else {
+            EXPECT_LE(max_abs_diff(out[i], newton_schulz(u[i], options)), 2e-2);
+          }
+        }
+      }
+    }
+    std::cout << "CPU, 1 thread, " << dtype_name(dtype) << ": " << differing << " of " << compared
+              << " batched matrices differ from the 2-D call\n";
+  }
+  const CpuThreads two_threads(2);
+  EXPECT_FALSE(detail::batched_newton_schulz_is_bitwise(cpu, at::kFloat));
+}
+
+TEST(NewtonSchulzStructure, BatchMatchesOneByOneToRoundingOnAnyThreadCount) {
   for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
     for (const Shape& shape : std::vector<Shape>{{5, 32, 96}, {4, 96, 32}, {3, 40, 40}}) {
       const at::Tensor u = seeded_randn(shape, 11);
@@ -398,13 +455,9 @@ TEST(NewtonSchulzStructure, BatchEqualsOneByOne) {
       const at::Tensor batch = newton_schulz(u, options);
       ASSERT_EQ(batch.sizes(), u.sizes());
       for (int64_t i = 0; i < shape[0]; ++i) {
-        const at::Tensor single = newton_schulz(u[i], options);
-        // Measured bitwise on CPU with one thread; allow rounding for other thread counts.
-        if (at::get_num_threads() == 1) {
-          EXPECT_TRUE(at::equal(batch[i], single)) << dtype_name(dtype) << " entry " << i;
-        } else {
-          EXPECT_LE(max_abs_diff(batch[i], single), dtype == at::kBFloat16 ? 2e-2 : 1e-5);
-        }
+        EXPECT_LE(max_abs_diff(batch[i], newton_schulz(u[i], options)),
+                  dtype == at::kBFloat16 ? 2e-2 : 1e-5)
+            << dtype_name(dtype) << " entry " << i;
       }
     }
   }
@@ -614,6 +667,35 @@ TEST(NewtonSchulzCuda, CublasMatchesAtenReferenceAndCpu) {
       EXPECT_LE(max_abs_diff(cublas.cpu(), cpu), bf16 ? 4e-2 : 5e-5) << what;
       EXPECT_LE(rel_fro_diff(cublas.cpu(), cpu), bf16 ? 4e-2 : 5e-5) << what;
     }
+  }
+}
+
+// Strided-batched GEMM against one GemmEx per matrix: equal to rounding, asserted; whether bit
+// for bit is printed (batched_newton_schulz_is_bitwise stays false on CUDA until this, and
+// bench/newton_schulz_batching --bits in scripts/gpu-check, show identical bits).
+TEST(NewtonSchulzCuda, BatchedMatchesOneByOneAndReportsBits) {
+  FSDP_MUON_REQUIRE_GPU();
+  const std::vector<std::pair<int64_t, int64_t>> shapes{{1, 7},    {7, 1},    {3, 5},    {16, 24},
+                                                        {64, 176}, {176, 64}, {256, 704}};
+  for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    const NewtonSchulzOptions options = NewtonSchulzOptions().compute_dtype(dtype);
+    int64_t differing = 0, compared = 0;
+    for (const auto& [rows, cols] : shapes) {
+      for (int64_t batch = 1; batch <= 8; ++batch) {
+        const at::Tensor u = seeded_randn({batch, rows, cols}, 100 * batch + rows + cols).cuda();
+        const at::Tensor out = newton_schulz(u, options).cpu();
+        for (int64_t i = 0; i < batch; ++i) {
+          const at::Tensor single = newton_schulz(u[i], options).cpu();
+          ++compared;
+          differing += at::equal(out[i], single) ? 0 : 1;
+          EXPECT_LE(max_abs_diff(out[i], single), dtype == at::kBFloat16 ? 4e-2 : 5e-5)
+              << dtype_name(dtype) << " " << rows << "x" << cols << " batch " << batch;
+        }
+      }
+    }
+    std::cout << "CUDA, " << dtype_name(dtype) << ": " << differing << " of " << compared
+              << " batched matrices differ from the 2-D call"
+              << (differing == 0 ? " (identical)" : "") << "\n";
   }
 }
 

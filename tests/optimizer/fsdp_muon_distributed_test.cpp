@@ -14,10 +14,12 @@
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -362,6 +364,97 @@ TEST(FsdpMuonSchedule, BudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes) {
       first_result = result;
     } else {
       for (size_t g = 0; g < result.size(); ++g) EXPECT_TRUE(at::equal(result[g], first_result[g]));
+    }
+  }
+}
+
+// An MoE-like model: per layer a router, then experts of the same three shapes (and a 1xN
+// matrix each), so an owner holds many same-shape matrices in one window.
+std::vector<std::vector<Spec>> moe_specs() {
+  std::vector<std::vector<Spec>> specs;
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string l = "l" + std::to_string(layer) + ".";
+    std::vector<Spec> group{{l + "router", {9, 13}}, {l + "norm", {13}}};
+    for (int e = 0; e < 9; ++e) {
+      const std::string x = l + "e" + std::to_string(e) + ".";
+      group.push_back({x + "gate", {5, 13}});
+      group.push_back({x + "up", {5, 13}});
+      group.push_back({x + "down", {13, 5}});
+      group.push_back({x + "row", {1, 7}});
+    }
+    specs.push_back(std::move(group));
+  }
+  return specs;
+}
+
+// Batched Newton–Schulz (docs/DESIGN.md §4, "Batching"): every mode gives single-device Muon's
+// bits wherever FsdpMuon batches only bitwise calls (fp32 on one thread, which this test runs
+// with, and anything under kNever); kAlways in bf16 batches non-bitwise calls and is held to
+// rounding. The number of Newton–Schulz calls is the number of (shape, optimizer group) classes
+// a rank owns per window when it batches, one per matrix when it does not.
+TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
+  ASSERT_EQ(at::get_num_threads(), 1);
+  const int me = world().rank();
+  struct Run {
+    NewtonSchulzBatching mode;
+    c10::ScalarType ns_dtype;
+    int64_t budget;
+    bool batches;
+    bool bitwise;
+  };
+  const std::vector<Run> runs = {
+      {NewtonSchulzBatching::kWhereBitwise, at::kFloat, kUnlimitedPrefetch, true, true},
+      {NewtonSchulzBatching::kWhereBitwise, at::kFloat, 0, true, true},
+      {NewtonSchulzBatching::kAlways, at::kFloat, kUnlimitedPrefetch, true, true},
+      {NewtonSchulzBatching::kNever, at::kFloat, kUnlimitedPrefetch, false, true},
+      {NewtonSchulzBatching::kWhereBitwise, at::kBFloat16, kUnlimitedPrefetch, false, true},
+      {NewtonSchulzBatching::kNever, at::kBFloat16, kUnlimitedPrefetch, false, true},
+      {NewtonSchulzBatching::kAlways, at::kBFloat16, kUnlimitedPrefetch, true, false}};
+  for (const Run& run : runs) {
+    SCOPED_TRACE(std::string(to_string(run.mode)) +
+                 (run.ns_dtype == at::kFloat ? " fp32" : " bf16") + " budget " +
+                 std::to_string(run.budget));
+    Model model = make_model(31, moe_specs());
+    const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(run.ns_dtype);
+    FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options,
+                  FsdpMuonConfig().batch_newton_schulz(run.mode).prefetch_budget_bytes(run.budget));
+    Muon muon(split_groups(reference_matrices(model), options), options);
+    int64_t owned = 0;
+    int64_t classes = 0;  // distinct (rows, cols, optimizer group) this rank owns, per window
+    for (const auto& [first, last] : fsdp.windows()) {
+      std::vector<std::tuple<int64_t, int64_t, size_t>> seen;
+      for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+        if (m.owner != me || m.group_ordinal < first || m.group_ordinal >= last) continue;
+        ++owned;
+        const auto key = std::make_tuple(m.rows, m.cols, m.param_group);
+        if (std::find(seen.begin(), seen.end(), key) == seen.end()) seen.push_back(key);
+      }
+      classes += static_cast<int64_t>(seen.size());
+    }
+    for (int step = 0; step < 3; ++step) {
+      feed_gradients(model, 3100 + step);
+      fsdp.step();
+      muon.step();
+      const FsdpMuonStepStats& stats = fsdp.last_step_stats();
+      EXPECT_EQ(stats.orthogonalized_matrices, owned);
+      EXPECT_EQ(stats.newton_schulz_calls, run.batches ? classes : owned);
+    }
+    if (run.batches && world().size() <= 2) {
+      // Few ranks own many experts each: batching really happened.
+      EXPECT_LT(classes, owned);
+    }
+    if (run.bitwise) {
+      expect_matches_reference(model, "batching");
+      continue;
+    }
+    for (size_t g = 0; g < model.groups.size(); ++g) {
+      for (size_t i = 0; i < model.groups[g]->num_parameters(); ++i) {
+        const auto [first, second] = model.groups[g]->held_range(i);
+        const at::Tensor expected =
+            model.reference[g][i].detach().reshape({-1}).slice(0, first, second);
+        EXPECT_TRUE(at::allclose(model.groups[g]->sharded_parameter(i), expected, 0, 1e-3))
+            << model.groups[g]->slot(i).name;
+      }
     }
   }
 }

@@ -38,6 +38,25 @@ enum class NonFiniteGradients {
 
 const char* to_string(NonFiniteGradients mode);
 
+// Whether FsdpMuon orthogonalizes the same-shape matrices a rank owns in a window with one
+// batched Newton–Schulz call (docs/DESIGN.md §4, "Batching"). A batched call is faster (one
+// strided-batched GEMM instead of one small GEMM per expert), but a backend's batched kernel
+// need not round every matrix exactly as the 2-D call does, and which matrices a rank batches
+// depends on the world size and the owner plan.
+enum class NewtonSchulzBatching {
+  // Batch only where the batched kernel is known to give every matrix the 2-D call's bits, so
+  // the result stays equal to single-device Muon at any world size: on the CPU with fp32
+  // Newton–Schulz (MuonOptions::ns_dtype) and one intra-op thread. Everywhere else, one by one.
+  kWhereBitwise,
+  // Always batch: faster, but a matrix's last bits may then differ from single-device Muon's
+  // and between world sizes (bf16 on the CPU; CUDA until scripts/gpu-check shows otherwise).
+  kAlways,
+  // One Newton–Schulz call per matrix.
+  kNever,
+};
+
+const char* to_string(NewtonSchulzBatching mode);
+
 // Distribution settings of FsdpMuon (the math is in MuonOptions).
 struct FsdpMuonConfig {
   // Who may orthogonalize a matrix that several ranks hold (see OwnerPolicy).
@@ -58,6 +77,9 @@ struct FsdpMuonConfig {
   // agreement: step() then never waits on the host (on CUDA), and a mismatch hangs or fails
   // on some ranks only. The non-finite check needs it.
   TORCH_ARG(bool, check_gradient_agreement) = true;
+  // See NewtonSchulzBatching. Matrices batch together when they have the same shape, dtype and
+  // optimizer parameter group, up to 2^25 elements per call.
+  TORCH_ARG(NewtonSchulzBatching, batch_newton_schulz) = NewtonSchulzBatching::kWhereBitwise;
 
  public:  // TORCH_ARG leaves the struct in a private section
   // The options FsdpMuon plans owners with: plan_owners(groups, W, owner_plan_options()) is the
@@ -72,7 +94,11 @@ struct FsdpMuonStepStats {
   // checked), and whether the update was skipped for them.
   int64_t non_finite_parameters = 0;
   bool skipped = false;
-  int64_t windows = 0;        // prefetch windows the groups ran in
+  int64_t windows = 0;  // prefetch windows the groups ran in
+  // Matrices this rank orthogonalized, and the Newton–Schulz calls it took (fewer when
+  // FsdpMuonConfig::batch_newton_schulz batched same-shape matrices).
+  int64_t orthogonalized_matrices = 0;
+  int64_t newton_schulz_calls = 0;
   int64_t gather_bytes = 0;   // sent by this rank in the gathers (Communicator::stats)
   int64_t scatter_bytes = 0;  // sent by this rank in the scatters
   int64_t check_bytes = 0;    // sent by this rank in the gradient-agreement all-reduce
