@@ -275,8 +275,8 @@ int run_measure(Flags& flags) {
   const double ortho_mean = mean(kOrthogonalize);
   std::printf("%-44s %12.2f\n", "balance: max / mean orthogonalize time",
               ortho_mean > 0 ? mx(kOrthogonalize) / ortho_mean : 1.0);
-  std::printf("%-44s %12.2f\n", "plan: NS critical path / ideal (these windows)",
-              plan.critical_path_ratio(muon.windows()));
+  std::printf("%-44s %12.2f\n", "plan: NS critical path / ideal (this schedule)",
+              plan.critical_path_ratio_planned());
   std::printf("%-44s %12.2f\n", "plan: max / mean NS FLOPs per rank",
               total_flops > 0 ? mx(kNumPhases + 4) / (total_flops / world) : 1.0);
   std::printf("%-44s %12.3f\n", "MiB sent per rank, gather + scatter (max)", mx(kNumPhases) / kMiB);

@@ -33,6 +33,11 @@ PlanMatrix matrix(const std::string& name, int64_t rows, int64_t cols, int world
   return m;
 }
 
+// The schedule in windows of groups (OwnerSchedule::kWindows), each exchange alone in flight.
+OwnerPlanOptions windows() {
+  return OwnerPlanOptions().schedule(OwnerSchedule::kWindows).overlap(false);
+}
+
 TEST(OwnerPlanTest, NewtonSchulzFlopsUsesMinAndMaxSide) {
   EXPECT_EQ(newton_schulz_flops(4, 4, 5), 5 * (4 * 4 * 4 * 4 + 2 * 4 * 4 * 4));
   EXPECT_EQ(newton_schulz_flops(2, 8, 5), 720);
@@ -173,7 +178,7 @@ TEST(OwnerPlanTest, PrefetchWindowsFollowTheBudget) {
   // windows.
   for (int64_t budget :
        {int64_t{0}, int64_t{64}, int64_t{128}, int64_t{300}, int64_t{384}, kUnlimitedPrefetch}) {
-    EXPECT_EQ(plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(budget)).windows,
+    EXPECT_EQ(plan_owners(groups, 2, windows().prefetch_budget_bytes(budget)).windows,
               prefetch_windows(plan, budget))
         << budget;
   }
@@ -192,7 +197,7 @@ TEST(OwnerPlanTest, WindowedPlanBalancesEachWindow) {
   for (auto& g : groups) {
     for (auto& m : g.matrices) m.ns_steps = 1;
   }
-  const OwnerPlan carried = plan_owners(groups, 2);
+  const OwnerPlan carried = plan_owners(groups, 2, windows());
   EXPECT_EQ(carried.cost[0], (std::vector<int64_t>{384, 384}));
   EXPECT_EQ(carried.cost[1], (std::vector<int64_t>{448}));
   EXPECT_EQ(carried.windows, (std::vector<std::pair<size_t, size_t>>{{0, 2}}));
@@ -201,7 +206,7 @@ TEST(OwnerPlanTest, WindowedPlanBalancesEachWindow) {
   EXPECT_EQ(carried.critical_path_planned(), 768);
   EXPECT_EQ(carried.critical_path_budget0(), 768 + 448);
 
-  const OwnerPlan windowed = plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(0));
+  const OwnerPlan windowed = plan_owners(groups, 2, windows().prefetch_budget_bytes(0));
   EXPECT_EQ(windowed.windows, (std::vector<std::pair<size_t, size_t>>{{0, 1}, {1, 2}}));
   EXPECT_EQ(windowed.owner[0], (std::vector<int>{0, 1}));
   EXPECT_EQ(windowed.owner[1], (std::vector<int>{0}));
@@ -210,11 +215,11 @@ TEST(OwnerPlanTest, WindowedPlanBalancesEachWindow) {
 
   // A budget that fits both groups on every rank: one window, the carried plan. Owned bytes of
   // the carried plan are 80 (Z) on rank 0 and 128 (X, Y) on rank 1.
-  const OwnerPlan both = plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(128));
+  const OwnerPlan both = plan_owners(groups, 2, windows().prefetch_budget_bytes(128));
   EXPECT_EQ(both.windows, carried.windows);
   EXPECT_EQ(both.owner, carried.owner);
   // 127 bytes: g0 alone is balanced (64 each); adding g1 would need 128 on one rank.
-  const OwnerPlan tight = plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(127));
+  const OwnerPlan tight = plan_owners(groups, 2, windows().prefetch_budget_bytes(127));
   EXPECT_EQ(tight.windows, windowed.windows);
   EXPECT_THROW(plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(-1)), c10::Error);
 }
@@ -264,7 +269,7 @@ TEST(OwnerPlanTest, Llama3_8BCriticalPaths) {
     for (int64_t budget_mib : {0, 256, 512, 1024, 2048}) {
       for (OwnerPolicy policy : {OwnerPolicy::kHoldersOnly, OwnerPolicy::kAnyRank}) {
         const OwnerPlan planned = plan_owners(
-            groups, w, OwnerPlanOptions().policy(policy).prefetch_budget_bytes(budget_mib << 20));
+            groups, w, windows().policy(policy).prefetch_budget_bytes(budget_mib << 20));
         std::cout << "  " << to_string(policy) << " budget " << budget_mib
                   << " MiB: " << planned.windows.size() << " windows, critical path "
                   << planned.critical_path_ratio_planned() << "\n";
