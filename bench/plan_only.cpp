@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -33,6 +34,8 @@ struct Row {
   double max_mib, mean_mib, rr_max_mib;
   // The schedule in rounds with this policy, the default budget and overlap.
   double rounds, rounds_over_floor, rounds_bytes_ratio, rounds_held_mib;
+  // kBalanced without a byte limit (max_bytes_ratio infinity): critical path / floor, bytes.
+  double free_over_floor = 0, free_bytes_ratio = 0;
   size_t num_rounds;
 };
 
@@ -88,6 +91,16 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
   }
   row.rounds_held_mib = held / kMiB;
   row.num_rounds = rounds.rounds.size();
+  if (policy == fsdp_muon::OwnerPolicy::kBalanced) {
+    const auto free = plan(fsdp_muon::FsdpMuonConfig()
+                               .owner_policy(policy)
+                               .prefetch_budget_bytes(budget_bytes)
+                               .max_bytes_ratio(std::numeric_limits<double>::infinity())
+                               .owner_plan_options());
+    row.free_over_floor = free.critical_path_ratio_planned() / free.floor_ratio();
+    row.free_bytes_ratio = static_cast<double>(free.max_bytes_per_rank()) /
+                           static_cast<double>(std::max<int64_t>(free.holders_only_max_bytes, 1));
+  }
   return row;
 }
 
@@ -139,6 +152,8 @@ int run_plan_only(Flags& flags) {
       "  B/min   busiest rank's gather + scatter bytes / the holders-only plan's busiest rank\n"
       "  #rnd    rounds (exchanges) per step\n"
       "  heldMiB full-matrix bytes a rank holds at once (two consecutive rounds)\n"
+      "  free    balanced without a byte limit (max_bytes_ratio infinity): rounds / floor\n"
+      "          and B/min\n"
       "Default FsdpMuonConfig: policy %s, schedule %s.\n",
       static_cast<long long>(ns_steps), format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       static_cast<long long>(budget_mib),
@@ -165,11 +180,11 @@ int run_plan_only(Flags& flags) {
         "per step\n",
         model.name.c_str(), model.groups.size(), static_cast<long long>(model.num_matrices()),
         model.num_elements() / 1e9, total_flops / 1e12);
-    std::printf("%5s %-13s %6s %6s %6s %6s %6s %6s %6s %9s %9s %9s | %6s %6s %5s %5s %8s\n", "W",
+    std::printf("%5s %-13s %6s %6s %6s %6s %6s %6s %6s %9s %9s %9s | %6s %6s %5s %5s %8s | %11s\n", "W",
                 "policy", "seed-1", "1-buf",
                 format("%lldM", static_cast<long long>(budget_mib)).c_str(), "unlim", "rr-1",
                 "rr-u", "floor", "MiB max", "MiB mean", "rrMiBmax", "rounds", "/floor", "B/min",
-                "#rnd", "heldMiB");
+                "#rnd", "heldMiB", "free");
     for (int64_t w : world_sizes) {
       TORCH_CHECK(w >= 1, "--world-sizes must be positive");
       const auto groups = plan_groups(model, static_cast<int>(w), ns_steps);
@@ -178,11 +193,14 @@ int run_plan_only(Flags& flags) {
         const Row r = plan_row(groups, static_cast<int>(w), policy, budget_mib << 20);
         std::printf(
             "%5lld %-13s %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f %9.1f %9.1f %9.1f | %6.2f "
-            "%6.2f %5.2f %5zu %8.1f\n",
+            "%6.2f %5.2f %5zu %8.1f | %s\n",
             static_cast<long long>(w), fsdp_muon::to_string(policy), r.seed_budget0, r.budget0,
             r.default_budget, r.unlimited, r.rr_budget0, r.rr_unlimited, r.floor, r.max_mib,
             r.mean_mib, r.rr_max_mib, r.rounds, r.rounds_over_floor, r.rounds_bytes_ratio,
-            r.num_rounds, r.rounds_held_mib);
+            r.num_rounds, r.rounds_held_mib,
+            policy == fsdp_muon::OwnerPolicy::kBalanced
+                ? format("%5.2f %5.2f", r.free_over_floor, r.free_bytes_ratio).c_str()
+                : "-");
         if (policy == defaults.owner_policy() && r.rounds_over_floor > worst) {
           worst = r.rounds_over_floor;
           worst_where = format("%s at W=%lld (%.2fx ideal, floor %.2fx, bytes %.2fx holders-only)",

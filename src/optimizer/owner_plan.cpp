@@ -291,6 +291,68 @@ void rebalance(const std::vector<PlanGroup>& groups, double max_bytes, OwnerPlan
   }
 }
 
+// kBalanced's second start (docs/DESIGN.md §3): every matrix, local ones included, by
+// descending cost (ties: group, index), to the least-loaded rank (ties: the one holding most of
+// it, then the lowest) whose assignment keeps every rank's bytes within `max_bytes`; the holder
+// of most of it when none does.
+void assign_within_bytes(const std::vector<PlanGroup>& groups, double max_bytes, OwnerPlan& plan) {
+  const int world_size = plan.world_size;
+  std::vector<int64_t> load(world_size, 0);
+  std::vector<int64_t> bytes(world_size, 0);
+  struct Candidate {
+    int64_t cost;
+    size_t group;
+    size_t index;
+  };
+  std::vector<Candidate> all;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t i = 0; i < groups[g].matrices.size(); ++i) {
+      plan.owner[g][i] = -1;
+      const PlanMatrix& m = groups[g].matrices[i];
+      if (m.rows * m.cols > 0) all.push_back({plan.cost[g][i], g, i});
+    }
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
+    return std::make_tuple(-a.cost, a.group, a.index) < std::make_tuple(-b.cost, b.group, b.index);
+  });
+  std::vector<int> holders;
+  for (const Candidate& c : all) {
+    const PlanMatrix& m = groups[c.group].matrices[c.index];
+    const int64_t eb = group_element_bytes(groups[c.group], plan);
+    const int64_t numel = m.rows * m.cols;
+    holders.clear();
+    int most = -1;
+    for (int r = 0; r < world_size; ++r) {
+      if (held_numel(m, r) == 0) continue;
+      holders.push_back(r);
+      if (most < 0 || held_numel(m, r) > held_numel(m, most)) most = r;
+    }
+    int best = -1;
+    for (int r = 0; r < world_size; ++r) {
+      bool fits = static_cast<double>(bytes[r] + (numel - held_numel(m, r)) * eb) <= max_bytes;
+      for (int h : holders) {
+        if (h != r && static_cast<double>(bytes[h] + held_numel(m, h) * eb) > max_bytes) {
+          fits = false;
+        }
+      }
+      if (!fits) continue;
+      if (best < 0 || load[r] < load[best] ||
+          (load[r] == load[best] && held_numel(m, r) > held_numel(m, best))) {
+        best = r;
+      }
+    }
+    if (best < 0) best = most;
+    plan.owner[c.group][c.index] = best;
+    load[best] += c.cost;
+    for (int h : holders) {
+      if (h != best) {
+        bytes[h] += held_numel(m, h) * eb;
+        bytes[best] += held_numel(m, h) * eb;
+      }
+    }
+  }
+}
+
 // kRounds (docs/DESIGN.md §3): R rounds, R the fewest for which every rank's owned matrices
 // fit `round_budget` bytes per round (an empty round takes anything). Ranks go busiest first,
 // each one's matrices by descending cost (ties: group, index): the busiest rank's go to its
@@ -341,27 +403,28 @@ void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, Own
     int64_t bytes = 0;
     std::vector<const Item*> items;
   };
-  // Busiest rank first: its rounds set each round's length (the profile); every other rank
-  // puts each matrix where it raises the profile least, then where the most room is left under
-  // it, so that the ranks' expensive rounds coincide.
-  std::vector<int> order(world_size);
-  std::iota(order.begin(), order.end(), 0);
+  // One rank first: its rounds set each round's length (the profile); every other rank puts
+  // each matrix where it raises the profile least, then where the most room is left under it,
+  // so that the ranks' expensive rounds coincide. Returns the critical path, -1 if some rank's
+  // matrices do not fit `count` rounds.
   std::vector<int64_t> load(world_size, 0);
+  std::vector<int64_t> held(world_size, 0);
   for (int r = 0; r < world_size; ++r) {
-    for (const Item& it : items[r]) load[r] += it.cost;
+    for (const Item& it : items[r]) {
+      load[r] += it.cost;
+      held[r] += it.bytes;
+    }
   }
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
-  std::vector<std::vector<Bin>> bins;
-  for (;; ++rounds) {
-    bins.assign(world_size, std::vector<Bin>(rounds));
-    std::vector<int64_t> profile(rounds, 0);
-    bool fits = true;
+  const auto pack = [&](size_t count, const std::vector<int>& order,
+                        std::vector<std::vector<Bin>>& bins) -> int64_t {
+    bins.assign(world_size, std::vector<Bin>(count));
+    std::vector<int64_t> profile(count, 0);
     for (int r : order) {
       for (const Item& it : items[r]) {
         Bin* where = nullptr;
         int64_t where_over = 0;
         int64_t where_room = 0;
-        for (size_t t = 0; t < rounds; ++t) {
+        for (size_t t = 0; t < count; ++t) {
           Bin& bin = bins[r][t];
           if (!bin.items.empty() && bin.bytes > round_budget - it.bytes) continue;
           const int64_t over = std::max<int64_t>(bin.cost + it.cost - profile[t], 0);
@@ -372,19 +435,38 @@ void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, Own
             where_room = room;
           }
         }
-        if (where == nullptr) {
-          fits = false;
-          break;
-        }
+        if (where == nullptr) return -1;
         where->cost += it.cost;
         where->bytes += it.bytes;
         where->items.push_back(&it);
       }
-      if (!fits) break;
-      for (size_t t = 0; t < rounds; ++t) profile[t] = std::max(profile[t], bins[r][t].cost);
+      for (size_t t = 0; t < count; ++t) profile[t] = std::max(profile[t], bins[r][t].cost);
     }
-    if (fits) break;
+    return std::accumulate(profile.begin(), profile.end(), int64_t{0});
+  };
+  // Two orders (busiest first; most bytes first) and a few round counts from the fewest that
+  // fit: the shortest critical path wins, fewer rounds on a tie. Deterministic on every rank.
+  std::vector<std::vector<int>> orders(2, std::vector<int>(world_size));
+  for (auto& order : orders) std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(orders[0].begin(), orders[0].end(),
+                   [&](int a, int b) { return load[a] > load[b]; });
+  std::stable_sort(orders[1].begin(), orders[1].end(),
+                   [&](int a, int b) { return held[a] > held[b]; });
+  std::vector<std::vector<Bin>> bins, trial;
+  int64_t best = -1;
+  size_t fewest = 0;
+  for (;; ++rounds) {
+    for (const auto& order : orders) {
+      const int64_t path = pack(rounds, order, trial);
+      if (path >= 0 && (best < 0 || path < best)) {
+        best = path;
+        bins = trial;
+      }
+    }
+    if (best >= 0 && fewest == 0) fewest = rounds;
+    if (fewest > 0 && rounds >= fewest + 3) break;
   }
+  rounds = bins.front().size();
   plan.rounds.clear();
   plan.round_cost_per_rank.clear();
   plan.round_full_bytes_per_rank.clear();
@@ -538,19 +620,44 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   // the byte limit), then cut into rounds or windows by the budget.
   OwnerPlan carried = plan;
   assign_window(groups, 0, num_groups, carried);
+  std::vector<OwnerPlan> starts;
   if (plan.policy == OwnerPolicy::kBalanced) {
-    rebalance(groups, options.max_bytes_ratio() * static_cast<double>(plan.holders_only_max_bytes),
-              carried);
+    // Two starts, each improved by moves and swaps: holders-only (few bytes) and every matrix
+    // placed within the byte limit (better balance where whole local matrices must move). The
+    // shorter critical path of the schedule wins, the first on a tie.
+    const double max_bytes =
+        options.max_bytes_ratio() * static_cast<double>(plan.holders_only_max_bytes);
+    starts.push_back(carried);
+    starts.push_back(plan);
+    assign_within_bytes(groups, max_bytes, starts.back());
+    for (OwnerPlan& start : starts) {
+      rebalance(groups, max_bytes, start);
+      finish_plan(groups, start);
+    }
+    // The second start may have had to exceed the limit (a matrix no rank could take within it).
+    if (static_cast<double>(starts.back().max_bytes_per_rank()) > max_bytes) starts.pop_back();
+  } else {
+    finish_plan(groups, carried);
+    starts.push_back(carried);
   }
-  finish_plan(groups, carried);
   if (plan.schedule == OwnerSchedule::kRounds) {
-    pack_rounds(groups, exchange_budget, carried);
-    finish_rounds(num_groups, carried);
-    return carried;
+    size_t best = 0;
+    for (size_t k = 0; k < starts.size(); ++k) {
+      pack_rounds(groups, exchange_budget, starts[k]);
+      finish_rounds(num_groups, starts[k]);
+      if (starts[k].critical_path_planned() < starts[best].critical_path_planned()) best = k;
+    }
+    return starts[best];
   }
-  carried.windows = prefetch_windows(carried, exchange_budget);
-  rounds_from_windows(groups, carried);
-  finish_rounds(num_groups, carried);
+  for (OwnerPlan& start : starts) {
+    start.windows = prefetch_windows(start, exchange_budget);
+    rounds_from_windows(groups, start);
+    finish_rounds(num_groups, start);
+  }
+  carried = starts.front();
+  for (const OwnerPlan& start : starts) {
+    if (start.critical_path_planned() < carried.critical_path_planned()) carried = start;
+  }
   if (exchange_budget == kUnlimitedPrefetch || plan.policy == OwnerPolicy::kBalanced) {
     return carried;
   }
