@@ -37,6 +37,13 @@ struct OutEntry {
 
 // This rank's slice of every parameter's main weights, in model order.
 std::vector<OutEntry> weight_entries(const ModelIndex& model) {
+  // On CUDA the shards' copies to the host wait behind whatever is still on the stream, the
+  // last step's collectives included. One bounded wait per group first (docs/DESIGN.md §5), so a
+  // dead peer is an error within the timeout; the copies after it only wait for themselves.
+  for (const auto& group : model.groups) {
+    const auto& comm = group->communicator();
+    comm->to_host(at::empty({1}, at::TensorOptions().device(comm->device())));
+  }
   std::vector<OutEntry> entries;
   for (const auto& group : model.groups) {
     for (size_t i = 0; i < group->num_parameters(); ++i) {

@@ -118,10 +118,9 @@ void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor&
   do_reduce_scatter_mean(send, recv);
 }
 
-std::unique_ptr<CommWork> Communicator::all_to_all_v_async(const at::Tensor& send,
-                                                           const std::vector<int64_t>& send_counts,
-                                                           const at::Tensor& recv,
-                                                           const std::vector<int64_t>& recv_counts) {
+std::unique_ptr<CommWork> Communicator::all_to_all_v_async(
+    const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
+    const std::vector<int64_t>& recv_counts) {
   check_all_to_all_v(send, send_counts, recv, recv_counts);
   return do_all_to_all_v_async(send, send_counts, recv, recv_counts);
 }

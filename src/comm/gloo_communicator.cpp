@@ -81,10 +81,9 @@ class GlooCommunicator final : public Communicator {
 
   void do_barrier() override { GlooWork("barrier", *this, pg_->barrier()).wait(); }
 
-  std::unique_ptr<CommWork> do_all_to_all_v_async(const at::Tensor& send,
-                                                  const std::vector<int64_t>& send_counts,
-                                                  const at::Tensor& recv,
-                                                  const std::vector<int64_t>& recv_counts) override {
+  std::unique_ptr<CommWork> do_all_to_all_v_async(
+      const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
+      const std::vector<int64_t>& recv_counts) override {
     // c10d takes everything by non-const reference; the handles share storage with the caller's.
     at::Tensor in = send;
     at::Tensor out = recv;
@@ -114,18 +113,17 @@ class GlooCommunicator final : public Communicator {
     std::vector<int64_t> counts_out = counts;
     auto work = pg_->alltoall_base(blocks, in, counts_out, counts);
     at::Tensor out = recv;
-    return std::make_unique<GlooWork>("reduce_scatter_mean", *this, std::move(work),
-                                      [blocks, out, world, n]() mutable {
-                                        const int64_t rank_dim = 0;
-                                        at::sum_out(out, blocks.view({world, n}),
-                                                    at::IntArrayRef(rank_dim));
-                                        if (c10::isIntegralType(out.scalar_type(),
-                                                                /*includeBool=*/true)) {
-                                          out.div_(world, "trunc");
-                                        } else {
-                                          out.div_(world);
-                                        }
-                                      });
+    return std::make_unique<GlooWork>(
+        "reduce_scatter_mean", *this, std::move(work), [blocks, out, world, n]() mutable {
+          const int64_t rank_dim = 0;
+          at::sum_out(out, blocks.view({world, n}), at::IntArrayRef(rank_dim));
+          if (c10::isIntegralType(out.scalar_type(),
+                                  /*includeBool=*/true)) {
+            out.div_(world, "trunc");
+          } else {
+            out.div_(world);
+          }
+        });
   }
 
  private:

@@ -1,10 +1,17 @@
 #include <fsdp_muon/comm/nccl_communicator.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -93,6 +100,62 @@ class MarkerEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// The asynchronous collectives of every NCCL communicator on one device share one communication
+// stream and one "last started" event. NCCL serializes the kernels of one communicator, but two
+// communicators' kernels running side by side in different orders on different ranks can hang
+// (NCCL's guide, "Using multiple NCCL communicators concurrently"); one stream keeps them in the
+// order they were started.
+struct DeviceOrder {
+  std::mutex mutex;
+  std::optional<c10::cuda::CUDAStream> stream;  // created at the first asynchronous collective
+  std::shared_ptr<MarkerEvent> last_async;      // the end of the last one started
+};
+
+DeviceOrder& device_order(int device_index) {
+  static std::mutex mutex;
+  static std::map<int, std::unique_ptr<DeviceOrder>> orders;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& order = orders[device_index];
+  if (!order) order = std::make_unique<DeviceOrder>();
+  return *order;
+}
+
+// An asynchronous collective on the communication stream: `done` marks its end there. wait()
+// orders the caller's current stream after it; the host never waits. The buffers were recorded on
+// the communication stream before it was enqueued, and the work holds them until wait(), so
+// neither the caching allocator nor a caller that drops its handles frees them too early.
+class NcclWork final : public CommWork {
+ public:
+  NcclWork(std::shared_ptr<MarkerEvent> done, int device_index,
+           std::shared_ptr<std::atomic<bool>> aborted, std::string api,
+           std::vector<at::Tensor> buffers)
+      : done_(std::move(done)),
+        device_index_(device_index),
+        aborted_(std::move(aborted)),
+        api_(std::move(api)),
+        buffers_(std::move(buffers)) {}
+
+ protected:
+  void do_wait() override {
+    // An aborted communicator's collectives never completed: the receive buffer is undefined.
+    TORCH_CHECK(!aborted_->load(), api_,
+                ": the nccl communicator was aborted by an error before this collective was "
+                "waited for; its result is undefined");
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t caller =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, done_->get(), 0));
+    buffers_.clear();
+  }
+
+ private:
+  std::shared_ptr<MarkerEvent> done_;
+  int device_index_;
+  std::shared_ptr<std::atomic<bool>> aborted_;
+  std::string api_;
+  std::vector<at::Tensor> buffers_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -170,7 +233,47 @@ class NcclCommunicator final : public Communicator {
   void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
                        const at::Tensor& recv, const std::vector<int64_t>& recv_counts) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaStream_t stream = begin("all_to_all_v");
+    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, begin("all_to_all_v"));
+  }
+
+  void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    enqueue_all_gather(send, recv, begin("all_gather"));
+  }
+
+  void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    enqueue_reduce_scatter_mean(send, recv, begin("reduce_scatter_mean"));
+  }
+
+  std::unique_ptr<CommWork> do_all_to_all_v_async(
+      const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
+      const std::vector<int64_t>& recv_counts) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin_async("all_to_all_v", {send, recv});
+    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, stream);
+    return end_async({send, recv});
+  }
+
+  std::unique_ptr<CommWork> do_all_gather_async(const at::Tensor& send,
+                                                const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin_async("all_gather", {send, recv});
+    enqueue_all_gather(send, recv, stream);
+    return end_async({send, recv});
+  }
+
+  std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,
+                                                         const at::Tensor& recv) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t stream = begin_async("reduce_scatter_mean", {send, recv});
+    enqueue_reduce_scatter_mean(send, recv, stream);
+    return end_async({send, recv});
+  }
+
+  void enqueue_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
+                            const at::Tensor& recv, const std::vector<int64_t>& recv_counts,
+                            cudaStream_t stream) {
     const size_t elem = send.element_size();
     const auto* src = static_cast<const char*>(send.data_ptr());
     auto* dst = static_cast<char*>(recv.data_ptr());
@@ -227,9 +330,7 @@ class NcclCommunicator final : public Communicator {
     finish(ended, "all_to_all_v (ncclGroupEnd)");
   }
 
-  void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaStream_t stream = begin("all_gather");
+  void enqueue_all_gather(const at::Tensor& send, const at::Tensor& recv, cudaStream_t stream) {
     if (send.numel() == 0) {
       return;  // the same on every rank; NCCL may reject the null pointers of empty tensors
     }
@@ -237,9 +338,8 @@ class NcclCommunicator final : public Communicator {
            "ncclAllGather");
   }
 
-  void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaStream_t stream = begin("reduce_scatter_mean");
+  void enqueue_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv,
+                                   cudaStream_t stream) {
     if (recv.numel() == 0) {
       return;
     }
@@ -308,12 +408,60 @@ class NcclCommunicator final : public Communicator {
  private:
   // Checks that earlier work has not failed; returns the caller's stream on our device. From
   // here on errors name the collective `what` (a Communicator member).
-  cudaStream_t begin(const char* what) {
+  cudaStream_t check_usable(const char* what) {
     api_ = std::string("fsdp_muon::Communicator::") + what;
     TORCH_CHECK(!failed_, api_, ": the nccl communicator (rank ", rank(), " of ", size(),
                 ") was aborted by an earlier error");
     check_async_error(what);
     return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+  }
+
+  // check_usable() for a synchronous collective, which runs on the caller's stream.
+  cudaStream_t begin(const char* what) {
+    const cudaStream_t caller = check_usable(what);
+    // Collectives run in the order they were started (docs/DESIGN.md §5): a synchronous one
+    // waits for the asynchronous ones started before it, this communicator's and any other's on
+    // the device.
+    DeviceOrder& order = device_order(device_index_);
+    std::lock_guard<std::mutex> lock(order.mutex);
+    if (order.last_async) {
+      FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, order.last_async->get(), 0));
+    }
+    return caller;
+  }
+
+  // check_usable() for an asynchronous collective: returns the communication stream, made to
+  // wait for everything enqueued so far on the caller's current stream (which produced the send
+  // buffer and ran the synchronous collectives started earlier). The caller's stream does not
+  // wait for anything: that is the overlap.
+  cudaStream_t begin_async(const char* what, std::initializer_list<at::Tensor> buffers) {
+    const cudaStream_t caller = check_usable(what);
+    DeviceOrder& order = device_order(device_index_);
+    std::lock_guard<std::mutex> lock(order.mutex);
+    if (!order.stream) {
+      order.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
+                                                  static_cast<c10::DeviceIndex>(device_index_));
+    }
+    const MarkerEvent ready;
+    FSDP_MUON_CHECK_CUDA(cudaEventRecord(ready.get(), caller));
+    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(order.stream->stream(), ready.get(), 0));
+    // Recorded before anything is enqueued, so that buffers the caller frees after a failed
+    // start (an aborted group may leave a queued copy behind) are not handed out too early.
+    for (const at::Tensor& t : buffers) {
+      if (t.defined() && t.numel() > 0) t.record_stream(*order.stream);
+    }
+    return order.stream->stream();
+  }
+
+  // Marks the end of the collective just enqueued on the communication stream.
+  std::unique_ptr<CommWork> end_async(std::vector<at::Tensor> buffers) {
+    DeviceOrder& order = device_order(device_index_);
+    std::lock_guard<std::mutex> lock(order.mutex);
+    auto done = std::make_shared<MarkerEvent>();
+    FSDP_MUON_CHECK_CUDA(cudaEventRecord(done->get(), order.stream->stream()));
+    order.last_async = done;
+    return std::make_unique<NcclWork>(std::move(done), device_index_, aborted_, api_,
+                                      std::move(buffers));
   }
 
   // A non-blocking communicator may still be enqueuing when the call returns; NCCL requires
@@ -389,6 +537,7 @@ class NcclCommunicator final : public Communicator {
   [[noreturn]] void fail(const std::string& message) {
     if (comm_ != nullptr && !failed_) {
       failed_ = true;
+      aborted_->store(true);
       ncclCommAbort(comm_);
       comm_ = nullptr;
     }
@@ -401,6 +550,8 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   bool failed_ = false;
   at::Tensor barrier_buffer_;
+  // Set by fail(), read by the works this communicator handed out.
+  std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
   // The public call errors are reported under: the factory until the first collective.
   std::string api_ = kFactoryApi;
 };

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <fstream>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -282,6 +283,126 @@ TEST(Collectives, StatsAccumulateAcrossKindsAndReset) {
   c.reset_stats();
   EXPECT_EQ(c.stats().calls, 0);
   EXPECT_EQ(c.stats().total_bytes(), 0);
+}
+
+// ---- asynchronous collectives ----
+
+// Several collectives in flight at once, a synchronous one started between them, waited for in
+// the reverse order: every result equals the synchronous call's, bit for bit, and the bytes are
+// counted the same.
+TEST(CollectivesAsync, InFlightTogetherMatchSynchronousResultsAndBytes) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  // Non-integer values, so a reduction that summed in another order would show.
+  at::manual_seed(1234 + r);
+  const at::Tensor gather_send = at::randn({7}, on_device(at::kFloat));
+  const at::Tensor scatter_send = at::randn({w * 5}, on_device(at::kFloat));
+  std::vector<int64_t> send_counts(w), recv_counts(w);
+  for (int p = 0; p < w; ++p) {
+    send_counts[p] = count(r, p);
+    recv_counts[p] = count(p, r);
+  }
+  const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
+  const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+  const at::Tensor a2a_send = at::randn({send_total}, on_device(at::kFloat));
+
+  at::Tensor gathered_sync = at::empty({w * 7}, on_device(at::kFloat));
+  at::Tensor scattered_sync = at::empty({5}, on_device(at::kFloat));
+  at::Tensor a2a_sync = at::empty({recv_total}, on_device(at::kFloat));
+  c.reset_stats();
+  c.all_gather(gather_send, gathered_sync);
+  c.reduce_scatter_mean(scatter_send, scattered_sync);
+  c.all_to_all_v(a2a_send, send_counts, a2a_sync, recv_counts);
+  const CommStats sync_stats = c.stats();
+
+  at::Tensor gathered = at::full({w * 7}, -1, on_device(at::kFloat));
+  at::Tensor scattered = at::full({5}, -1, on_device(at::kFloat));
+  at::Tensor a2a = at::full({recv_total}, -1, on_device(at::kFloat));
+  at::Tensor summed = at::full({3}, r + 1.0, on_device(at::kFloat));
+  c.reset_stats();
+  std::unique_ptr<CommWork> g = c.all_gather_async(gather_send, gathered);
+  std::unique_ptr<CommWork> s = c.reduce_scatter_mean_async(scatter_send, scattered);
+  c.all_reduce(summed);  // synchronous, started between asynchronous ones
+  std::unique_ptr<CommWork> a = c.all_to_all_v_async(a2a_send, send_counts, a2a, recv_counts);
+  a->wait();
+  s->wait();
+  g->wait();
+  EXPECT_TRUE(a->waited());
+  g->wait();  // a second wait does nothing
+
+  EXPECT_TRUE(at::equal(gathered, gathered_sync));
+  EXPECT_TRUE(at::equal(scattered, scattered_sync));
+  EXPECT_TRUE(at::equal(a2a, a2a_sync));
+  EXPECT_EQ(summed[0].item<float>(), w * (w + 1) / 2.0f);
+  EXPECT_EQ(c.stats().all_gather_bytes, sync_stats.all_gather_bytes);
+  EXPECT_EQ(c.stats().reduce_scatter_bytes, sync_stats.reduce_scatter_bytes);
+  EXPECT_EQ(c.stats().all_to_all_v_bytes, sync_stats.all_to_all_v_bytes);
+  EXPECT_EQ(c.stats().calls, sync_stats.calls + 1);
+}
+
+// A pipeline as full sharding and FsdpMuon run it: the next exchange is started before the
+// current result is used, many times over, with the caller computing in between.
+TEST(CollectivesAsync, PipelinedGathersDeliverEachRoundsData) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  const int rounds = 12;
+  const int64_t n = 1000;
+  std::vector<at::Tensor> out(rounds);
+  std::unique_ptr<CommWork> next;
+  auto start = [&](int t) {
+    out[t] = at::empty({w * n}, on_device(at::kFloat));
+    return c.all_gather_async(at::full({n}, 100.0 * t + r, on_device(at::kFloat)), out[t]);
+  };
+  next = start(0);
+  for (int t = 0; t < rounds; ++t) {
+    std::unique_ptr<CommWork> current = std::move(next);
+    if (t + 1 < rounds) next = start(t + 1);
+    // Compute while the collectives run (its result is unused; the point is the interleaving).
+    at::Tensor busy = at::randn({64, 64}, on_device(at::kFloat));
+    busy = busy.matmul(busy);
+    current->wait();
+    const at::Tensor expect =
+        (at::arange(w, at::kFloat) + 100.0 * t).repeat_interleave(n).to(on_device(at::kFloat));
+    EXPECT_TRUE(at::equal(out[t], expect)) << "round " << t;
+  }
+}
+
+TEST(CollectivesAsync, RejectsBadBuffersBeforeStarting) {
+  Communicator& c = world();
+  const int w = c.size();
+  at::Tensor buf = at::zeros({w}, on_device(at::kFloat));
+  c.reset_stats();
+  try {
+    c.all_gather_async(buf, at::zeros({w * w + 1}, on_device(at::kFloat)));
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fsdp_muon::Communicator::all_gather: receive buffer"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(c.reduce_scatter_mean_async(buf, at::zeros({2}, on_device(at::kFloat))), c10::Error);
+  EXPECT_THROW(
+      c.all_to_all_v_async(buf, std::vector<int64_t>(w + 1, 0), buf, std::vector<int64_t>(w, 1)),
+      c10::Error);
+  EXPECT_EQ(c.stats().calls, 0);
+  EXPECT_EQ(c.stats().total_bytes(), 0);
+}
+
+// A work dropped without wait() (an exception between start and wait) lets its collective
+// finish: the communicator stays usable and the next collective sees the next data.
+TEST(CollectivesAsync, DroppedWorkLeavesCommunicatorUsable) {
+  Communicator& c = world();
+  const int w = c.size();
+  {
+    at::Tensor recv = at::empty({w * 3}, on_device(at::kFloat));
+    std::unique_ptr<CommWork> dropped =
+        c.all_gather_async(at::ones({3}, on_device(at::kFloat)), recv);
+  }
+  at::Tensor one = at::ones({1}, on_device(at::kFloat));
+  c.all_reduce(one);
+  EXPECT_EQ(one.item<float>(), w);
 }
 
 }  // namespace

@@ -146,6 +146,41 @@ TEST(NcclCommunicator, ToHostRejectsATensorOnAnotherDevice) {
             std::string::npos);
 }
 
+
+// The asynchronous collectives run on the communicator's own stream: they see what the caller's
+// stream wrote before they started (even behind a long kernel), wait() orders the caller's stream
+// after them, and a synchronous collective started later runs after them.
+TEST(NcclCommunicator, AsyncCollectivesOrderWithTheCallersStream) {
+  FSDP_MUON_REQUIRE_GPU();
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  const auto on = at::TensorOptions().device(comm->device()).dtype(at::kFloat);
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+  const c10::cuda::CUDAStreamGuard guard(side);
+
+  at::Tensor send = at::ones({1000}, on);
+  at::cuda::sleep(50'000'000);  // the send buffer is still being written when the call returns
+  send.mul_(5);
+  at::Tensor gathered = at::zeros({1000}, on);
+  at::Tensor reduced = at::zeros({1000}, on);
+  at::Tensor moved = at::zeros({1000}, on);
+  auto g = comm->all_gather_async(send, gathered);
+  g->wait();
+  // On the caller's stream right after wait(), before anything else orders the two streams: a
+  // wait() that did not order the caller's stream would race the gather and leave 5s or 1s.
+  gathered.add_(1);
+  auto r = comm->reduce_scatter_mean_async(send, reduced);
+  auto a = comm->all_to_all_v_async(send, {1000}, moved, {1000});
+  at::Tensor summed = at::full({4}, 2.0f, on);
+  comm->all_reduce(summed);  // synchronous, after the asynchronous ones
+  a->wait();
+  r->wait();
+  EXPECT_TRUE(at::equal(comm->to_host(gathered), at::full({1000}, 6.0f)));
+  EXPECT_TRUE(at::equal(comm->to_host(reduced), at::full({1000}, 5.0f)));
+  EXPECT_TRUE(at::equal(comm->to_host(moved), at::full({1000}, 5.0f)));
+  EXPECT_TRUE(at::equal(comm->to_host(summed), at::full({4}, 2.0f)));
+  EXPECT_EQ(comm->stats().calls, 4);
+}
+
 #else
 
 TEST(NcclCommunicator, NeedsCuda) {
