@@ -80,12 +80,19 @@ double gemm_flops_per_second(int64_t m, int64_t n, c10::ScalarType dtype,
   return 2.0 * m * m * n * reps / elapsed;
 }
 
-// Step time, compute phases (elementwise + orthogonalize + apply) and the agreement check of
-// FsdpMuon configurations, mean over `steps` after `warmup`, on this rank. The configurations
+// Step time, compute phases (elementwise + orthogonalize + apply), exposed communication (the
+// rest) and the agreement check of FsdpMuon configurations on this rank: medians over `steps`
+// after `warmup`, so that a step slowed by another process does not count. The configurations
 // take turns step by step, so that drift in a shared machine's speed hits them alike.
 struct SettingTimes {
-  double step = 0, compute = 0, check = 0;
+  double step = 0, compute = 0, exposed = 0, check = 0;
 };
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n == 0 ? 0.0 : (n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]));
+}
 
 std::vector<SettingTimes> time_settings(
     const std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>>& groups,
@@ -97,7 +104,9 @@ std::vector<SettingTimes> time_settings(
     optimizers.push_back(std::make_unique<fsdp_muon::FsdpMuon>(
         matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype), config));
   }
-  std::vector<SettingTimes> times(configs.size());
+  // [setting][quantity][step]: step, compute, exposed, check.
+  std::vector<std::vector<std::vector<double>>> samples(configs.size(),
+                                                        std::vector<std::vector<double>>(4));
   for (int64_t s = 0; s < warmup + steps; ++s) {
     for (size_t k = 0; k < optimizers.size(); ++k) {
       for (const auto& g : groups) {
@@ -113,11 +122,17 @@ std::vector<SettingTimes> time_settings(
       const double step = seconds_since(t0);
       if (s < warmup) continue;
       const auto& st = optimizers[k]->last_step_stats();
-      times[k].step += step / steps;
-      times[k].compute +=
-          (st.elementwise_seconds + st.orthogonalize_seconds + st.apply_seconds) / steps;
-      times[k].check += st.check_seconds / steps;
+      const double compute = st.elementwise_seconds + st.orthogonalize_seconds + st.apply_seconds;
+      samples[k][0].push_back(step);
+      samples[k][1].push_back(compute);
+      samples[k][2].push_back(step - compute);
+      samples[k][3].push_back(st.check_seconds);
     }
+  }
+  std::vector<SettingTimes> times(configs.size());
+  for (size_t k = 0; k < configs.size(); ++k) {
+    times[k] = {median(samples[k][0]), median(samples[k][1]), median(samples[k][2]),
+                median(samples[k][3])};
   }
   return times;
 }
@@ -279,7 +294,7 @@ int run_measure(Flags& flags) {
   std::vector<double> setting_local;
   for (const SettingTimes& t :
        time_settings(groups, matrices, ns_dtype, settings, warmup, steps, device)) {
-    setting_local.insert(setting_local.end(), {t.step, t.compute, t.step - t.compute, t.check});
+    setting_local.insert(setting_local.end(), {t.step, t.compute, t.exposed, t.check});
   }
   at::Tensor setting_max = at::tensor(setting_local, at::kDouble).to(device);
   comm->all_reduce(setting_max, fsdp_muon::ReduceOp::kMax);
@@ -355,8 +370,8 @@ int run_measure(Flags& flags) {
   std::printf("%-44s %12.3f\n", "bytes sent / minimum (worst rank)", worst_byte_ratio);
   std::printf("%-44s %12.3f\n", "transient full-matrix MiB per rank (max)",
               mx(kNumPhases + 2) / kMiB);
-  std::printf("\n%-30s %10s %10s %10s %10s\n", "setting (ms per step, max rank)", "step", "compute",
-              "exposed", "check");
+  std::printf("\n%-30s %10s %10s %10s %10s\n", "setting (median ms/step, max rank)", "step",
+              "compute", "exposed", "check");
   const char* setting_names[] = {"overlap off, check on", "overlap on, check on",
                                  "overlap off, check off", "overlap on, check off"};
   for (int k = 0; k < 4; ++k) {

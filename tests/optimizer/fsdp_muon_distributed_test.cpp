@@ -481,6 +481,37 @@ TEST(FsdpMuonSchedule, OverlapOnAndOffGiveTheSameBits) {
   }
 }
 
+// One round moves one buffer: groups with different main dtypes whose matrices share a round are
+// an error on every rank, naming both groups and the fix; one group per window runs.
+TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
+  at::manual_seed(41);
+  std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    groups.push_back(std::make_shared<FsdpParameterGroup>(
+        std::vector<std::pair<std::string, at::Tensor>>{
+            {"w" + std::to_string(groups.size()), at::randn({5, 3})}},
+        world_ptr(),
+        FsdpParameterGroupOptions().broadcast_from_rank0(false).main_dtype(dtype).name(
+            "g" + std::to_string(groups.size()))));
+  }
+  const std::vector<at::Tensor> params = {groups[0]->sharded_parameter(0),
+                                          groups[1]->sharded_parameter(0)};
+  try {
+    FsdpMuon fsdp(params, MuonOptions(),
+                  FsdpMuonConfig().prefetch_budget_bytes(kUnlimitedPrefetch));
+    ADD_FAILURE() << "expected an error: one round mixes fp32 and fp64 groups";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("different main dtypes"), std::string::npos) << what;
+    EXPECT_NE(what.find("'g0'"), std::string::npos) << what;
+    EXPECT_NE(what.find("'g1'"), std::string::npos) << what;
+  }
+  FsdpMuon windows(
+      params, MuonOptions(),
+      FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows).prefetch_budget_bytes(0));
+  EXPECT_EQ(windows.owner_plan().rounds.size(), 2u);
+}
+
 // A rank that owns nothing allocates no full matrix: at W=4 with one small matrix per group, two
 // ranks own nothing.
 TEST(FsdpMuonSchedule, RanksOwningNothingAllocateNothing) {

@@ -76,12 +76,14 @@ struct OwnerPlanOptions {
   TORCH_ARG(OwnerPolicy, policy) = OwnerPolicy::kHoldersOnly;
   // Bytes of one element moved by the gather and scatter (the momentum-input dtype, fp32).
   TORCH_ARG(int64_t, element_bytes) = 4;
-  // Bytes of full matrices one rank may hold at once (FsdpMuonConfig::prefetch_budget_bytes):
-  // the groups are cut into consecutive windows that are gathered and orthogonalized together.
-  // Each window is balanced on its own, since ranks meet at every window. kUnlimitedPrefetch:
-  // one window, loads carried across all groups (docs/DESIGN.md §3).
+  // Bytes of full matrices one rank may hold at once (FsdpMuonConfig::prefetch_budget_bytes).
+  // kRounds: each rank's owned matrices of one round fit it. kWindows: the groups are cut into
+  // consecutive windows that are gathered and orthogonalized together, each balanced on its own
+  // since ranks meet at every window. kUnlimitedPrefetch: one round or window, loads carried
+  // across all groups (docs/DESIGN.md §3).
   TORCH_ARG(int64_t, prefetch_budget_bytes) = kUnlimitedPrefetch;
-  // How the matrices are cut into exchanges (see OwnerSchedule).
+  // How the matrices are cut into exchanges (see OwnerSchedule). The defaults here are the
+  // planner's; FsdpMuonConfig::owner_plan_options() gives the ones FsdpMuon plans with.
   TORCH_ARG(OwnerSchedule, schedule) = OwnerSchedule::kRounds;
   // kBalanced: the bytes a rank may send (gather + scatter), as a multiple of the busiest rank's
   // under holders-only (OwnerPlan::holders_only_max_bytes); >= 1, infinity for no limit.
