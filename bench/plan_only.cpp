@@ -36,6 +36,9 @@ struct Row {
   double rounds, rounds_over_floor, rounds_bytes_ratio, rounds_held_mib;
   // kBalanced without a byte limit (max_bytes_ratio infinity): critical path / floor, bytes.
   double free_over_floor = 0, free_bytes_ratio = 0;
+  // The smallest max_bytes_ratio tried that brings rounds within 1.10x of the floor (0: none),
+  // and the busiest rank's bytes / holders-only it then sends.
+  double need_ratio = 0, need_bytes_ratio = 0;
   size_t num_rounds;
 };
 
@@ -92,14 +95,28 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
   row.rounds_held_mib = held / kMiB;
   row.num_rounds = rounds.rounds.size();
   if (policy == fsdp_muon::OwnerPolicy::kBalanced) {
-    const auto free = plan(fsdp_muon::FsdpMuonConfig()
-                               .owner_policy(policy)
-                               .prefetch_budget_bytes(budget_bytes)
-                               .max_bytes_ratio(std::numeric_limits<double>::infinity())
-                               .owner_plan_options());
+    const auto with_ratio = [&](double ratio) {
+      return plan(fsdp_muon::FsdpMuonConfig()
+                      .owner_policy(policy)
+                      .prefetch_budget_bytes(budget_bytes)
+                      .max_bytes_ratio(ratio)
+                      .owner_plan_options());
+    };
+    const auto bytes_ratio = [](const fsdp_muon::OwnerPlan& p) {
+      return static_cast<double>(p.max_bytes_per_rank()) /
+             static_cast<double>(std::max<int64_t>(p.holders_only_max_bytes, 1));
+    };
+    const auto free = with_ratio(std::numeric_limits<double>::infinity());
     row.free_over_floor = free.critical_path_ratio_planned() / free.floor_ratio();
-    row.free_bytes_ratio = static_cast<double>(free.max_bytes_per_rank()) /
-                           static_cast<double>(std::max<int64_t>(free.holders_only_max_bytes, 1));
+    row.free_bytes_ratio = bytes_ratio(free);
+    for (double ratio : {1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0}) {
+      const auto p = ratio == 1.5 ? rounds : with_ratio(ratio);
+      if (p.critical_path_ratio_planned() <= 1.10 * p.floor_ratio()) {
+        row.need_ratio = ratio;
+        row.need_bytes_ratio = bytes_ratio(p);
+        break;
+      }
+    }
   }
   return row;
 }
@@ -154,6 +171,8 @@ int run_plan_only(Flags& flags) {
       "  heldMiB full-matrix bytes a rank holds at once (two consecutive rounds)\n"
       "  free    balanced without a byte limit (max_bytes_ratio infinity): rounds / floor\n"
       "          and B/min\n"
+      "  need    the smallest max_bytes_ratio of 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32 that brings\n"
+      "          rounds within 1.10x of the floor, and the B/min it then sends (-: none)\n"
       "Default FsdpMuonConfig: policy %s, schedule %s.\n",
       static_cast<long long>(ns_steps), format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       static_cast<long long>(budget_mib),
@@ -180,11 +199,12 @@ int run_plan_only(Flags& flags) {
         "per step\n",
         model.name.c_str(), model.groups.size(), static_cast<long long>(model.num_matrices()),
         model.num_elements() / 1e9, total_flops / 1e12);
-    std::printf("%5s %-13s %6s %6s %6s %6s %6s %6s %6s %9s %9s %9s | %6s %6s %5s %5s %8s | %11s\n", "W",
-                "policy", "seed-1", "1-buf",
-                format("%lldM", static_cast<long long>(budget_mib)).c_str(), "unlim", "rr-1",
-                "rr-u", "floor", "MiB max", "MiB mean", "rrMiBmax", "rounds", "/floor", "B/min",
-                "#rnd", "heldMiB", "free");
+    std::printf(
+        "%5s %-13s %6s %6s %6s %6s %6s %6s %6s %9s %9s %9s | %6s %6s %5s %5s %8s | %11s | %11s\n",
+        "W", "policy", "seed-1", "1-buf",
+        format("%lldM", static_cast<long long>(budget_mib)).c_str(), "unlim", "rr-1", "rr-u",
+        "floor", "MiB max", "MiB mean", "rrMiBmax", "rounds", "/floor", "B/min", "#rnd", "heldMiB",
+        "free", "need");
     for (int64_t w : world_sizes) {
       TORCH_CHECK(w >= 1, "--world-sizes must be positive");
       const auto groups = plan_groups(model, static_cast<int>(w), ns_steps);
@@ -193,14 +213,17 @@ int run_plan_only(Flags& flags) {
         const Row r = plan_row(groups, static_cast<int>(w), policy, budget_mib << 20);
         std::printf(
             "%5lld %-13s %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f %9.1f %9.1f %9.1f | %6.2f "
-            "%6.2f %5.2f %5zu %8.1f | %s\n",
+            "%6.2f %5.2f %5zu %8.1f | %s | %s\n",
             static_cast<long long>(w), fsdp_muon::to_string(policy), r.seed_budget0, r.budget0,
             r.default_budget, r.unlimited, r.rr_budget0, r.rr_unlimited, r.floor, r.max_mib,
             r.mean_mib, r.rr_max_mib, r.rounds, r.rounds_over_floor, r.rounds_bytes_ratio,
             r.num_rounds, r.rounds_held_mib,
             policy == fsdp_muon::OwnerPolicy::kBalanced
                 ? format("%5.2f %5.2f", r.free_over_floor, r.free_bytes_ratio).c_str()
-                : "-");
+                : "-",
+            policy != fsdp_muon::OwnerPolicy::kBalanced ? "-"
+            : r.need_ratio > 0 ? format("%5.1f %5.2f", r.need_ratio, r.need_bytes_ratio).c_str()
+                               : "none");
         if (policy == defaults.owner_policy() && r.rounds_over_floor > worst) {
           worst = r.rounds_over_floor;
           worst_where = format("%s at W=%lld (%.2fx ideal, floor %.2fx, bytes %.2fx holders-only)",
