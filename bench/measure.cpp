@@ -362,6 +362,11 @@ int run_measure(Flags& flags) {
               ortho_mean > 0 ? mx(kOrthogonalize) / ortho_mean : 1.0);
   std::printf("%-44s %12.2f\n", "plan: NS critical path / ideal (this schedule)",
               plan.critical_path_ratio_planned());
+  std::printf("%-44s %12s\n", "plan: rounds (of them overlapping the next)",
+              format("%zu (%lld)", plan.rounds.size(),
+                     static_cast<long long>(std::count(plan.overlap_with_next.begin(),
+                                                       plan.overlap_with_next.end(), true)))
+                  .c_str());
   std::printf("%-44s %12.2f\n", "plan: max / mean NS FLOPs per rank",
               total_flops > 0 ? mx(kNumPhases + 4) / (total_flops / world) : 1.0);
   std::printf("%-44s %12.3f\n", "MiB sent per rank, gather + scatter (max)", mx(kNumPhases) / kMiB);

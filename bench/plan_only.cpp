@@ -83,15 +83,8 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
                                ? static_cast<double>(rounds.max_bytes_per_rank()) /
                                      static_cast<double>(rounds.holders_only_max_bytes)
                                : 1.0;
-  // Held at once: the round being orthogonalized and the next one being gathered.
-  int64_t held = 0;
-  for (size_t t = 0; t < rounds.rounds.size(); ++t) {
-    for (int r = 0; r < world_size; ++r) {
-      int64_t bytes = rounds.round_full_bytes_per_rank[t][r];
-      if (t + 1 < rounds.rounds.size()) bytes += rounds.round_full_bytes_per_rank[t + 1][r];
-      held = std::max(held, bytes);
-    }
-  }
+  // Held at once: one round, or two where the next is gathered while one is orthogonalized.
+  const int64_t held = rounds.max_held_full_bytes();
   row.rounds_held_mib = held / kMiB;
   row.num_rounds = rounds.rounds.size();
   if (policy == fsdp_muon::OwnerPolicy::kBalanced) {
@@ -168,7 +161,8 @@ int run_plan_only(Flags& flags) {
       "  /floor  rounds / floor (goal: <= 1.10)\n"
       "  B/min   busiest rank's gather + scatter bytes / the holders-only plan's busiest rank\n"
       "  #rnd    rounds (exchanges) per step\n"
-      "  heldMiB full-matrix bytes a rank holds at once (two consecutive rounds)\n"
+      "  heldMiB full-matrix bytes a rank holds at once (two consecutive rounds where they\n"
+      "          overlap, which they do only where both fit the budget)\n"
       "  free    balanced without a byte limit (max_bytes_ratio infinity): rounds / floor\n"
       "          and B/min\n"
       "  need    the smallest max_bytes_ratio of 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32 that brings\n"

@@ -432,23 +432,34 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
       // scatter runs while round t+1 is orthogonalized. Every rank starts the collectives in
       // the same order: gather 0, then per round gather t+1, scatter t. The refreshes come last:
       // a synchronous collective would wait for the ones in flight.
+      // Where two consecutive rounds do not fit the budget together
+      // (OwnerPlan::overlap_with_next), round t is applied before round t+1 is gathered.
       RoundInFlight current = d.momentum_inputs(*this, 0, active);
       d.start_gather(current, stats);
-      RoundInFlight previous;
+      RoundInFlight previous;  // scattered while `current` is orthogonalized, not yet applied
+      bool scattering = false;
       for (size_t t = 0; t < rounds; ++t) {
+        const bool pipelined = t + 1 < rounds && d.plan.overlap_with_next[t];
         d.assemble_owned(current, stats);
         RoundInFlight next;
-        if (t + 1 < rounds) {
+        if (pipelined) {
           next = d.momentum_inputs(*this, t + 1, active);
           d.start_gather(next, stats);
         }
         d.orthogonalize_owned(*this, current);
         d.start_scatter(current, stats);
-        if (t > 0) d.apply_updates(*this, previous);
+        if (scattering) d.apply_updates(*this, previous);
         previous = std::move(current);
+        scattering = true;
+        if (!pipelined && t + 1 < rounds) {
+          d.apply_updates(*this, previous);
+          scattering = false;
+          next = d.momentum_inputs(*this, t + 1, active);
+          d.start_gather(next, stats);
+        }
         current = std::move(next);
       }
-      d.apply_updates(*this, previous);
+      if (scattering) d.apply_updates(*this, previous);
     }
     if (d.config.overlap_communication()) {
       for (size_t g = 0; g < d.groups.size(); ++g) d.refresh(g, stats);

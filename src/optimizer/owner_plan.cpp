@@ -512,8 +512,9 @@ void rounds_from_windows(const std::vector<PlanGroup>& groups, OwnerPlan& plan) 
   }
 }
 
-// Which round completes each group; at least one round when there are groups.
-void finish_rounds(size_t num_groups, OwnerPlan& plan) {
+// Which round completes each group, and which rounds overlap the next (with overlap, when every
+// rank's owned full matrices of both fit the budget); at least one round when there are groups.
+void finish_rounds(size_t num_groups, int64_t budget, bool overlap, OwnerPlan& plan) {
   if (plan.rounds.empty() && num_groups > 0) {
     plan.rounds.emplace_back();
     plan.round_cost_per_rank.emplace_back(plan.world_size, 0);
@@ -534,6 +535,16 @@ void finish_rounds(size_t num_groups, OwnerPlan& plan) {
         plan.refresh_after_round[g] = w;
       }
     }
+  }
+  plan.overlap_with_next.assign(plan.rounds.size(), false);
+  for (size_t t = 0; overlap && t + 1 < plan.rounds.size(); ++t) {
+    bool fits = true;
+    for (int r = 0; r < plan.world_size; ++r) {
+      const int64_t pair =
+          plan.round_full_bytes_per_rank[t][r] + plan.round_full_bytes_per_rank[t + 1][r];
+      if (budget != kUnlimitedPrefetch && pair > budget) fits = false;
+    }
+    plan.overlap_with_next[t] = fits;
   }
 }
 
@@ -644,7 +655,7 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
     size_t best = 0;
     for (size_t k = 0; k < starts.size(); ++k) {
       pack_rounds(groups, exchange_budget, starts[k]);
-      finish_rounds(num_groups, starts[k]);
+      finish_rounds(num_groups, budget, options.overlap(), starts[k]);
       if (starts[k].critical_path_planned() < starts[best].critical_path_planned()) best = k;
     }
     return starts[best];
@@ -652,7 +663,7 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   for (OwnerPlan& start : starts) {
     start.windows = prefetch_windows(start, exchange_budget);
     rounds_from_windows(groups, start);
-    finish_rounds(num_groups, start);
+    finish_rounds(num_groups, budget, options.overlap(), start);
   }
   carried = starts.front();
   for (const OwnerPlan& start : starts) {
@@ -681,7 +692,7 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   }
   finish_plan(groups, windowed);
   rounds_from_windows(groups, windowed);
-  finish_rounds(num_groups, windowed);
+  finish_rounds(num_groups, budget, options.overlap(), windowed);
   // Both are greedy; neither wins everywhere (LPT under holder constraints is no optimum), so
   // keep the shorter critical path, the carried plan on a tie. Every rank picks the same one.
   return windowed.critical_path_planned() < carried.critical_path_planned() ? windowed : carried;
@@ -724,6 +735,18 @@ int64_t OwnerPlan::critical_path_planned() const {
     path += per_rank.empty() ? 0 : *std::max_element(per_rank.begin(), per_rank.end());
   }
   return path;
+}
+
+int64_t OwnerPlan::max_held_full_bytes() const {
+  int64_t most = 0;
+  for (size_t t = 0; t < round_full_bytes_per_rank.size(); ++t) {
+    for (int r = 0; r < world_size; ++r) {
+      const bool pair = t < overlap_with_next.size() && overlap_with_next[t];
+      most = std::max(
+          most, round_full_bytes_per_rank[t][r] + (pair ? round_full_bytes_per_rank[t + 1][r] : 0));
+    }
+  }
+  return most;
 }
 
 int64_t OwnerPlan::max_round_full_bytes() const {

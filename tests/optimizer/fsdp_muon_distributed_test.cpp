@@ -399,8 +399,14 @@ TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes
       round_bytes.push_back(bytes);
     }
     int64_t transient = 0;
+    ASSERT_EQ(plan.overlap_with_next.size(), round_bytes.size());
     for (size_t t = 0; t < round_bytes.size(); ++t) {
-      const int64_t next = run.overlap && t + 1 < round_bytes.size() ? round_bytes[t + 1] : 0;
+      if (plan.overlap_with_next[t]) {
+        EXPECT_TRUE(run.overlap);
+        // Two rounds are held at once only where both fit the budget.
+        EXPECT_LE(round_bytes[t] + round_bytes[t + 1], run.budget);
+      }
+      const int64_t next = plan.overlap_with_next[t] ? round_bytes[t + 1] : 0;
       transient = std::max(transient, round_bytes[t] + next);
     }
     if (run.budget != kUnlimitedPrefetch) {

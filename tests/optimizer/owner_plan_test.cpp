@@ -311,7 +311,6 @@ TEST(OwnerPlanTest, Llama3_8BCriticalPaths) {
   }
 }
 
-
 // W=2, every matrix local: g0 = {A, B} on rank 0, g1 = {D, E} on rank 1, 1920 FLOPs and 64 bytes
 // each. A budget of 127 bytes fits one matrix per rank: windows run g0, then g1 (each rank
 // idles in one), rounds run A with D, then B with E.
@@ -343,11 +342,25 @@ TEST(OwnerPlanTest, RoundsDoNotStallPerWindow) {
   EXPECT_EQ(windowed.critical_path_planned(), windowed.critical_path(windowed.windows));
   // With overlap two rounds are in flight: 254 bytes packs the same rounds, 127 one matrix
   // per round alone (a matrix over half the budget runs alone).
-  EXPECT_EQ(plan_owners(groups, 2, OwnerPlanOptions(options).overlap(true).prefetch_budget_bytes(254)).rounds,
-            rounds.rounds);
+  const OwnerPlan overlapped =
+      plan_owners(groups, 2, OwnerPlanOptions(options).overlap(true).prefetch_budget_bytes(254));
+  EXPECT_EQ(overlapped.rounds, rounds.rounds);
+  EXPECT_EQ(overlapped.overlap_with_next, (std::vector<bool>{true, false}));
+  EXPECT_EQ(overlapped.max_held_full_bytes(), 128);
+  EXPECT_EQ(rounds.overlap_with_next, (std::vector<bool>{false, false}));  // overlap off
+  EXPECT_EQ(rounds.max_held_full_bytes(), 64);
+  // 127 bytes with overlap: each matrix (64 bytes) is over half of it, so alone in its round,
+  // and two rounds would exceed the budget: they run one after the other.
+  const OwnerPlan alone =
+      plan_owners(groups, 2, OwnerPlanOptions(options).overlap(true).prefetch_budget_bytes(127));
+  EXPECT_EQ(alone.rounds, rounds.rounds);
+  EXPECT_EQ(alone.overlap_with_next, (std::vector<bool>{false, false}));
+  EXPECT_EQ(alone.max_held_full_bytes(), 64);
   // Everything fits: one round.
-  EXPECT_EQ(plan_owners(groups, 2, OwnerPlanOptions(options).prefetch_budget_bytes(kUnlimitedPrefetch)).rounds,
-            (std::vector<Round>{{{0, 0}, {0, 1}, {1, 0}, {1, 1}}}));
+  EXPECT_EQ(
+      plan_owners(groups, 2, OwnerPlanOptions(options).prefetch_budget_bytes(kUnlimitedPrefetch))
+          .rounds,
+      (std::vector<Round>{{{0, 0}, {0, 1}, {1, 0}, {1, 1}}}));
   EXPECT_THROW(plan_owners(groups, 2, OwnerPlanOptions(options).max_bytes_ratio(0.5)), c10::Error);
 }
 
@@ -355,10 +368,10 @@ TEST(OwnerPlanTest, RoundsDoNotStallPerWindow) {
 // with 30720 and sends 8 bytes each way; balanced moves X or Y to rank 1 once the byte limit
 // allows its 256 bytes (and not under 1.5x of 8 bytes).
 TEST(OwnerPlanTest, BalancedMovesLocalMatricesWithinTheByteLimit) {
-  const std::vector<PlanGroup> groups = {{"g",
-                                          {matrix("X", 8, 8, 2, {{0, 64}}),
-                                           matrix("Y", 8, 8, 2, {{0, 64}}),
-                                           matrix("Z", 2, 2, 2, {{0, 2}, {1, 2}})}}};
+  const std::vector<PlanGroup> groups = {
+      {"g",
+       {matrix("X", 8, 8, 2, {{0, 64}}), matrix("Y", 8, 8, 2, {{0, 64}}),
+        matrix("Z", 2, 2, 2, {{0, 2}, {1, 2}})}}};
   const auto options = OwnerPlanOptions().policy(OwnerPolicy::kBalanced);
   const OwnerPlan holders =
       plan_owners(groups, 2, OwnerPlanOptions().policy(OwnerPolicy::kHoldersOnly));
@@ -383,25 +396,26 @@ std::vector<PlanGroup> model_groups(const std::string& which, int world_size) {
     const int64_t d = 768;
     for (int layer = 0; layer < 12; ++layer) {
       const std::string p = "h." + std::to_string(layer) + ".";
-      groups.push_back(plan_group_from_shapes(
-          p,
-          {{p + "ln_1.weight", {d}},
-           {p + "attn.c_attn.weight", {3 * d, d}},
-           {p + "attn.c_attn.bias", {3 * d}},
-           {p + "attn.c_proj.weight", {d, d}},
-           {p + "ln_2.weight", {d}},
-           {p + "mlp.c_fc.weight", {4 * d, d}},
-           {p + "mlp.c_proj.weight", {d, 4 * d}}},
-          world_size, 5, at::kBFloat16, 16));
+      groups.push_back(plan_group_from_shapes(p,
+                                              {{p + "ln_1.weight", {d}},
+                                               {p + "attn.c_attn.weight", {3 * d, d}},
+                                               {p + "attn.c_attn.bias", {3 * d}},
+                                               {p + "attn.c_proj.weight", {d, d}},
+                                               {p + "ln_2.weight", {d}},
+                                               {p + "mlp.c_fc.weight", {4 * d, d}},
+                                               {p + "mlp.c_proj.weight", {d, 4 * d}}},
+                                              world_size, 5, at::kBFloat16, 16));
     }
     return groups;
   }
   const int64_t d = 4096, kv = 1024, ffn = 14336;
   for (int layer = 0; layer < 32; ++layer) {
     const std::string p = "layers." + std::to_string(layer) + ".";
-    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
-        {p + "q", {d, d}}, {p + "k", {kv, d}}, {p + "v", {kv, d}}, {p + "o", {d, d}},
-        {p + "router", {8, d}}};
+    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {{p + "q", {d, d}},
+                                                                        {p + "k", {kv, d}},
+                                                                        {p + "v", {kv, d}},
+                                                                        {p + "o", {d, d}},
+                                                                        {p + "router", {8, d}}};
     for (int e = 0; e < 8; ++e) {
       const std::string x = p + "experts." + std::to_string(e) + ".";
       shapes.push_back({x + "w1", {ffn, d}});
@@ -444,11 +458,13 @@ TEST(OwnerPlanTest, DefaultScheduleIsNearTheFloor) {
           }
         }
       }
+      // What a rank holds at once: within the budget (no single matrix here exceeds half).
+      EXPECT_LE(plan.max_held_full_bytes(), config.prefetch_budget_bytes());
       // The critical path of rounds never beats the longest rank, and is what runs.
       EXPECT_GE(plan.critical_path_planned(), plan.critical_path_unlimited());
       // Windows under the same budget and policy stall per window: never shorter here.
-      const OwnerPlan windowed = plan_owners(
-          groups, w, config.owner_plan_options().schedule(OwnerSchedule::kWindows));
+      const OwnerPlan windowed =
+          plan_owners(groups, w, config.owner_plan_options().schedule(OwnerSchedule::kWindows));
       EXPECT_LE(plan.critical_path_planned(), windowed.critical_path_planned());
     }
   }

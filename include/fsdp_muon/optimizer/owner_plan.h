@@ -114,6 +114,11 @@ struct OwnerPlan {
   // [group]: the round after which all of the group's matrices are updated (its model weights
   // can be refreshed); the last round for a group without matrices.
   std::vector<size_t> refresh_after_round;
+  // [round]: with OwnerPlanOptions::overlap, whether round t+1 is gathered while round t is
+  // orthogonalized (and round t's scatter runs while round t+1 is): when every rank's owned full
+  // matrices of both rounds fit the budget. Otherwise round t is applied before round t+1
+  // starts, so a rank never holds more than the budget unless one round alone does.
+  std::vector<bool> overlap_with_next;
   // The busiest rank's gather + scatter bytes under holders-only owners over all groups: the
   // reference of OwnerPlanOptions::max_bytes_ratio and of the benchmarks' byte ratios.
   int64_t holders_only_max_bytes = 0;
@@ -155,9 +160,10 @@ struct OwnerPlan {
   // max(ideal, largest matrix) / ideal: no whole-matrix ownership beats it.
   double floor_ratio() const;
   int64_t max_bytes_per_rank() const;  // max over ranks of gather + scatter bytes
-  // Largest full-matrix bytes one rank owns in one round (twice this is held at once when
-  // rounds overlap).
+  // Largest full-matrix bytes one rank owns in one round.
   int64_t max_round_full_bytes() const;
+  // Largest full-matrix bytes one rank holds at once: one round, or two that overlap.
+  int64_t max_held_full_bytes() const;
   // A few lines for logs and benchmarks.
   std::string summary() const;
 };
