@@ -10,12 +10,14 @@
 
 namespace {
 const char* kUsage = R"(usage:
-  fsdp_muon_bench --plan-only [--models llama3-8b,qwen3-30b-a3b,gpt2]
+  fsdp_muon_bench --plan-only
+                  [--models llama3-8b,qwen3-30b-a3b,gpt2,dense-70b,moe-8x,moe-64x]
                   [--world-sizes 8,16,32,64,128,256] [--prefetch-mib 1024] [--ns-steps 5]
   torchrun --standalone --no-python --nproc_per_node=W fsdp_muon_bench
                   [--preset llama3-layer|gpt2|moe] [--layers N] [--scale S] [--experts E]
                   [--steps 5] [--warmup 1] [--ns-dtype bf16|fp32]
-                  [--policy holders-only|any-rank] [--prefetch-mib 1024|unlimited]
+                  [--policy holders-only|any-rank|balanced] [--schedule rounds|windows]
+                  [--prefetch-mib 1024|unlimited]
                   [--threads N] [--compare]
   Presets (full size on a GPU; on a CPU --scale defaults to 8 for llama3-layer and moe and
   gpt2 runs 2 layers): gpt2 = GPT-2 124M layers; llama3-layer = one Llama-3-8B layer (widths

@@ -80,6 +80,63 @@ double gemm_flops_per_second(int64_t m, int64_t n, c10::ScalarType dtype,
   return 2.0 * m * m * n * reps / elapsed;
 }
 
+// Step time, compute phases (elementwise + orthogonalize + apply), exposed communication (the
+// rest) and the agreement check of FsdpMuon configurations on this rank: medians over `steps`
+// after `warmup`, so that a step slowed by another process does not count. The configurations
+// take turns step by step, so that drift in a shared machine's speed hits them alike.
+struct SettingTimes {
+  double step = 0, compute = 0, exposed = 0, check = 0;
+};
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n == 0 ? 0.0 : (n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]));
+}
+
+std::vector<SettingTimes> time_settings(
+    const std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>>& groups,
+    const std::vector<at::Tensor>& matrices, c10::ScalarType ns_dtype,
+    const std::vector<fsdp_muon::FsdpMuonConfig>& configs, int64_t warmup, int64_t steps,
+    const c10::Device& device) {
+  std::vector<std::unique_ptr<fsdp_muon::FsdpMuon>> optimizers;
+  for (const auto& config : configs) {
+    optimizers.push_back(std::make_unique<fsdp_muon::FsdpMuon>(
+        matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype), config));
+  }
+  // [setting][quantity][step]: step, compute, exposed, check.
+  std::vector<std::vector<std::vector<double>>> samples(configs.size(),
+                                                        std::vector<std::vector<double>>(4));
+  for (int64_t s = 0; s < warmup + steps; ++s) {
+    for (size_t k = 0; k < optimizers.size(); ++k) {
+      for (const auto& g : groups) {
+        g->zero_grad();
+        g->full_grad_buffer().normal_();
+        g->reduce_scatter_grads();
+      }
+      sync(device);
+      groups.front()->communicator()->barrier();
+      const auto t0 = Clock::now();
+      optimizers[k]->step();
+      sync(device);
+      const double step = seconds_since(t0);
+      if (s < warmup) continue;
+      const auto& st = optimizers[k]->last_step_stats();
+      const double compute = st.elementwise_seconds + st.orthogonalize_seconds + st.apply_seconds;
+      samples[k][0].push_back(step);
+      samples[k][1].push_back(compute);
+      samples[k][2].push_back(step - compute);
+      samples[k][3].push_back(st.check_seconds);
+    }
+  }
+  std::vector<SettingTimes> times(configs.size());
+  for (size_t k = 0; k < configs.size(); ++k) {
+    times[k] = {median(samples[k][0]), median(samples[k][1]), median(samples[k][2]),
+                median(samples[k][3])};
+  }
+  return times;
+}
+
 }  // namespace
 
 int run_measure(Flags& flags) {
@@ -91,6 +148,7 @@ int run_measure(Flags& flags) {
   const std::string ns_dtype_name = flags.get("ns-dtype", "bf16");
   const std::string policy_name = flags.get("policy", "holders-only");
   const std::string prefetch = flags.get("prefetch-mib", "1024");
+  const std::string schedule_name = flags.get("schedule", "rounds");
   const int64_t threads = flags.get_int("threads", 0);
   const bool compare = flags.has("compare");
   const std::string scale_flag = flags.get("scale", "");
@@ -98,8 +156,11 @@ int run_measure(Flags& flags) {
 
   TORCH_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
   TORCH_CHECK(ns_dtype_name == "bf16" || ns_dtype_name == "fp32", "--ns-dtype: bf16 or fp32");
-  TORCH_CHECK(policy_name == "holders-only" || policy_name == "any-rank",
-              "--policy: holders-only or any-rank");
+  TORCH_CHECK(
+      policy_name == "holders-only" || policy_name == "any-rank" || policy_name == "balanced",
+      "--policy: holders-only, any-rank or balanced");
+  TORCH_CHECK(schedule_name == "rounds" || schedule_name == "windows",
+              "--schedule: rounds or windows");
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
   const c10::ScalarType ns_dtype = ns_dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
 
@@ -137,12 +198,15 @@ int run_measure(Flags& flags) {
   }
   const int64_t budget = prefetch == "unlimited" ? fsdp_muon::kUnlimitedPrefetch
                                                  : static_cast<int64_t>(std::stoll(prefetch)) << 20;
-  fsdp_muon::FsdpMuon muon(
-      matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype),
+  const fsdp_muon::FsdpMuonConfig config =
       fsdp_muon::FsdpMuonConfig()
-          .owner_policy(policy_name == "any-rank" ? fsdp_muon::OwnerPolicy::kAnyRank
-                                                  : fsdp_muon::OwnerPolicy::kHoldersOnly)
-          .prefetch_budget_bytes(budget));
+          .owner_policy(policy_name == "any-rank"   ? fsdp_muon::OwnerPolicy::kAnyRank
+                        : policy_name == "balanced" ? fsdp_muon::OwnerPolicy::kBalanced
+                                                    : fsdp_muon::OwnerPolicy::kHoldersOnly)
+          .owner_schedule(schedule_name == "windows" ? fsdp_muon::OwnerSchedule::kWindows
+                                                     : fsdp_muon::OwnerSchedule::kRounds)
+          .prefetch_budget_bytes(budget);
+  fsdp_muon::FsdpMuon muon(matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype), config);
   const fsdp_muon::OwnerPlan& plan = muon.owner_plan();
 
   torch::manual_seed(1000 + rank);
@@ -216,6 +280,26 @@ int run_measure(Flags& flags) {
     }
   }
 
+  // Overlap off/on x agreement check on/off, one after the other on the same groups
+  // (docs/DESIGN.md §3): exposed communication = step - (elementwise + orthogonalize + apply).
+  std::vector<fsdp_muon::FsdpMuonConfig> settings;
+  for (const bool check : {true, false}) {
+    for (const bool overlap : {false, true}) {
+      settings.push_back(
+          fsdp_muon::FsdpMuonConfig(config).overlap_communication(overlap).check_gradient_agreement(
+              check));
+    }
+  }
+  comm->barrier();
+  std::vector<double> setting_local;
+  for (const SettingTimes& t :
+       time_settings(groups, matrices, ns_dtype, settings, warmup, steps, device)) {
+    setting_local.insert(setting_local.end(), {t.step, t.compute, t.exposed, t.check});
+  }
+  at::Tensor setting_max = at::tensor(setting_local, at::kDouble).to(device);
+  comm->all_reduce(setting_max, fsdp_muon::ReduceOp::kMax);
+  setting_max = setting_max.cpu();
+
   // Cross-rank: max and mean of every phase, bytes, rates.
   std::vector<double> local(sum);
   local.push_back(static_cast<double>(gather_bytes + scatter_bytes));
@@ -257,8 +341,9 @@ int run_measure(Flags& flags) {
       policy_name.c_str(), prefetch.c_str(), static_cast<long long>(steps),
       static_cast<long long>(warmup));
   if (device.is_cuda()) {
-    std::printf("(CUDA: phase times are execution times on the stream, from CUDA events; the step "
-                "total is synchronized wall time)\n");
+    std::printf(
+        "(CUDA: phase times are execution times on the stream, from CUDA events; the step "
+        "total is synchronized wall time)\n");
   }
   std::printf("\n%-22s %12s %12s\n", "phase (ms per step)", "max rank", "mean rank");
   for (int p = 0; p < kNumPhases; ++p) {
@@ -275,8 +360,13 @@ int run_measure(Flags& flags) {
   const double ortho_mean = mean(kOrthogonalize);
   std::printf("%-44s %12.2f\n", "balance: max / mean orthogonalize time",
               ortho_mean > 0 ? mx(kOrthogonalize) / ortho_mean : 1.0);
-  std::printf("%-44s %12.2f\n", "plan: NS critical path / ideal (these windows)",
-              plan.critical_path_ratio(muon.windows()));
+  std::printf("%-44s %12.2f\n", "plan: NS critical path / ideal (this schedule)",
+              plan.critical_path_ratio_planned());
+  std::printf("%-44s %12s\n", "plan: rounds (of them overlapping the next)",
+              format("%zu (%lld)", plan.rounds.size(),
+                     static_cast<long long>(std::count(plan.overlap_with_next.begin(),
+                                                       plan.overlap_with_next.end(), true)))
+                  .c_str());
   std::printf("%-44s %12.2f\n", "plan: max / mean NS FLOPs per rank",
               total_flops > 0 ? mx(kNumPhases + 4) / (total_flops / world) : 1.0);
   std::printf("%-44s %12.3f\n", "MiB sent per rank, gather + scatter (max)", mx(kNumPhases) / kMiB);
@@ -285,6 +375,25 @@ int run_measure(Flags& flags) {
   std::printf("%-44s %12.3f\n", "bytes sent / minimum (worst rank)", worst_byte_ratio);
   std::printf("%-44s %12.3f\n", "transient full-matrix MiB per rank (max)",
               mx(kNumPhases + 2) / kMiB);
+  std::printf("\n%-30s %10s %10s %10s %10s\n", "setting (median ms/step, max rank)", "step",
+              "compute", "exposed", "check");
+  const char* setting_names[] = {"overlap off, check on", "overlap on, check on",
+                                 "overlap off, check off", "overlap on, check off"};
+  for (int k = 0; k < 4; ++k) {
+    std::printf(
+        "%-30s %10.3f %10.3f %10.3f %10.3f\n", setting_names[k],
+        setting_max[4 * k].item<double>() * 1e3, setting_max[4 * k + 1].item<double>() * 1e3,
+        setting_max[4 * k + 2].item<double>() * 1e3, setting_max[4 * k + 3].item<double>() * 1e3);
+  }
+  const double exposed_off = setting_max[2].item<double>();
+  const double exposed_on = setting_max[6].item<double>();
+  const double check_cost = setting_max[4].item<double>() - setting_max[12].item<double>();
+  const double check_phase = setting_max[7].item<double>();
+  std::printf("%-44s %12.3f\n", "exposed communication ms, overlap off", exposed_off * 1e3);
+  std::printf("%-44s %12.3f\n", "exposed communication ms, overlap on", exposed_on * 1e3);
+  std::printf("%-44s %12.3f\n", "agreement check cost ms per step (on - off)", check_cost * 1e3);
+  std::printf("%-44s %12.3f\n", "agreement check phase ms per step (overlap on)",
+              check_phase * 1e3);
   const double fsdp_step = mx(kStep);
   if (compare) {
     std::printf("%-44s %12.3f\n", "single-device Muon step ms (max rank)",
@@ -296,6 +405,9 @@ int run_measure(Flags& flags) {
       "GEMM rate, bytes %.2fx minimum",
       model.name.c_str(), world, fsdp_step * 1e3, mx(kOrthogonalize) * 1e3,
       gemm_mean > 0 ? 100.0 * ns_rate / gemm_mean : 0.0, worst_byte_ratio);
+  headline += format(
+      ", exposed communication %.1f -> %.1f ms with overlap, agreement check %.2f ms (phase)",
+      exposed_off * 1e3, exposed_on * 1e3, check_phase * 1e3);
   if (compare) {
     headline += format(", %.2fx faster than single-device Muon",
                        fsdp_step > 0 ? mx(kNumPhases + 5) / fsdp_step : 0.0);

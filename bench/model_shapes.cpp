@@ -93,4 +93,77 @@ ModelShapes qwen3_30b_a3b(int64_t layers, int64_t experts, int64_t scale) {
   return model;
 }
 
+namespace {
+
+// Attention (q, k, v, o) of a layer with `kv` key/value width.
+void add_attention(NamedShapes& shapes, const std::string& p, int64_t d, int64_t kv) {
+  shapes.push_back({p + "self_attn.q_proj.weight", {d, d}});
+  shapes.push_back({p + "self_attn.k_proj.weight", {kv, d}});
+  shapes.push_back({p + "self_attn.v_proj.weight", {kv, d}});
+  shapes.push_back({p + "self_attn.o_proj.weight", {d, d}});
+}
+
+// A gated FFN (gate, up, down) of width `ffn`.
+void add_ffn(NamedShapes& shapes, const std::string& p, int64_t d, int64_t ffn) {
+  shapes.push_back({p + "gate_proj.weight", {ffn, d}});
+  shapes.push_back({p + "up_proj.weight", {ffn, d}});
+  shapes.push_back({p + "down_proj.weight", {d, ffn}});
+}
+
+void add_norms(NamedShapes& shapes, const std::string& p, int64_t d) {
+  shapes.push_back({p + "input_layernorm.weight", {d}});
+  shapes.push_back({p + "post_attention_layernorm.weight", {d}});
+}
+
+}  // namespace
+
+ModelShapes dense_70b(int64_t layers) {
+  ModelShapes model{"dense 70B-class", {}};
+  const int64_t d = 8192, kv = 1024, ffn = 28672;
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    NamedShapes shapes;
+    add_attention(shapes, p, d, kv);
+    add_ffn(shapes, p + "mlp.", d, ffn);
+    add_norms(shapes, p, d);
+    model.groups.push_back({p.substr(0, p.size() - 1), std::move(shapes)});
+  }
+  return model;
+}
+
+ModelShapes moe_8_experts(int64_t layers) {
+  ModelShapes model{"8-expert MoE (Mixtral-like)", {}};
+  const int64_t d = 4096, kv = 1024, ffn = 14336;
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    NamedShapes shapes;
+    add_attention(shapes, p, d, kv);
+    shapes.push_back({p + "mlp.gate.weight", {8, d}});
+    for (int64_t e = 0; e < 8; ++e) {
+      add_ffn(shapes, p + "mlp.experts." + std::to_string(e) + ".", d, ffn);
+    }
+    add_norms(shapes, p, d);
+    model.groups.push_back({p.substr(0, p.size() - 1), std::move(shapes)});
+  }
+  return model;
+}
+
+ModelShapes moe_64_experts(int64_t layers) {
+  ModelShapes model{"64-expert fine-grained MoE", {}};
+  const int64_t d = 2048, ffn = 1408;
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    NamedShapes shapes;
+    add_attention(shapes, p, d, d);
+    shapes.push_back({p + "mlp.gate.weight", {64, d}});
+    add_ffn(shapes, p + "mlp.shared_experts.", d, 2 * ffn);
+    for (int64_t e = 0; e < 64; ++e) {
+      add_ffn(shapes, p + "mlp.experts." + std::to_string(e) + ".", d, ffn);
+    }
+    add_norms(shapes, p, d);
+    model.groups.push_back({p.substr(0, p.size() - 1), std::move(shapes)});
+  }
+  return model;
+}
+
 }  // namespace fsdp_muon_bench

@@ -86,13 +86,17 @@ struct AcceptedMatrix {
   at::Tensor param;
 };
 
-// One FSDP group's share of a window as it moves through the step's phases.
-struct GroupInFlight {
-  std::vector<bool> active;      // [local matrix] has a gradient this step
-  std::vector<at::Tensor> own;   // [local matrix] this rank's momentum input, owned matrices
-  std::vector<at::Tensor> full;  // [local matrix] full matrix (input, then update) on owners
-  at::Tensor send;               // gather send = scatter receive
-  at::Tensor recv;               // gather receive = scatter send
+// One round (or window) as it moves through the step's phases: its matrices are
+// round_matrices[round], position j in every vector below.
+struct RoundInFlight {
+  size_t round = 0;
+  std::vector<bool> active;        // [j] has a gradient this step
+  std::vector<at::Tensor> own;     // [j] this rank's momentum input, owned matrices
+  std::vector<at::Tensor> full;    // [j] full matrix (input, then update) on owners
+  at::Tensor send;                 // gather send = scatter receive
+  at::Tensor recv;                 // gather receive = scatter send
+  std::unique_ptr<CommWork> work;  // the gather or scatter in flight on send/recv
+  int64_t full_bytes = 0;          // of `full`
 };
 
 }  // namespace
@@ -122,7 +126,12 @@ const char* to_string(NewtonSchulzBatching mode) {
 }
 
 OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
-  return OwnerPlanOptions().policy(owner_policy()).prefetch_budget_bytes(prefetch_budget_bytes());
+  return OwnerPlanOptions()
+      .policy(owner_policy())
+      .schedule(owner_schedule())
+      .max_bytes_ratio(max_bytes_ratio())
+      .prefetch_budget_bytes(prefetch_budget_bytes())
+      .overlap(overlap_communication());
 }
 
 struct FsdpMuon::Impl {
@@ -130,13 +139,15 @@ struct FsdpMuon::Impl {
   std::shared_ptr<Communicator> comm;
   std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
   std::vector<FsdpMuonMatrix> matrices;
-  std::vector<std::vector<size_t>> group_matrices;      // [group] -> indices into matrices
-  std::vector<std::vector<MatrixPlacement>> placement;  // [group][local matrix]
+  std::vector<std::vector<size_t>> group_matrices;  // [group] -> indices into matrices
+  // [round] -> indices into matrices, and their placements, in the plan's round order.
+  std::vector<std::vector<size_t>> round_matrices;
+  std::vector<std::vector<MatrixPlacement>> round_placement;
   std::unordered_map<const c10::TensorImpl*, size_t> matrix_of;
   OwnerPlan plan;
   // Parameter identities per optimizer group as constructed: step() compares against them.
   std::vector<std::vector<const c10::TensorImpl*>> frozen;
-  std::vector<ExchangeLayout> exchanges;  // [group], laid out again when the active set changes
+  std::vector<ExchangeLayout> exchanges;  // [round], laid out again when the active set changes
   FsdpMuonStepStats stats;
   // The last step's phase times, added to `stats` when they are first read (on CUDA that waits
   // for the step's work, so a step nobody profiles never waits).
@@ -146,10 +157,10 @@ struct FsdpMuon::Impl {
   int rank() const { return comm->rank(); }
   int world() const { return comm->size(); }
 
-  const ExchangeLayout& exchange(size_t g, const std::vector<bool>& active) {
-    ExchangeLayout& x = exchanges[g];
+  const ExchangeLayout& exchange(size_t round, const std::vector<bool>& active) {
+    ExchangeLayout& x = exchanges[round];
     if (x.active != active || x.send_counts.empty()) {
-      x = detail::layout_exchange(placement[g], active, rank(), world());
+      x = detail::layout_exchange(round_placement[round], active, rank(), world());
     }
     return x;
   }
@@ -163,15 +174,15 @@ struct FsdpMuon::Impl {
   std::vector<bool> agree_on_gradients(FsdpMuon& self, FsdpMuonStepStats& stats);
   void reject_non_finite(const std::vector<int64_t>& sums, std::vector<bool>& active,
                          FsdpMuonStepStats& stats);
-  std::vector<GroupInFlight> momentum_inputs(FsdpMuon& self, std::pair<size_t, size_t> window,
-                                             const std::vector<bool>& active);
-  void gather_to_owners(std::vector<GroupInFlight>& flight, size_t first, FsdpMuonStepStats& stats);
-  void orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlight>& flight, size_t first,
-                           FsdpMuonStepStats& stats);
-  void scatter_to_holders(std::vector<GroupInFlight>& flight, size_t first,
-                          FsdpMuonStepStats& stats);
-  void apply_and_refresh(FsdpMuon& self, std::vector<GroupInFlight>& flight, size_t first,
-                         FsdpMuonStepStats& stats);
+  RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const std::vector<bool>& active);
+  void start_gather(RoundInFlight& f, FsdpMuonStepStats& stats);
+  void assemble_owned(RoundInFlight& f, FsdpMuonStepStats& stats);
+  void orthogonalize_owned(FsdpMuon& self, RoundInFlight& f, FsdpMuonStepStats& stats);
+  void start_scatter(RoundInFlight& f, FsdpMuonStepStats& stats);
+  void apply_updates(FsdpMuon& self, RoundInFlight& f);
+  void refresh(size_t group, FsdpMuonStepStats& stats);
+  // Full-matrix bytes alive now on this rank, for FsdpMuonStepStats::max_transient_bytes.
+  int64_t live_full_bytes = 0;
 };
 
 FsdpMuon::FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults,
@@ -210,14 +221,14 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
   detail::run_agreed(*comm, "fsdp_muon::FsdpMuon: construction", construct);
   const std::string description = impl_->describe_parameters(*this);
   const std::vector<int> differ = detail::ranks_that_differ(*comm, description);
-  TORCH_CHECK(differ.empty(),
-              "fsdp_muon::FsdpMuon: the parameter lists differ across ranks: ", "rank(s) ",
-              join(differ),
-              " disagree with rank 0 on the groups, order, names or shapes of the "
-              "parameters (or on ns_steps, owner policy or prefetch budget). Every rank must "
-              "construct FsdpMuon with the same sharded parameters in the same order. This "
-              "rank (",
-              comm->rank(), ") has:", abbreviate(description));
+  TORCH_CHECK(
+      differ.empty(), "fsdp_muon::FsdpMuon: the parameter lists differ across ranks: ", "rank(s) ",
+      join(differ),
+      " disagree with rank 0 on the groups, order, names or shapes of the "
+      "parameters (or on ns_steps, owner policy, schedule or prefetch budget). Every rank must "
+      "construct FsdpMuon with the same sharded parameters in the same order. This "
+      "rank (",
+      comm->rank(), ") has:", abbreviate(description));
 }
 
 FsdpMuon::~FsdpMuon() = default;
@@ -317,7 +328,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   const int w = world();
   std::vector<PlanGroup> plan_groups(groups.size());
   group_matrices.assign(groups.size(), {});
-  placement.assign(groups.size(), {});
+  std::vector<std::vector<MatrixPlacement>> placement(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
     plan_groups[g].name = groups[g]->name();
     plan_groups[g].element_bytes = static_cast<int64_t>(c10::elementSize(groups[g]->main_dtype()));
@@ -354,7 +365,24 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       placement[g][j].owner = plan.owner[g][j];
     }
   }
-  exchanges.assign(groups.size(), ExchangeLayout{});
+  round_matrices.assign(plan.rounds.size(), {});
+  round_placement.assign(plan.rounds.size(), {});
+  for (size_t t = 0; t < plan.rounds.size(); ++t) {
+    for (const auto& [g, j] : plan.rounds[t]) {
+      // One exchange moves one buffer, so the groups it draws from share a main dtype.
+      const size_t first = plan.rounds[t].front().first;
+      TORCH_CHECK(groups[g]->main_dtype() == groups[first]->main_dtype(),
+                  "fsdp_muon::FsdpMuon: FSDP groups ", group_label(*groups[first], first), " and ",
+                  group_label(*groups[g], g), " have different main dtypes (",
+                  groups[first]->main_dtype(), ", ", groups[g]->main_dtype(),
+                  ") but their matrices are exchanged together; give every group the same "
+                  "FsdpParameterGroupOptions::main_dtype, or use OwnerSchedule::kWindows with "
+                  "prefetch_budget_bytes(0) (one group per exchange)");
+      round_matrices[t].push_back(group_matrices[g][j]);
+      round_placement[t].push_back(placement[g][j]);
+    }
+  }
+  exchanges.assign(plan.rounds.size(), ExchangeLayout{});
   timer = std::make_unique<detail::PhaseTimer>(comm->device());
   for (const auto& group : self.param_groups_) {
     std::vector<const c10::TensorImpl*> impls;
@@ -367,8 +395,10 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
 // its ns_steps and parameters (FSDP group, position, name, shape).
 std::string FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
   std::ostringstream desc;
-  desc << "world " << world() << "; policy " << to_string(config.owner_policy()) << "; budget "
-       << config.prefetch_budget_bytes() << "; non-finite "
+  desc << "world " << world() << "; policy " << to_string(config.owner_policy()) << "; schedule "
+       << to_string(config.owner_schedule()) << "; bytes ratio " << config.max_bytes_ratio()
+       << "; budget " << config.prefetch_budget_bytes() << "; overlap "
+       << config.overlap_communication() << "; non-finite "
        << to_string(config.non_finite_gradients()) << "; agreement "
        << config.check_gradient_agreement() << ";";
   for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
@@ -397,13 +427,57 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
   d.timer->reset();
   try {
     const std::vector<bool> active = d.agree_on_gradients(*this, stats);
-    for (const auto& window : d.plan.windows) {
-      ++stats.windows;
-      std::vector<GroupInFlight> flight = d.momentum_inputs(*this, window, active);
-      d.gather_to_owners(flight, window.first, stats);
-      d.orthogonalize_owned(*this, flight, window.first, stats);
-      d.scatter_to_holders(flight, window.first, stats);
-      d.apply_and_refresh(*this, flight, window.first, stats);
+    d.live_full_bytes = 0;
+    const size_t rounds = d.plan.rounds.size();
+    stats.windows = static_cast<int64_t>(rounds);
+    if (!d.config.overlap_communication()) {
+      for (size_t t = 0; t < rounds; ++t) {
+        RoundInFlight f = d.momentum_inputs(*this, t, active);
+        d.start_gather(f, stats);
+        d.assemble_owned(f, stats);
+        d.orthogonalize_owned(*this, f, stats);
+        d.start_scatter(f, stats);
+        d.apply_updates(*this, f);
+        for (size_t g = 0; g < d.groups.size(); ++g) {
+          if (d.plan.refresh_after_round[g] == t) d.refresh(g, stats);
+        }
+      }
+    } else if (rounds > 0) {
+      // docs/DESIGN.md §3: round t+1 is gathered while round t is orthogonalized, and round t's
+      // scatter runs while round t+1 is orthogonalized. Every rank starts the collectives in
+      // the same order: gather 0, then per round gather t+1, scatter t. The refreshes come last:
+      // a synchronous collective would wait for the ones in flight.
+      // Where two consecutive rounds do not fit the budget together
+      // (OwnerPlan::overlap_with_next), round t is applied before round t+1 is gathered.
+      RoundInFlight current = d.momentum_inputs(*this, 0, active);
+      d.start_gather(current, stats);
+      RoundInFlight previous;  // scattered while `current` is orthogonalized, not yet applied
+      bool scattering = false;
+      for (size_t t = 0; t < rounds; ++t) {
+        const bool pipelined = t + 1 < rounds && d.plan.overlap_with_next[t];
+        d.assemble_owned(current, stats);
+        RoundInFlight next;
+        if (pipelined) {
+          next = d.momentum_inputs(*this, t + 1, active);
+          d.start_gather(next, stats);
+        }
+        d.orthogonalize_owned(*this, current, stats);
+        d.start_scatter(current, stats);
+        if (scattering) d.apply_updates(*this, previous);
+        previous = std::move(current);
+        scattering = true;
+        if (!pipelined && t + 1 < rounds) {
+          d.apply_updates(*this, previous);
+          scattering = false;
+          next = d.momentum_inputs(*this, t + 1, active);
+          d.start_gather(next, stats);
+        }
+        current = std::move(next);
+      }
+      if (scattering) d.apply_updates(*this, previous);
+    }
+    if (d.config.overlap_communication()) {
+      for (size_t g = 0; g < d.groups.size(); ++g) d.refresh(g, stats);
     }
   } catch (...) {
     // A failed step's phase times must not be added to the last completed step's stats.
@@ -527,82 +601,87 @@ void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& sums, std::ve
   ++skipped_steps;
 }
 
-// Weight decay, momentum and the Nesterov input on each local shard; owners keep theirs, the
-// rest is packed into the gather's send buffer.
-std::vector<GroupInFlight> FsdpMuon::Impl::momentum_inputs(FsdpMuon& self,
-                                                           std::pair<size_t, size_t> window,
-                                                           const std::vector<bool>& active) {
+// Weight decay, momentum and the Nesterov input on each local shard of the round's matrices;
+// owners keep theirs, the rest is packed into the gather's send buffer.
+RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round,
+                                              const std::vector<bool>& active) {
   const auto phase = timer->measure(&Stats::elementwise_seconds);
   const int me = rank();
-  std::vector<GroupInFlight> flight(window.second - window.first);
-  for (size_t g = window.first; g < window.second; ++g) {
-    GroupInFlight& f = flight[g - window.first];
-    const auto& local = group_matrices[g];
-    f.active.resize(local.size());
-    for (size_t j = 0; j < local.size(); ++j) f.active[j] = active[local[j]];
-    const ExchangeLayout& x = exchange(g, f.active);
-    f.own.resize(local.size());
-    f.full.resize(local.size());
-    f.send = at::empty({x.send_numel}, groups[g]->main_weight_shard().options());
-    for (size_t j = 0; j < local.size(); ++j) {
-      if (!f.active[j]) continue;
-      const FsdpMuonMatrix& mat = matrices[local[j]];
-      const at::Tensor& p = mat.sharded_parameter;
-      MuonParamState& state = detail::advance_muon_state(self.state_, p);
-      if (p.numel() == 0) continue;  // this rank holds none of it
-      const MuonOptions& options =
-          muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
-      at::Tensor buffer = state.momentum_buffer();
-      at::Tensor u = detail::muon_momentum_input(p, p.grad(), buffer, options);
-      if (mat.owner == me) {
-        f.own[j] = std::move(u);
-      } else {
-        f.send.narrow(0, x.send_offset[j], u.numel()).copy_(u);
-      }
+  const auto& mine = round_matrices[round];
+  RoundInFlight f;
+  f.round = round;
+  f.active.resize(mine.size());
+  for (size_t j = 0; j < mine.size(); ++j) f.active[j] = active[mine[j]];
+  const ExchangeLayout& x = exchange(round, f.active);
+  f.own.resize(mine.size());
+  f.full.resize(mine.size());
+  const size_t group = mine.empty() ? 0 : matrices[mine.front()].group_ordinal;
+  f.send = at::empty({x.send_numel}, groups[group]->main_weight_shard().options());
+  for (size_t j = 0; j < mine.size(); ++j) {
+    if (!f.active[j]) continue;
+    const FsdpMuonMatrix& mat = matrices[mine[j]];
+    const at::Tensor& p = mat.sharded_parameter;
+    MuonParamState& state = detail::advance_muon_state(self.state_, p);
+    if (p.numel() == 0) continue;  // this rank holds none of it
+    const MuonOptions& options =
+        muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
+    at::Tensor buffer = state.momentum_buffer();
+    at::Tensor u = detail::muon_momentum_input(p, p.grad(), buffer, options);
+    if (mat.owner == me) {
+      f.own[j] = std::move(u);
+    } else {
+      f.send.narrow(0, x.send_offset[j], u.numel()).copy_(u);
     }
   }
-  return flight;
+  return f;
 }
 
-// One all-to-all-v per group, then each owner assembles its full matrices.
-void FsdpMuon::Impl::gather_to_owners(std::vector<GroupInFlight>& flight, size_t first,
-                                      FsdpMuonStepStats& stats) {
+// One all-to-all-v for the round (skipped when nothing moves), started without waiting.
+void FsdpMuon::Impl::start_gather(RoundInFlight& f, FsdpMuonStepStats& stats) {
   const auto phase = timer->measure(&Stats::gather_seconds);
-  const int me = rank();
-  int64_t transient = 0;
-  for (size_t k = 0; k < flight.size(); ++k) {
-    GroupInFlight& f = flight[k];
-    const size_t g = first + k;
-    const ExchangeLayout& x = exchange(g, f.active);
-    f.recv = at::empty({x.recv_numel}, f.send.options());
-    if (x.moves) {
-      count_sent(*comm, &CommStats::all_to_all_v_bytes, stats.gather_bytes,
-                 [&] { comm->all_to_all_v(f.send, x.send_counts, f.recv, x.recv_counts); });
-    }
-    for (size_t j = 0; j < group_matrices[g].size(); ++j) {
-      const MatrixPlacement& where = placement[g][j];
-      if (!f.active[j] || where.owner != me) continue;
-      // One allocation per matrix: fresh, aligned storage, as single-device Muon's U has.
-      at::Tensor full = at::empty({where.numel()}, f.send.options());
-      transient += full.nbytes();
-      for (int s = 0; s < world(); ++s) {
-        const int64_t len = where.held_numel(s);
-        if (len == 0) continue;
-        full.narrow(0, where.held[s].first, len)
-            .copy_(s == me ? f.own[j] : f.recv.narrow(0, x.recv_offset[j][s], len));
-      }
-      f.own[j] = at::Tensor();
-      f.full[j] = std::move(full);
-    }
+  const ExchangeLayout& x = exchange(f.round, f.active);
+  f.recv = at::empty({x.recv_numel}, f.send.options());
+  if (x.moves) {
+    count_sent(*comm, &CommStats::all_to_all_v_bytes, stats.gather_bytes, [&] {
+      f.work = comm->all_to_all_v_async(f.send, x.send_counts, f.recv, x.recv_counts);
+    });
   }
-  stats.max_transient_bytes = std::max(stats.max_transient_bytes, transient);
 }
 
-// Newton–Schulz and the scale on each full matrix this rank owns, in place. Same-shape matrices
-// of one optimizer group go through one batched call where FsdpMuonConfig::batch_newton_schulz
-// allows it (docs/DESIGN.md §4, "Batching").
-void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlight>& flight,
-                                         size_t first, FsdpMuonStepStats& stats) {
+// Waits for the round's gather, then each owner assembles its full matrices.
+void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, FsdpMuonStepStats& stats) {
+  const auto phase = timer->measure(&Stats::gather_seconds);
+  if (f.work) {
+    f.work->wait();
+    f.work.reset();
+  }
+  const int me = rank();
+  const ExchangeLayout& x = exchange(f.round, f.active);
+  const auto& where_all = round_placement[f.round];
+  for (size_t j = 0; j < where_all.size(); ++j) {
+    const MatrixPlacement& where = where_all[j];
+    if (!f.active[j] || where.owner != me) continue;
+    // One allocation per matrix: fresh, aligned storage, as single-device Muon's U has.
+    at::Tensor full = at::empty({where.numel()}, f.send.options());
+    f.full_bytes += full.nbytes();
+    for (int s = 0; s < world(); ++s) {
+      const int64_t len = where.held_numel(s);
+      if (len == 0) continue;
+      full.narrow(0, where.held[s].first, len)
+          .copy_(s == me ? f.own[j] : f.recv.narrow(0, x.recv_offset[j][s], len));
+    }
+    f.own[j] = at::Tensor();
+    f.full[j] = std::move(full);
+  }
+  live_full_bytes += f.full_bytes;
+  stats.max_transient_bytes = std::max(stats.max_transient_bytes, live_full_bytes);
+}
+
+// Newton–Schulz and the scale on each full matrix this rank owns in the round, in place.
+// Same-shape matrices of one optimizer group go through one batched call where
+// FsdpMuonConfig::batch_newton_schulz allows it (docs/DESIGN.md §4, "Batching").
+void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, RoundInFlight& f,
+                                         FsdpMuonStepStats& stats) {
   const auto phase = timer->measure(&Stats::orthogonalize_seconds);
   // Bounds the batch's stacked copy and Newton–Schulz workspace (2^25 elements: 128 MiB fp32).
   constexpr int64_t kMaxBatchElements = int64_t{1} << 25;
@@ -614,31 +693,29 @@ void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlig
   using Key = std::tuple<int64_t, int64_t, c10::ScalarType, size_t>;  // rows, cols, dtype, group
   std::vector<std::vector<Owned>> batches;
   std::map<Key, size_t> open_batch;  // key -> index in batches of the batch still filling
-  for (size_t k = 0; k < flight.size(); ++k) {
-    const auto& local = group_matrices[first + k];
-    for (size_t j = 0; j < local.size(); ++j) {
-      at::Tensor& full = flight[k].full[j];
-      if (!full.defined()) continue;
-      const FsdpMuonMatrix& mat = matrices[local[j]];
-      const MuonOptions& options =
-          muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
-      Owned owned{full.view({mat.rows, mat.cols}), &options};
-      const NewtonSchulzBatching mode = config.batch_newton_schulz();
-      const bool batch =
-          mode == NewtonSchulzBatching::kAlways ||
-          (mode == NewtonSchulzBatching::kWhereBitwise &&
-           detail::batched_newton_schulz_is_bitwise(full.device(), options.ns_dtype()));
-      const Key key{mat.rows, mat.cols, full.scalar_type(), mat.param_group};
-      auto open = batch ? open_batch.find(key) : open_batch.end();
-      if (open != open_batch.end() &&
-          static_cast<int64_t>(batches[open->second].size() + 1) * mat.rows * mat.cols <=
-              kMaxBatchElements) {
-        batches[open->second].push_back(std::move(owned));
-        continue;
-      }
-      if (batch) open_batch[key] = batches.size();
-      batches.push_back({std::move(owned)});
+  const auto& mine = round_matrices[f.round];
+  for (size_t j = 0; j < mine.size(); ++j) {
+    at::Tensor& full = f.full[j];
+    if (!full.defined()) continue;
+    const FsdpMuonMatrix& mat = matrices[mine[j]];
+    const MuonOptions& options =
+        muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
+    Owned owned{full.view({mat.rows, mat.cols}), &options};
+    const NewtonSchulzBatching mode = config.batch_newton_schulz();
+    const bool batch =
+        mode == NewtonSchulzBatching::kAlways ||
+        (mode == NewtonSchulzBatching::kWhereBitwise &&
+         detail::batched_newton_schulz_is_bitwise(full.device(), options.ns_dtype()));
+    const Key key{mat.rows, mat.cols, full.scalar_type(), mat.param_group};
+    auto open = batch ? open_batch.find(key) : open_batch.end();
+    if (open != open_batch.end() &&
+        static_cast<int64_t>(batches[open->second].size() + 1) * mat.rows * mat.cols <=
+            kMaxBatchElements) {
+      batches[open->second].push_back(std::move(owned));
+      continue;
     }
+    if (batch) open_batch[key] = batches.size();
+    batches.push_back({std::move(owned)});
   }
   for (const std::vector<Owned>& batch : batches) {
     const MuonOptions& options = *batch.front().options;
@@ -657,62 +734,62 @@ void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, std::vector<GroupInFlig
   }
 }
 
-// Each owner sends every holder its slice of the update: the gather's buffers, roles swapped.
-void FsdpMuon::Impl::scatter_to_holders(std::vector<GroupInFlight>& flight, size_t first,
-                                        FsdpMuonStepStats& stats) {
+// Each owner packs every holder's slice of the update and the reverse all-to-all-v starts: the
+// gather's buffers, roles swapped.
+void FsdpMuon::Impl::start_scatter(RoundInFlight& f, FsdpMuonStepStats& stats) {
   const auto phase = timer->measure(&Stats::scatter_seconds);
   const int me = rank();
-  for (size_t k = 0; k < flight.size(); ++k) {
-    GroupInFlight& f = flight[k];
-    const size_t g = first + k;
-    const ExchangeLayout& x = exchange(g, f.active);
-    for (size_t j = 0; j < group_matrices[g].size(); ++j) {
-      if (!f.full[j].defined()) continue;
-      const MatrixPlacement& where = placement[g][j];
-      for (int h = 0; h < world(); ++h) {
-        const int64_t len = where.held_numel(h);
-        if (h == me || len == 0) continue;
-        f.recv.narrow(0, x.recv_offset[j][h], len)
-            .copy_(f.full[j].narrow(0, where.held[h].first, len));
-      }
+  const ExchangeLayout& x = exchange(f.round, f.active);
+  const auto& where_all = round_placement[f.round];
+  for (size_t j = 0; j < where_all.size(); ++j) {
+    if (!f.full[j].defined()) continue;
+    const MatrixPlacement& where = where_all[j];
+    for (int h = 0; h < world(); ++h) {
+      const int64_t len = where.held_numel(h);
+      if (h == me || len == 0) continue;
+      f.recv.narrow(0, x.recv_offset[j][h], len)
+          .copy_(f.full[j].narrow(0, where.held[h].first, len));
     }
-    if (x.moves) {
-      count_sent(*comm, &CommStats::all_to_all_v_bytes, stats.scatter_bytes,
-                 [&] { comm->all_to_all_v(f.recv, x.recv_counts, f.send, x.send_counts); });
-    }
-    f.recv = at::Tensor();
+  }
+  if (x.moves) {
+    count_sent(*comm, &CommStats::all_to_all_v_bytes, stats.scatter_bytes, [&] {
+      f.work = comm->all_to_all_v_async(f.recv, x.recv_counts, f.send, x.send_counts);
+    });
   }
 }
 
-// param <- param - lr * update on each local shard, then the group's model weights are
-// refreshed: every step, whether or not its matrices had gradients, since another optimizer may
-// just have stepped the group's other parameters.
-void FsdpMuon::Impl::apply_and_refresh(FsdpMuon& self, std::vector<GroupInFlight>& flight,
-                                       size_t first, FsdpMuonStepStats& stats) {
-  const int me = rank();
-  for (size_t k = 0; k < flight.size(); ++k) {
-    GroupInFlight& f = flight[k];
-    const size_t g = first + k;
-    {
-      const auto phase = timer->measure(&Stats::apply_seconds);
-      const ExchangeLayout& x = exchange(g, f.active);
-      for (size_t j = 0; j < group_matrices[g].size(); ++j) {
-        const FsdpMuonMatrix& mat = matrices[group_matrices[g][j]];
-        const at::Tensor& p = mat.sharded_parameter;
-        if (!f.active[j] || p.numel() == 0) continue;
-        const MuonOptions& options =
-            muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
-        const at::Tensor update =
-            mat.owner == me ? f.full[j].narrow(0, placement[g][j].held[me].first, p.numel())
-                            : f.send.narrow(0, x.send_offset[j], p.numel());
-        detail::muon_apply_update(p, update, options);
-      }
-      f = GroupInFlight{};
-    }
-    const auto phase = timer->measure(&Stats::refresh_seconds);
-    count_sent(*comm, &CommStats::all_gather_bytes, stats.refresh_bytes,
-               [&] { groups[g]->refresh_model_weights(); });
+// Waits for the round's scatter, then param <- param - lr * update on each local shard.
+void FsdpMuon::Impl::apply_updates(FsdpMuon& self, RoundInFlight& f) {
+  if (f.work) {
+    const auto phase = timer->measure(&Stats::scatter_seconds);
+    f.work->wait();
+    f.work.reset();
   }
+  const auto phase = timer->measure(&Stats::apply_seconds);
+  const int me = rank();
+  const ExchangeLayout& x = exchange(f.round, f.active);
+  const auto& mine = round_matrices[f.round];
+  for (size_t j = 0; j < mine.size(); ++j) {
+    const FsdpMuonMatrix& mat = matrices[mine[j]];
+    const at::Tensor& p = mat.sharded_parameter;
+    if (!f.active[j] || p.numel() == 0) continue;
+    const MuonOptions& options =
+        muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
+    const at::Tensor update =
+        mat.owner == me ? f.full[j].narrow(0, round_placement[f.round][j].held[me].first, p.numel())
+                        : f.send.narrow(0, x.send_offset[j], p.numel());
+    detail::muon_apply_update(p, update, options);
+  }
+  live_full_bytes -= f.full_bytes;
+  f = RoundInFlight{};
+}
+
+// The group's model weights are refreshed every step, whether or not its matrices had
+// gradients, since another optimizer may just have stepped the group's other parameters.
+void FsdpMuon::Impl::refresh(size_t group, FsdpMuonStepStats& stats) {
+  const auto phase = timer->measure(&Stats::refresh_seconds);
+  count_sent(*comm, &CommStats::all_gather_bytes, stats.refresh_bytes,
+             [&] { groups[group]->refresh_model_weights(); });
 }
 
 void FsdpMuon::save(torch::serialize::OutputArchive& archive) const {

@@ -242,17 +242,34 @@ TEST(FsdpMuonExactness, ParametersWithoutGradientsAreSkipped) {
   expect_matches_reference(model, "skipped gradients");
 }
 
+// The name of matrix j of group g in the plan's numbering (the group's matrices in order).
+std::string plan_name(const FsdpMuon& fsdp, size_t g, size_t j) {
+  size_t k = 0;
+  for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+    if (m.group_ordinal == g && k++ == j) return m.name;
+  }
+  return "";
+}
+
 // The plan FsdpMuon caches is the planner's on the groups' own layout.
 TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
   Model model = make_model(5);
   for (const FsdpMuonConfig& config :
-       {FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly),
-        FsdpMuonConfig().owner_policy(OwnerPolicy::kAnyRank),
-        FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly).prefetch_budget_bytes(256),
-        FsdpMuonConfig().owner_policy(OwnerPolicy::kAnyRank).prefetch_budget_bytes(0)}) {
+       {FsdpMuonConfig(), FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly),
+        FsdpMuonConfig().owner_policy(OwnerPolicy::kAnyRank).prefetch_budget_bytes(300),
+        FsdpMuonConfig().max_bytes_ratio(1.0).prefetch_budget_bytes(0).overlap_communication(false),
+        FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows),
+        FsdpMuonConfig()
+            .owner_schedule(OwnerSchedule::kWindows)
+            .owner_policy(OwnerPolicy::kHoldersOnly)
+            .prefetch_budget_bytes(256),
+        FsdpMuonConfig()
+            .owner_schedule(OwnerSchedule::kWindows)
+            .owner_policy(OwnerPolicy::kAnyRank)
+            .prefetch_budget_bytes(0)}) {
     const OwnerPolicy policy = config.owner_policy();
-    SCOPED_TRACE(std::string(to_string(policy)) + " budget " +
-                 std::to_string(config.prefetch_budget_bytes()));
+    SCOPED_TRACE(std::string(to_string(policy)) + " " + to_string(config.owner_schedule()) +
+                 " budget " + std::to_string(config.prefetch_budget_bytes()));
     FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), config);
     std::vector<PlanGroup> groups;
     for (const auto& specs : model_specs()) {
@@ -264,6 +281,10 @@ TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
     const OwnerPlan expected = plan_owners(groups, world().size(), config.owner_plan_options());
     EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
     EXPECT_EQ(fsdp.windows(), expected.windows);
+    EXPECT_EQ(fsdp.owner_plan().rounds, expected.rounds);
+    EXPECT_EQ(fsdp.owner_plan().refresh_after_round, expected.refresh_after_round);
+    EXPECT_EQ(fsdp.owner_plan().critical_path_planned(), expected.critical_path_planned());
+    EXPECT_EQ(fsdp.owner_plan().schedule, config.owner_schedule());
     EXPECT_EQ(fsdp.owner_plan().critical_path_ratio_planned(),
               expected.critical_path_ratio_planned());
     EXPECT_EQ(fsdp.owner_plan().cost_per_rank, expected.cost_per_rank);
@@ -279,38 +300,67 @@ TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
   }
 }
 
-// Results are the same bits for every prefetch budget and both policies; the bytes moved are
-// what the plan predicts, and under holders-only the docs/DESIGN.md §7 minimum; full matrices exist
-// only on their owners.
-TEST(FsdpMuonSchedule, BudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes) {
+// Results are the same bits for every schedule, prefetch budget, policy and overlap setting; the
+// bytes moved are what the plan predicts (under holders-only the docs/DESIGN.md §7 minimum);
+// full matrices exist only on their owners, at most one round (two with overlap) at a time.
+TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes) {
   const int me = world().rank();
   const int w = world().size();
   struct Run {
+    OwnerSchedule schedule;
     OwnerPolicy policy;
     int64_t budget;
+    bool overlap;
   };
   // Budget 0, a couple of groups (the owned bytes of the largest group), unlimited.
-  const std::vector<Run> runs = {{OwnerPolicy::kHoldersOnly, 0},
-                                 {OwnerPolicy::kHoldersOnly, 800},
-                                 {OwnerPolicy::kHoldersOnly, kUnlimitedPrefetch},
-                                 {OwnerPolicy::kAnyRank, 0},
-                                 {OwnerPolicy::kAnyRank, kUnlimitedPrefetch}};
+  const auto rounds = OwnerSchedule::kRounds;
+  const auto windows = OwnerSchedule::kWindows;
+  const std::vector<Run> runs = {{windows, OwnerPolicy::kHoldersOnly, 0, false},
+                                 {windows, OwnerPolicy::kHoldersOnly, 800, false},
+                                 {windows, OwnerPolicy::kHoldersOnly, kUnlimitedPrefetch, true},
+                                 {windows, OwnerPolicy::kAnyRank, 0, true},
+                                 {windows, OwnerPolicy::kAnyRank, kUnlimitedPrefetch, false},
+                                 {windows, OwnerPolicy::kBalanced, 800, true},
+                                 {rounds, OwnerPolicy::kHoldersOnly, 0, false},
+                                 {rounds, OwnerPolicy::kHoldersOnly, 300, true},
+                                 {rounds, OwnerPolicy::kAnyRank, 600, false},
+                                 {rounds, OwnerPolicy::kBalanced, 0, true},
+                                 {rounds, OwnerPolicy::kBalanced, 300, false},
+                                 {rounds, OwnerPolicy::kBalanced, 300, true},
+                                 {rounds, OwnerPolicy::kBalanced, kUnlimitedPrefetch, true}};
   std::vector<at::Tensor> first_result;
   for (const Run& run : runs) {
-    SCOPED_TRACE(std::string(to_string(run.policy)) + " budget " + std::to_string(run.budget));
+    SCOPED_TRACE(std::string(to_string(run.schedule)) + " " + to_string(run.policy) + " budget " +
+                 std::to_string(run.budget) + (run.overlap ? " overlap" : ""));
     Model model = make_model(11);
     const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(at::kFloat);
     FsdpMuon fsdp(sharded_matrices(model), options,
-                  FsdpMuonConfig().owner_policy(run.policy).prefetch_budget_bytes(run.budget));
+                  FsdpMuonConfig()
+                      .owner_schedule(run.schedule)
+                      .owner_policy(run.policy)
+                      .prefetch_budget_bytes(run.budget)
+                      .overlap_communication(run.overlap));
     Muon muon(reference_matrices(model), options);
     const OwnerPlan& plan = fsdp.owner_plan();
-    EXPECT_EQ(fsdp.windows(), plan.windows);
-    if (run.budget == 0) {
-      EXPECT_EQ(fsdp.windows().size(), 3u);
+    if (run.schedule == windows) {
+      EXPECT_TRUE(!plan.windows.empty());
+      EXPECT_EQ(plan.rounds.size(), plan.windows.size());
+      if (run.budget == 0) {
+        EXPECT_EQ(fsdp.windows().size(), 3u);
+      }
+      if (run.budget == kUnlimitedPrefetch) {
+        EXPECT_EQ(fsdp.windows().size(), 1u);
+      }
+    } else {
+      EXPECT_TRUE(fsdp.windows().empty());
+      if (run.budget == kUnlimitedPrefetch) {
+        EXPECT_EQ(plan.rounds.size(), 1u);
+      }
     }
-    if (run.budget == kUnlimitedPrefetch) {
-      EXPECT_EQ(fsdp.windows().size(), 1u);
-    }
+    // Every matrix is in exactly one round.
+    size_t in_rounds = 0;
+    for (const auto& round : plan.rounds) in_rounds += round.size();
+    EXPECT_EQ(in_rounds, fsdp.matrices().size());
 
     if (w > 1) {  // the model really spreads matrices over ranks
       EXPECT_GT(std::accumulate(plan.gather_bytes_per_rank.begin(),
@@ -328,16 +378,53 @@ TEST(FsdpMuonSchedule, BudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes) {
         if (m.owner == me) scatter_min += (second - first) * 4;
       }
     }
-    // Transient full matrices: the owned ones of each window, the largest window.
-    int64_t transient = 0;
-    for (const auto& [first, last] : fsdp.windows()) {
+    if (run.policy == OwnerPolicy::kHoldersOnly && run.schedule == rounds) {
+      // The same owners as the reference (per-window owners under kWindows may differ).
+      EXPECT_EQ(plan.max_bytes_per_rank(), plan.holders_only_max_bytes);
+    }
+    if (run.policy == OwnerPolicy::kBalanced) {
+      EXPECT_LE(plan.max_bytes_per_rank(), 1.5 * plan.holders_only_max_bytes);
+    }
+    // Transient full matrices: the owned ones of each round (by hand from the matrices), or of
+    // two consecutive rounds with overlap.
+    std::vector<int64_t> round_bytes;
+    for (const auto& round : plan.rounds) {
       int64_t bytes = 0;
-      for (const FsdpMuonMatrix& m : fsdp.matrices()) {
-        if (m.owner == me && m.group_ordinal >= first && m.group_ordinal < last) {
-          bytes += m.rows * m.cols * 4;
+      for (const auto& [g, j] : round) {
+        for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+          if (m.owner == me && m.group_ordinal == g && m.name == plan_name(fsdp, g, j)) {
+            bytes += m.rows * m.cols * 4;
+          }
         }
       }
-      transient = std::max(transient, bytes);
+      EXPECT_EQ(bytes, plan.round_full_bytes_per_rank[&round - plan.rounds.data()][me]);
+      round_bytes.push_back(bytes);
+    }
+    int64_t transient = 0;
+    ASSERT_EQ(plan.overlap_with_next.size(), round_bytes.size());
+    for (size_t t = 0; t < round_bytes.size(); ++t) {
+      if (plan.overlap_with_next[t]) {
+        EXPECT_TRUE(run.overlap);
+        // Two rounds are held at once only where both fit the budget.
+        EXPECT_LE(round_bytes[t] + round_bytes[t + 1], run.budget);
+      }
+      const int64_t next = plan.overlap_with_next[t] ? round_bytes[t + 1] : 0;
+      transient = std::max(transient, round_bytes[t] + next);
+    }
+    if (run.budget != kUnlimitedPrefetch) {
+      // A round holds more than its share of the budget only when one matrix alone does.
+      const int64_t share = run.overlap ? run.budget / 2 : run.budget;
+      for (size_t t = 0; t < plan.rounds.size(); ++t) {
+        if (run.schedule == rounds && plan.rounds[t].size() > 1) {
+          for (int r = 0; r < w; ++r) {
+            int64_t owned = 0;
+            for (const auto& [g, j] : plan.rounds[t]) owned += plan.owner[g][j] == r;
+            if (owned > 1) {
+              EXPECT_LE(plan.round_full_bytes_per_rank[t][r], share) << "round " << t;
+            }
+          }
+        }
+      }
     }
 
     for (int step = 0; step < 4; ++step) {
@@ -350,7 +437,7 @@ TEST(FsdpMuonSchedule, BudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes) {
       EXPECT_EQ(stats.gather_bytes, gather_min);
       EXPECT_EQ(stats.scatter_bytes, scatter_min);
       EXPECT_EQ(stats.max_transient_bytes, transient);
-      EXPECT_EQ(stats.windows, static_cast<int64_t>(fsdp.windows().size()));
+      EXPECT_EQ(stats.windows, static_cast<int64_t>(plan.rounds.size()));
       bool owns_any = false;
       for (const FsdpMuonMatrix& m : fsdp.matrices()) owns_any |= m.owner == me;
       if (!owns_any) {
@@ -391,7 +478,7 @@ std::vector<std::vector<Spec>> moe_specs() {
 // bits wherever FsdpMuon batches only bitwise calls (fp32 on one thread, which this test runs
 // with, and anything under kNever); kAlways in bf16 batches non-bitwise calls and is held to
 // rounding. The number of Newton–Schulz calls is the number of (shape, optimizer group) classes
-// a rank owns per window when it batches, one per matrix when it does not.
+// a rank owns per round when it batches, one per matrix when it does not.
 TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
   ASSERT_EQ(at::get_num_threads(), 1);
   const int me = world().rank();
@@ -420,11 +507,15 @@ TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
                   FsdpMuonConfig().batch_newton_schulz(run.mode).prefetch_budget_bytes(run.budget));
     Muon muon(split_groups(reference_matrices(model), options), options);
     int64_t owned = 0;
-    int64_t classes = 0;  // distinct (rows, cols, optimizer group) this rank owns, per window
-    for (const auto& [first, last] : fsdp.windows()) {
+    int64_t classes = 0;  // distinct (rows, cols, optimizer group) this rank owns, per round
+    // The plan's (group, j): the j-th of the group's matrices in matrices().
+    std::vector<std::vector<const FsdpMuonMatrix*>> of_group(fsdp.fsdp_groups().size());
+    for (const FsdpMuonMatrix& m : fsdp.matrices()) of_group[m.group_ordinal].push_back(&m);
+    for (const auto& round : fsdp.owner_plan().rounds) {
       std::vector<std::tuple<int64_t, int64_t, size_t>> seen;
-      for (const FsdpMuonMatrix& m : fsdp.matrices()) {
-        if (m.owner != me || m.group_ordinal < first || m.group_ordinal >= last) continue;
+      for (const auto& [g, j] : round) {
+        const FsdpMuonMatrix& m = *of_group[g][j];
+        if (m.owner != me) continue;
         ++owned;
         const auto key = std::make_tuple(m.rows, m.cols, m.param_group);
         if (std::find(seen.begin(), seen.end(), key) == seen.end()) seen.push_back(key);
@@ -439,8 +530,9 @@ TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
       EXPECT_EQ(stats.orthogonalized_matrices, owned);
       EXPECT_EQ(stats.newton_schulz_calls, run.batches ? classes : owned);
     }
-    if (run.batches && world().size() <= 2) {
-      // Few ranks own many experts each: batching really happened.
+    if (run.batches && run.budget == kUnlimitedPrefetch && world().size() <= 2) {
+      // Few ranks own many experts each in one round: batching really happened. (Budget 0 is
+      // one matrix per round, so nothing to batch.)
       EXPECT_LT(classes, owned);
     }
     if (run.bitwise) {
@@ -457,6 +549,71 @@ TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
       }
     }
   }
+}
+
+// Overlapping the exchanges with Newton–Schulz changes when collectives run, never the bits: both
+// settings equal single-device Muon (bf16 Newton–Schulz, several optimizer groups) and each other.
+TEST(FsdpMuonSchedule, OverlapOnAndOffGiveTheSameBits) {
+  std::vector<std::vector<at::Tensor>> results;
+  for (const bool overlap : {false, true}) {
+    for (const int64_t budget : {int64_t{0}, int64_t{400}}) {
+      SCOPED_TRACE(std::string(overlap ? "overlap" : "no overlap") + " budget " +
+                   std::to_string(budget));
+      Model model = make_model(31);
+      const MuonOptions options = MuonOptions(0.02).weight_decay(0.05);
+      FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options,
+                    FsdpMuonConfig().overlap_communication(overlap).prefetch_budget_bytes(budget));
+      Muon muon(split_groups(reference_matrices(model), options), options);
+      if (budget == 0) {
+        EXPECT_GT(fsdp.owner_plan().rounds.size(), 1u);  // something to overlap
+      }
+      for (int step = 0; step < 3; ++step) {
+        feed_gradients(model, 3100 + step);
+        fsdp.step();
+        muon.step();
+      }
+      expect_matches_reference(model, "overlap");
+      std::vector<at::Tensor> result;
+      for (const auto& group : model.groups) result.push_back(group->main_weight_shard().clone());
+      results.push_back(std::move(result));
+    }
+  }
+  for (size_t k = 1; k < results.size(); ++k) {
+    for (size_t g = 0; g < results[k].size(); ++g) {
+      EXPECT_TRUE(at::equal(results[k][g], results[0][g])) << "setting " << k << " group " << g;
+    }
+  }
+}
+
+// One round moves one buffer: groups with different main dtypes whose matrices share a round are
+// an error on every rank, naming both groups and the fix; one group per window runs.
+TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
+  at::manual_seed(41);
+  std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    groups.push_back(std::make_shared<FsdpParameterGroup>(
+        std::vector<std::pair<std::string, at::Tensor>>{
+            {"w" + std::to_string(groups.size()), at::randn({5, 3})}},
+        world_ptr(),
+        FsdpParameterGroupOptions().broadcast_from_rank0(false).main_dtype(dtype).name(
+            "g" + std::to_string(groups.size()))));
+  }
+  const std::vector<at::Tensor> params = {groups[0]->sharded_parameter(0),
+                                          groups[1]->sharded_parameter(0)};
+  try {
+    FsdpMuon fsdp(params, MuonOptions(),
+                  FsdpMuonConfig().prefetch_budget_bytes(kUnlimitedPrefetch));
+    ADD_FAILURE() << "expected an error: one round mixes fp32 and fp64 groups";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("different main dtypes"), std::string::npos) << what;
+    EXPECT_NE(what.find("'g0'"), std::string::npos) << what;
+    EXPECT_NE(what.find("'g1'"), std::string::npos) << what;
+  }
+  FsdpMuon windows(
+      params, MuonOptions(),
+      FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows).prefetch_budget_bytes(0));
+  EXPECT_EQ(windows.owner_plan().rounds.size(), 2u);
 }
 
 // A rank that owns nothing allocates no full matrix: at W=4 with one small matrix per group, two

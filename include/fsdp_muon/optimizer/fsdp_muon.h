@@ -38,7 +38,7 @@ enum class NonFiniteGradients {
 
 const char* to_string(NonFiniteGradients mode);
 
-// Whether FsdpMuon orthogonalizes the same-shape matrices a rank owns in a window with one
+// Whether FsdpMuon orthogonalizes the same-shape matrices a rank owns in a round with one
 // batched Newton–Schulz call (docs/DESIGN.md §4, "Batching"). A batched call is faster (one
 // strided-batched GEMM instead of one small GEMM per expert), but a backend's batched kernel
 // need not round every matrix exactly as the 2-D call does, and which matrices a rank batches
@@ -59,15 +59,28 @@ const char* to_string(NewtonSchulzBatching mode);
 
 // Distribution settings of FsdpMuon (the math is in MuonOptions).
 struct FsdpMuonConfig {
-  // Who may orthogonalize a matrix that several ranks hold (see OwnerPolicy).
-  TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPolicy::kHoldersOnly;
-  // Bytes of full matrices one rank may hold at once. The step gathers consecutive FSDP groups
-  // together (a window) while every rank's owned full matrices in them fit, then orthogonalizes
-  // them back to back; the owner plan balances each window. 0 is one group at a time,
-  // kUnlimitedPrefetch gathers everything first. A group larger than the budget still runs,
-  // alone. The result bits never depend on it.
+  // Who may orthogonalize a matrix (see OwnerPolicy). The default, kBalanced, was chosen from
+  // the planned critical paths in bench/RESULTS.md: holders-only leaves ranks that hold
+  // expensive matrices whole overloaded in every layer.
+  TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPolicy::kBalanced;
+  // kBalanced: the bytes a rank may send per step, as a multiple of the busiest rank's under
+  // holders-only (see OwnerPlanOptions::max_bytes_ratio).
+  TORCH_ARG(double, max_bytes_ratio) = 1.5;
+  // When ranks meet (see OwnerSchedule): kRounds, the default, chosen from bench/RESULTS.md,
+  // packs every rank's owned matrices into rounds of about equal cost over the whole model.
+  TORCH_ARG(OwnerSchedule, owner_schedule) = OwnerSchedule::kRounds;
+  // Bytes of full matrices one rank may hold at once. kRounds: each rank's owned matrices of a
+  // round fit it; kWindows: consecutive FSDP groups are gathered together (a window) while
+  // every rank's owned full matrices in them fit. With overlap_communication two exchanges are
+  // in flight, each packed to half of it. 0 is one matrix (rounds) or one group (windows) at a
+  // time, kUnlimitedPrefetch everything at once. A matrix or group larger than the budget
+  // still runs, alone. The result bits never depend on it.
   // The default, 1 GiB, was chosen from the planned critical paths in bench/RESULTS.md.
   TORCH_ARG(int64_t, prefetch_budget_bytes) = int64_t{1} << 30;
+  // Start the gather of the next round (or window) before orthogonalizing the current one, and
+  // let the current one's scatter run while the next is orthogonalized (docs/DESIGN.md §3). The
+  // result bits are the same either way.
+  TORCH_ARG(bool, overlap_communication) = true;
   // See NonFiniteGradients. With kSkipStep the model weights are still refreshed (another
   // optimizer may have stepped the groups' other parameters), and skipped_steps() counts it.
   TORCH_ARG(NonFiniteGradients, non_finite_gradients) = NonFiniteGradients::kIgnore;
@@ -94,7 +107,7 @@ struct FsdpMuonStepStats {
   // checked), and whether the update was skipped for them.
   int64_t non_finite_parameters = 0;
   bool skipped = false;
-  int64_t windows = 0;  // prefetch windows the groups ran in
+  int64_t windows = 0;  // exchanges the step ran (rounds, or windows under kWindows)
   // Matrices this rank orthogonalized, and the Newton–Schulz calls it took (fewer when
   // FsdpMuonConfig::batch_newton_schulz batched same-shape matrices).
   int64_t orthogonalized_matrices = 0;
@@ -103,8 +116,9 @@ struct FsdpMuonStepStats {
   int64_t scatter_bytes = 0;  // sent by this rank in the scatters
   int64_t check_bytes = 0;    // sent by this rank in the gradient-agreement all-reduce
   int64_t refresh_bytes = 0;  // sent by this rank refreshing model weights
-  // Largest sum of full-matrix bytes this rank held at once (its owned matrices in one window);
-  // 0 on a rank that owns nothing.
+  // Largest sum of full-matrix bytes this rank held at once (its owned matrices in one round or
+  // window, or in two consecutive ones with overlap_communication); 0 on a rank that owns
+  // nothing.
   int64_t max_transient_bytes = 0;
   // Seconds per phase. On the CPU: wall time. On CUDA: execution time on the caller's stream,
   // measured by CUDA events around each phase; last_step_stats() waits for the step's work the
@@ -174,7 +188,8 @@ class FsdpMuon : public torch::optim::Optimizer {
   const OwnerPlan& owner_plan() const;
   const std::vector<std::shared_ptr<FsdpParameterGroup>>& fsdp_groups() const;
   const std::vector<FsdpMuonMatrix>& matrices() const;
-  // Prefetch windows [first, last) over fsdp_groups(), from the plan and the budget.
+  // Prefetch windows [first, last) over fsdp_groups(), from the plan and the budget (kWindows;
+  // empty under kRounds: see owner_plan().rounds).
   const std::vector<std::pair<size_t, size_t>>& windows() const;
   // Owner of a sharded parameter this optimizer orthogonalizes; -1 for one it does not (a
   // skipped non-2-D parameter, an empty matrix, or a tensor it does not know).

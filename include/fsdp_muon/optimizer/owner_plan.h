@@ -22,9 +22,28 @@ enum class OwnerPolicy {
   // receives the whole matrix): better balance for more bytes. Fully local matrices still stay
   // with their only holder, so they never move.
   kAnyRank,
+  // Holders-only over the whole model, then matrices (local ones included) move from the
+  // busiest rank to the least loaded while every rank's gather + scatter bytes stay within
+  // OwnerPlanOptions::max_bytes_ratio times the busiest rank's bytes under holders-only: the
+  // Newton–Schulz balance of any-rank for a bounded number of extra bytes (docs/DESIGN.md §3).
+  kBalanced,
 };
 
 const char* to_string(OwnerPolicy policy);
+
+// When ranks meet to exchange matrices (docs/DESIGN.md §3).
+enum class OwnerSchedule {
+  // Consecutive FSDP groups are gathered and orthogonalized together while every rank's owned
+  // full matrices fit the budget; each window is balanced on its own and ranks meet at every
+  // window, so the imbalance of each window adds up.
+  kWindows,
+  // Owners are chosen over the whole model; each rank's owned matrices are packed into rounds
+  // of about equal cost that fit the budget (largest rounds first on every rank). A round is one
+  // exchange (gather, orthogonalize, scatter) whatever groups its matrices come from.
+  kRounds,
+};
+
+const char* to_string(OwnerSchedule schedule);
 
 // A prefetch budget that gathers every group before orthogonalizing any.
 constexpr int64_t kUnlimitedPrefetch = std::numeric_limits<int64_t>::max();
@@ -57,20 +76,52 @@ struct OwnerPlanOptions {
   TORCH_ARG(OwnerPolicy, policy) = OwnerPolicy::kHoldersOnly;
   // Bytes of one element moved by the gather and scatter (the momentum-input dtype, fp32).
   TORCH_ARG(int64_t, element_bytes) = 4;
-  // Bytes of full matrices one rank may hold at once (FsdpMuonConfig::prefetch_budget_bytes):
-  // the groups are cut into consecutive windows that are gathered and orthogonalized together.
-  // Each window is balanced on its own, since ranks meet at every window. kUnlimitedPrefetch:
-  // one window, loads carried across all groups (docs/DESIGN.md §3).
+  // Bytes of full matrices one rank may hold at once (FsdpMuonConfig::prefetch_budget_bytes).
+  // kRounds: each rank's owned matrices of one round fit it. kWindows: the groups are cut into
+  // consecutive windows that are gathered and orthogonalized together, each balanced on its own
+  // since ranks meet at every window. kUnlimitedPrefetch: one round or window, loads carried
+  // across all groups (docs/DESIGN.md §3).
   TORCH_ARG(int64_t, prefetch_budget_bytes) = kUnlimitedPrefetch;
+  // How the matrices are cut into exchanges (see OwnerSchedule). The defaults here are the
+  // planner's; FsdpMuonConfig::owner_plan_options() gives the ones FsdpMuon plans with.
+  TORCH_ARG(OwnerSchedule, schedule) = OwnerSchedule::kRounds;
+  // kBalanced: the bytes a rank may send (gather + scatter), as a multiple of the busiest rank's
+  // under holders-only (OwnerPlan::holders_only_max_bytes); >= 1, infinity for no limit.
+  TORCH_ARG(double, max_bytes_ratio) = 1.5;
+  // Two exchanges in flight at once (FsdpMuonConfig::overlap_communication: the next one is
+  // gathered while the current one is orthogonalized): each window or round is then packed to
+  // half the budget, so that what a rank holds at once stays within it.
+  TORCH_ARG(bool, overlap) = false;
 };
 
 struct OwnerPlan {
   int world_size = 1;
   OwnerPolicy policy = OwnerPolicy::kHoldersOnly;
+  OwnerSchedule schedule = OwnerSchedule::kWindows;
   int64_t element_bytes = 4;
 
-  // The windows [first, last) over the groups the plan was balanced for, in order.
+  // kWindows: the windows [first, last) over the groups the plan was balanced for, in order.
+  // kRounds: empty.
   std::vector<std::pair<size_t, size_t>> windows;
+  // [round]: the matrices (group, index in group) one exchange gathers, orthogonalizes and
+  // scatters together, in group, then index, order. kWindows: one round per window, its groups'
+  // matrices. Every rank runs the rounds in this order; there is at least one when there are
+  // groups.
+  std::vector<std::vector<std::pair<size_t, size_t>>> rounds;
+  // [round][rank]: Newton–Schulz FLOPs / full-matrix bytes of the rank's owned matrices in it.
+  std::vector<std::vector<int64_t>> round_cost_per_rank;
+  std::vector<std::vector<int64_t>> round_full_bytes_per_rank;
+  // [group]: the round after which all of the group's matrices are updated (its model weights
+  // can be refreshed); the last round for a group without matrices.
+  std::vector<size_t> refresh_after_round;
+  // [round]: with OwnerPlanOptions::overlap, whether round t+1 is gathered while round t is
+  // orthogonalized (and round t's scatter runs while round t+1 is): when every rank's owned full
+  // matrices of both rounds fit the budget. Otherwise round t is applied before round t+1
+  // starts, so a rank never holds more than the budget unless one round alone does.
+  std::vector<bool> overlap_with_next;
+  // The busiest rank's gather + scatter bytes under holders-only owners over all groups: the
+  // reference of OwnerPlanOptions::max_bytes_ratio and of the benchmarks' byte ratios.
+  int64_t holders_only_max_bytes = 0;
   // [group][matrix]: the owning rank (-1 for an empty matrix, which nobody needs to own).
   std::vector<std::vector<int>> owner;
   // [group][matrix]: Newton–Schulz FLOPs.
@@ -96,7 +147,9 @@ struct OwnerPlan {
   // Critical path of the orthogonalize phase when the groups run in windows [first, last):
   // sum over windows of the largest per-rank cost inside the window.
   int64_t critical_path(const std::vector<std::pair<size_t, size_t>>& windows) const;
-  int64_t critical_path_planned() const;    // over `windows`
+  // Of the schedule that runs: sum over rounds of the largest per-rank cost in the round (for
+  // kWindows the same as critical_path(windows)).
+  int64_t critical_path_planned() const;
   int64_t critical_path_budget0() const;    // one group per window
   int64_t critical_path_unlimited() const;  // one window: the largest per-rank total
   // The above over ideal_cost() (1 when there is no cost at all).
@@ -107,16 +160,29 @@ struct OwnerPlan {
   // max(ideal, largest matrix) / ideal: no whole-matrix ownership beats it.
   double floor_ratio() const;
   int64_t max_bytes_per_rank() const;  // max over ranks of gather + scatter bytes
+  // Largest full-matrix bytes one rank owns in one round.
+  int64_t max_round_full_bytes() const;
+  // Largest full-matrix bytes one rank holds at once: one round, or two that overlap.
+  int64_t max_held_full_bytes() const;
   // A few lines for logs and benchmarks.
   std::string summary() const;
 };
 
-// Plans owners over a fixed, ordered set of groups (docs/DESIGN.md §3), window by window (one
-// window, all groups, under the default unlimited budget). Holders-only: a matrix held by one rank
-// goes to it; every other matrix of the window, all its groups sorted together by descending cost
-// (ties by group, then index), goes to the least-loaded of its holders (ties: lowest rank),
-// loads carried across the window's groups. Any-rank: the same, but boundary matrices may go to
-// any rank (ties: the rank holding most of the matrix, then the lowest rank).
+// Plans owners and the schedule over a fixed, ordered set of groups (docs/DESIGN.md §3).
+//
+// kRounds: owners over all groups at once (holders-only and any-rank as below, one window;
+// kBalanced then moves matrices within the byte limit), then each rank's owned matrices, by
+// descending cost, go to the cheapest of R rounds where their full bytes fit the budget (half
+// of it with overlap; a matrix larger than that alone in a round), R the fewest rounds that
+// fit every rank; each rank's rounds are then sorted by descending cost, so that the
+// expensive rounds of all ranks coincide.
+//
+// kWindows: window by window (one window, all groups, under the default unlimited budget).
+// Holders-only: a matrix held by one rank goes to it; every other matrix of the window, all its
+// groups sorted together by descending cost (ties by group, then index), goes to the least-loaded
+// of its holders (ties: lowest rank), loads carried across the window's groups. Any-rank: the same,
+// but boundary matrices may go to any rank (ties: the rank holding most of the matrix, then the
+// lowest rank).
 //
 // With a finite budget, a window grows group by group (re-planned each time) while every rank's
 // owned full-matrix bytes in it fit the budget.
