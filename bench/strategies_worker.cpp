@@ -1,0 +1,400 @@
+// fsdp_strategies_bench --worker: on the ranks of one launch (torchrun, mpirun, or a single
+// process), trains the GPT-2-shaped model a few steps under each sharding strategy, prefetch on
+// and off, and prints one "strategy:" line per configuration (rank 0) plus a table and a
+// headline for this world size.
+//
+// The step is the loop: zero_grad, forward with every group through
+// FsdpParameterGroup::forward, backward, reduce_scatter_grads, AdamW (embeddings, norms,
+// biases, head) and FsdpMuon (the blocks' matrices), then refresh of the groups AdamW alone
+// stepped. Every configuration starts from the same weights and sees the same batches, so their
+// final losses agree (bitwise with one micro-batch, which the library tests assert; printed
+// here as a check that the three ran the same training).
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+#include <torch/cuda.h>
+#include <torch/optim/adamw.h>
+#include <torch/utils.h>
+
+#include <fsdp_muon/config.h>
+#include <fsdp_muon/fsdp_muon.h>
+
+#if FSDP_MUON_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "strategies.h"
+#include "strategies_model.h"
+
+namespace fsdp_muon_bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using GroupList = std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>>;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+void sync(const c10::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+// The process-wide unsharded bytes (total_unsharded_bytes over every group), sampled where they
+// change: inside each group's forward (its weights, and the next group's prefetched ones, are
+// unsharded), when backward reaches a group's output (the group has been unsharded again and
+// the one before it prefetched), when it reaches the group's input (the group's gradients are
+// complete), and between the phases of the step. A sample is a lower bound of the true peak;
+// the per-group peaks (FsdpParameterGroup::peak_unsharded_bytes) are printed beside it.
+class UnshardedSampler {
+ public:
+  explicit UnshardedSampler(const GroupList& groups) : groups_(groups) {}
+  void sample() {
+    if (!active_) return;
+    const int64_t now = fsdp_muon::total_unsharded_bytes(groups_);
+    int64_t seen = peak_.load();
+    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
+    }
+  }
+  void set_active(bool active) { active_ = active; }
+  int64_t peak() const { return peak_.load(); }
+
+ private:
+  const GroupList& groups_;
+  std::atomic<bool> active_{false};
+  std::atomic<int64_t> peak_{0};
+};
+
+// Runs `module_forward` as group `group`'s fn, sampling inside it and registering the backward
+// samples on its input and output.
+at::Tensor sampled_forward(fsdp_muon::FsdpParameterGroup& group, UnshardedSampler& sampler,
+                           const std::function<at::Tensor(const at::Tensor&)>& module_forward,
+                           const at::Tensor& input) {
+  return group.forward(
+      [&](const at::Tensor& x) {
+        if (x.requires_grad()) x.register_hook([&sampler](const at::Tensor&) { sampler.sample(); });
+        at::Tensor y = module_forward(x);
+        sampler.sample();
+        if (y.requires_grad()) y.register_hook([&sampler](const at::Tensor&) { sampler.sample(); });
+        return y;
+      },
+      input);
+}
+
+struct Measured {
+  fsdp_muon::ShardingStrategy strategy;
+  bool prefetch = true;
+  // Mean seconds per timed step and per phase on this rank.
+  double step = 0, forward = 0, backward = 0, reduce_scatter = 0, adamw = 0, muon = 0;
+  int64_t peak_sampled = 0;    // process-wide, sampled
+  int64_t peak_group_max = 0;  // the largest per-group peak
+  int64_t peak_group_sum = 0;  // sum of per-group peaks (an upper bound of the process peak)
+  int64_t cuda_peak = 0;       // CUDA caching allocator's peak over the timed steps
+  double final_loss = 0;
+};
+
+struct Setup {
+  Gpt2Config config;
+  int64_t batch = 4;
+  int64_t steps = 3;
+  int64_t warmup = 1;
+  double lr = 0.02;
+  double adamw_lr = 3e-3;
+};
+
+Measured measure(const Setup& setup, fsdp_muon::ShardingStrategy strategy, bool prefetch,
+                 const std::shared_ptr<fsdp_muon::Communicator>& comm, int64_t* model_bytes,
+                 int64_t* largest_group_bytes, int64_t* num_params) {
+  const c10::Device device = comm->device();
+  torch::manual_seed(1);
+  Gpt2 model(setup.config);
+  model->to(device);
+  const GroupList groups = fsdp_muon::shard_module(
+      *model, comm,
+      fsdp_muon::ShardModuleOptions()
+          .policy(gpt2_group_of)
+          .group_options(
+              fsdp_muon::FsdpParameterGroupOptions().sharding_strategy(strategy).prefetch(
+                  prefetch)));
+  TORCH_CHECK(static_cast<int64_t>(groups.size()) == setup.config.layers + 2,
+              "fsdp_strategies_bench: expected embeddings, ", setup.config.layers,
+              " blocks and head as groups, got ", groups.size());
+
+  // Blocks' matrices to FsdpMuon (torch.optim.Muon's coefficients and lr scaling, as the peer
+  // uses), the rest to AdamW; the groups AdamW alone steps are refreshed after it.
+  std::vector<at::Tensor> muon_params, adamw_params;
+  GroupList refresh_after_step;
+  *model_bytes = *largest_group_bytes = *num_params = 0;
+  for (const auto& group : groups) {
+    const bool block = group->name().rfind("h.", 0) == 0;
+    const int64_t element = c10::elementSize(group->compute_dtype());
+    *model_bytes += group->padded_numel() * element;
+    *largest_group_bytes = std::max(*largest_group_bytes, 2 * group->padded_numel() * element);
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      *num_params += group->slot(i).numel;
+      if (block && group->slot(i).shape.size() == 2) {
+        muon_params.push_back(group->sharded_parameter(i));
+      } else {
+        adamw_params.push_back(group->sharded_parameter(i));
+      }
+    }
+    if (!block) refresh_after_step.push_back(group);
+  }
+  fsdp_muon::FsdpMuon muon(muon_params, fsdp_muon::MuonOptions(setup.lr).coefficients(
+                                            fsdp_muon::NsCoefficients::kSimple));
+  torch::optim::AdamW adamw(adamw_params, torch::optim::AdamWOptions(setup.adamw_lr)
+                                              .betas(std::make_tuple(0.9, 0.95))
+                                              .weight_decay(0.0));
+
+  UnshardedSampler sampler(groups);
+  Measured m;
+  m.strategy = strategy;
+  m.prefetch = prefetch;
+  at::Generator gen = at::detail::createCPUGenerator(1000 + comm->rank());
+  const int64_t vocab = setup.config.vocab;
+  for (int64_t s = 0; s < setup.warmup + setup.steps; ++s) {
+    const at::Tensor tokens =
+        at::randint(vocab, {setup.batch, setup.config.seq_len + 1}, gen, at::kLong).to(device);
+    const at::Tensor inputs = tokens.narrow(1, 0, setup.config.seq_len);
+    const at::Tensor targets = tokens.narrow(1, 1, setup.config.seq_len);
+    const bool timed = s >= setup.warmup;
+    if (s == setup.warmup) {
+      for (const auto& g : groups) g->reset_peak_unsharded_bytes();
+#if FSDP_MUON_WITH_CUDA
+      if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+    }
+    sampler.set_active(timed);
+    sync(device);
+    comm->barrier();
+    const auto t0 = Clock::now();
+    for (const auto& g : groups) g->zero_grad();
+    at::Tensor x = sampled_forward(
+        *groups.front(), sampler,
+        [&](const at::Tensor& t) { return model->embeddings->forward(t); }, inputs);
+    for (int64_t k = 0; k < setup.config.layers; ++k) {
+      auto block = model->h[k]->as<Gpt2Block>();
+      x = sampled_forward(
+          *groups[1 + k], sampler, [block](const at::Tensor& t) { return block->forward(t); }, x);
+    }
+    const at::Tensor logits = sampled_forward(
+        *groups.back(), sampler, [&](const at::Tensor& t) { return model->head->forward(t); }, x);
+    const at::Tensor loss =
+        at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape(-1));
+    sync(device);
+    const auto t1 = Clock::now();
+    loss.backward();
+    sampler.sample();
+    sync(device);
+    const auto t2 = Clock::now();
+    for (const auto& g : groups) g->reduce_scatter_grads();
+    sampler.sample();
+    sync(device);
+    const auto t3 = Clock::now();
+    adamw.step();
+    sync(device);
+    const auto t4 = Clock::now();
+    muon.step();
+    for (const auto& g : refresh_after_step) g->refresh_model_weights();
+    sampler.sample();
+    sync(device);
+    const auto t5 = Clock::now();
+    if (!timed) continue;
+    const double n = static_cast<double>(setup.steps);
+    auto secs = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
+    m.forward += secs(t0, t1) / n;
+    m.backward += secs(t1, t2) / n;
+    m.reduce_scatter += secs(t2, t3) / n;
+    m.adamw += secs(t3, t4) / n;
+    m.muon += secs(t4, t5) / n;
+    m.step += secs(t0, t5) / n;
+    m.final_loss = loss.item<double>();
+  }
+  m.peak_sampled = sampler.peak();
+  for (const auto& g : groups) {
+    m.peak_group_max = std::max(m.peak_group_max, g->peak_unsharded_bytes());
+    m.peak_group_sum += g->peak_unsharded_bytes();
+  }
+#if FSDP_MUON_WITH_CUDA
+  if (device.is_cuda()) {
+    m.cuda_peak =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index())
+            .allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+            .peak;
+  }
+#endif
+  return m;
+}
+
+const char* zero_name(fsdp_muon::ShardingStrategy s) {
+  switch (s) {
+    case fsdp_muon::ShardingStrategy::kOptim:
+      return "ZeRO-1";
+    case fsdp_muon::ShardingStrategy::kOptimGrads:
+      return "ZeRO-2";
+    case fsdp_muon::ShardingStrategy::kOptimGradsParams:
+      return "ZeRO-3";
+  }
+  return "?";
+}
+
+}  // namespace
+
+int run_strategies_worker(Flags& flags) {
+  Setup setup;
+  const std::string strategies_flag =
+      flags.get("strategies", "optim,optim_grads,optim_grads_params");
+  const std::string prefetch_flag = flags.get("prefetch", "on,off");
+  const int64_t threads = flags.get_int("threads", 0);
+  const auto comm = fsdp_muon::init_from_env();
+  const c10::Device device = comm->device();
+  const int rank = comm->rank(), world = comm->size();
+  // On a GPU GPT-2 124M itself; on a CPU a shape that runs in seconds (see the usage).
+  const bool full = device.is_cuda();
+  setup.config.layers = flags.get_int("layers", full ? 12 : 4);
+  setup.config.width = flags.get_int("width", full ? 768 : 256);
+  setup.config.heads = flags.get_int("heads", full ? 12 : 4);
+  setup.config.vocab = flags.get_int("vocab", full ? 50257 : 8192);
+  setup.config.seq_len = flags.get_int("seq-len", full ? 1024 : 128);
+  setup.batch = flags.get_int("batch", full ? 8 : 4);
+  setup.steps = flags.get_int("steps", full ? 5 : 2);
+  setup.warmup = flags.get_int("warmup", 1);
+  flags.finish();
+  TORCH_CHECK(setup.steps >= 1 && setup.warmup >= 0 && setup.batch >= 1,
+              "fsdp_strategies_bench: --steps and --batch must be >= 1, --warmup >= 0");
+  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+
+  std::vector<fsdp_muon::ShardingStrategy> strategies;
+  {
+    std::stringstream ss(strategies_flag);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      const auto s = fsdp_muon::parse_sharding_strategy(item);
+      TORCH_CHECK(s.has_value(), "fsdp_strategies_bench: --strategies got '", item,
+                  "'; give optim, optim_grads, optim_grads_params (comma-separated)");
+      strategies.push_back(*s);
+    }
+  }
+  std::vector<bool> prefetches;
+  {
+    std::stringstream ss(prefetch_flag);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      TORCH_CHECK(item == "on" || item == "off", "fsdp_strategies_bench: --prefetch got '", item,
+                  "'; give on, off or on,off");
+      prefetches.push_back(item == "on");
+    }
+  }
+
+  std::vector<Measured> results;
+  int64_t model_bytes = 0, largest_group = 0, num_params = 0;
+  for (const auto strategy : strategies) {
+    for (const bool prefetch : prefetches) {
+      results.push_back(
+          measure(setup, strategy, prefetch, comm, &model_bytes, &largest_group, &num_params));
+    }
+  }
+
+  // Cross-rank: the slowest rank's times, the largest peaks.
+  std::vector<double> local;
+  for (const auto& m : results) {
+    for (double v : {m.step, m.forward, m.backward, m.reduce_scatter, m.adamw, m.muon,
+                     static_cast<double>(m.peak_sampled), static_cast<double>(m.peak_group_max),
+                     static_cast<double>(m.peak_group_sum), static_cast<double>(m.cuda_peak)}) {
+      local.push_back(v);
+    }
+  }
+  constexpr int kFields = 10;
+  at::Tensor maxes = at::tensor(local, at::kDouble).to(device);
+  comm->all_reduce(maxes, fsdp_muon::ReduceOp::kMax);
+  maxes = maxes.cpu();
+  if (rank != 0) return 0;
+  auto field = [&](size_t r, int f) { return maxes[r * kFields + f].item<double>(); };
+
+  const std::string model_name =
+      format("GPT-2 (%lld layers, width %lld, vocab %lld, %lld x %lld tokens per rank)",
+             static_cast<long long>(setup.config.layers),
+             static_cast<long long>(setup.config.width), static_cast<long long>(setup.config.vocab),
+             static_cast<long long>(setup.batch), static_cast<long long>(setup.config.seq_len));
+  std::printf(
+      "fsdp_strategies_bench: %s, %.2f M parameters, %lld groups, W=%d on %s [%s], %d "
+      "threads per rank, %lld steps after %lld warm-up\n",
+      model_name.c_str(), num_params / 1e6, static_cast<long long>(setup.config.layers + 2), world,
+      device.str().c_str(), comm->backend_name().c_str(), at::get_num_threads(),
+      static_cast<long long>(setup.steps), static_cast<long long>(setup.warmup));
+  std::printf(
+      "model weights %.2f MiB (weights + grads %.2f MiB); two groups' worth (2 x the "
+      "largest group's weights + grads) %.2f MiB\n\n",
+      model_bytes / kMiB, 2 * model_bytes / kMiB, 2 * largest_group / kMiB);
+  std::printf("%-20s %-4s %9s %8s %8s %8s %8s %8s %10s %9s %9s %10s\n", "strategy", "pf", "step ms",
+              "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp", "loss");
+  for (size_t r = 0; r < results.size(); ++r) {
+    const auto& m = results[r];
+    const double peak = field(r, 6);
+    std::printf("%-20s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %9.3f %9.3f %10.6f\n",
+                format("%s %s", fsdp_muon::to_string(m.strategy), zero_name(m.strategy)).c_str(),
+                m.prefetch ? "on" : "off", field(r, 0) * 1e3, field(r, 1) * 1e3, field(r, 2) * 1e3,
+                field(r, 3) * 1e3, field(r, 4) * 1e3, field(r, 5) * 1e3, peak / kMiB,
+                peak / (2.0 * model_bytes), peak / (2.0 * largest_group), m.final_loss);
+  }
+  std::printf("\n");
+  for (size_t r = 0; r < results.size(); ++r) {
+    const auto& m = results[r];
+    std::string line = format(
+        "strategy: strategy=%s prefetch=%d world=%d device=%s step_ms=%.3f forward_ms=%.3f "
+        "backward_ms=%.3f reduce_scatter_ms=%.3f adamw_ms=%.3f muon_ms=%.3f",
+        fsdp_muon::to_string(m.strategy), m.prefetch ? 1 : 0, world,
+        device.type() == c10::kCUDA ? "cuda" : "cpu", field(r, 0) * 1e3, field(r, 1) * 1e3,
+        field(r, 2) * 1e3, field(r, 3) * 1e3, field(r, 4) * 1e3, field(r, 5) * 1e3);
+    line += format(
+        " peak_unsharded_bytes=%lld peak_group_max_bytes=%lld peak_group_sum_bytes=%lld "
+        "model_bytes=%lld largest_group_bytes=%lld params=%lld final_loss=%.6f",
+        static_cast<long long>(field(r, 6)), static_cast<long long>(field(r, 7)),
+        static_cast<long long>(field(r, 8)), static_cast<long long>(model_bytes),
+        static_cast<long long>(largest_group), static_cast<long long>(num_params), m.final_loss);
+    if (device.is_cuda()) {
+      line += format(" cuda_peak_allocated_bytes=%lld", static_cast<long long>(field(r, 9)));
+    }
+    std::printf("%s\n", line.c_str());
+  }
+
+  // Headline for this W: ZeRO-3's peak against two groups' worth, its step against ZeRO-1's.
+  auto find = [&](fsdp_muon::ShardingStrategy s, bool prefetch) -> int {
+    for (size_t r = 0; r < results.size(); ++r) {
+      if (results[r].strategy == s && results[r].prefetch == prefetch) return static_cast<int>(r);
+    }
+    return -1;
+  };
+  const int z1 = find(fsdp_muon::ShardingStrategy::kOptim, true);
+  const int z3 = find(fsdp_muon::ShardingStrategy::kOptimGradsParams, true);
+  std::string headline =
+      format("headline: %s W=%d on %s:", model_name.c_str(), world, device.str().c_str());
+  if (z3 >= 0) {
+    headline += format(
+        " ZeRO-3 peak unsharded %.2f MiB = %.2fx two groups' worth (%.3fx "
+        "weights + grads)",
+        field(z3, 6) / kMiB, field(z3, 6) / (2.0 * largest_group),
+        field(z3, 6) / (2.0 * model_bytes));
+  }
+  if (z1 >= 0 && z3 >= 0) {
+    headline += format(", step ZeRO-3 / ZeRO-1 %.2fx (prefetch on)", field(z3, 0) / field(z1, 0));
+  }
+  if (device.is_cuda() && z3 >= 0 && z1 >= 0) {
+    headline += format(", CUDA allocator peak ZeRO-3 / ZeRO-1 %.2fx", field(z3, 9) / field(z1, 9));
+  }
+  std::printf("%s\n", headline.c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace fsdp_muon_bench
