@@ -11,7 +11,6 @@
 // here as a check that the three ran the same training).
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -48,56 +47,24 @@ void sync(const c10::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
-// The process-wide unsharded bytes (total_unsharded_bytes over every group), sampled where they
-// change: inside each group's forward (its weights, and the next group's prefetched ones, are
-// unsharded), when backward reaches a group's output (the group has been unsharded again and
-// the one before it prefetched), when it reaches the group's input (the group's gradients are
-// complete), and between the phases of the step. A sample is a lower bound of the true peak;
-// the per-group peaks (FsdpParameterGroup::peak_unsharded_bytes) are printed beside it.
-class UnshardedSampler {
- public:
-  explicit UnshardedSampler(const GroupList& groups) : groups_(groups) {}
-  void sample() {
-    if (!active_) return;
-    const int64_t now = fsdp_muon::total_unsharded_bytes(groups_);
-    int64_t seen = peak_.load();
-    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
-    }
-  }
-  void set_active(bool active) { active_ = active; }
-  int64_t peak() const { return peak_.load(); }
-
- private:
-  const GroupList& groups_;
-  std::atomic<bool> active_{false};
-  std::atomic<int64_t> peak_{0};
-};
-
-// Runs `module_forward` as group `group`'s fn, sampling inside it and registering the backward
-// samples on its input and output.
-at::Tensor sampled_forward(fsdp_muon::FsdpParameterGroup& group, UnshardedSampler& sampler,
-                           const std::function<at::Tensor(const at::Tensor&)>& module_forward,
-                           const at::Tensor& input) {
-  return group.forward(
-      [&](const at::Tensor& x) {
-        if (x.requires_grad()) x.register_hook([&sampler](const at::Tensor&) { sampler.sample(); });
-        at::Tensor y = module_forward(x);
-        sampler.sample();
-        if (y.requires_grad()) y.register_hook([&sampler](const at::Tensor&) { sampler.sample(); });
-        return y;
-      },
-      input);
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
 }
 
 struct Measured {
   fsdp_muon::ShardingStrategy strategy;
   bool prefetch = true;
-  // Mean seconds per timed step and per phase on this rank.
+  // Median seconds over the timed steps of this rank, per step and per phase (the load of a
+  // shared machine comes in bursts: the median ignores a step that met one).
   double step = 0, forward = 0, backward = 0, reduce_scatter = 0, adamw = 0, muon = 0;
-  int64_t peak_sampled = 0;    // process-wide, sampled
-  int64_t peak_group_max = 0;  // the largest per-group peak
-  int64_t peak_group_sum = 0;  // sum of per-group peaks (an upper bound of the process peak)
-  int64_t cuda_peak = 0;       // CUDA caching allocator's peak over the timed steps
+  // The library's own count over the timed steps: the most unsharded model-weight and
+  // full-gradient bytes this rank held at once (peak_total_unsharded_bytes, kept where the
+  // buffers are allocated and freed), and the most one group held.
+  int64_t peak_total = 0;
+  int64_t peak_group_max = 0;
+  int64_t cuda_peak = 0;  // CUDA caching allocator's peak over the timed steps (everything)
   double final_loss = 0;
 };
 
@@ -154,12 +121,12 @@ Measured measure(const Setup& setup, fsdp_muon::ShardingStrategy strategy, bool 
                                               .betas(std::make_tuple(0.9, 0.95))
                                               .weight_decay(0.0));
 
-  UnshardedSampler sampler(groups);
   Measured m;
   m.strategy = strategy;
   m.prefetch = prefetch;
   at::Generator gen = at::detail::createCPUGenerator(1000 + comm->rank());
   const int64_t vocab = setup.config.vocab;
+  std::vector<double> steps, forwards, backwards, reduce_scatters, adamws, muons;
   for (int64_t s = 0; s < setup.warmup + setup.steps; ++s) {
     const at::Tensor tokens =
         at::randint(vocab, {setup.batch, setup.config.seq_len + 1}, gen, at::kLong).to(device);
@@ -168,35 +135,31 @@ Measured measure(const Setup& setup, fsdp_muon::ShardingStrategy strategy, bool 
     const bool timed = s >= setup.warmup;
     if (s == setup.warmup) {
       for (const auto& g : groups) g->reset_peak_unsharded_bytes();
+      fsdp_muon::reset_peak_total_unsharded_bytes(groups);
 #if FSDP_MUON_WITH_CUDA
       if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 #endif
     }
-    sampler.set_active(timed);
     sync(device);
     comm->barrier();
     const auto t0 = Clock::now();
     for (const auto& g : groups) g->zero_grad();
-    at::Tensor x = sampled_forward(
-        *groups.front(), sampler,
+    at::Tensor x = groups.front()->forward(
         [&](const at::Tensor& t) { return model->embeddings->forward(t); }, inputs);
     for (int64_t k = 0; k < setup.config.layers; ++k) {
       auto block = model->h[k]->as<Gpt2Block>();
-      x = sampled_forward(
-          *groups[1 + k], sampler, [block](const at::Tensor& t) { return block->forward(t); }, x);
+      x = groups[1 + k]->forward([block](const at::Tensor& t) { return block->forward(t); }, x);
     }
-    const at::Tensor logits = sampled_forward(
-        *groups.back(), sampler, [&](const at::Tensor& t) { return model->head->forward(t); }, x);
+    const at::Tensor logits =
+        groups.back()->forward([&](const at::Tensor& t) { return model->head->forward(t); }, x);
     const at::Tensor loss =
         at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape(-1));
     sync(device);
     const auto t1 = Clock::now();
     loss.backward();
-    sampler.sample();
     sync(device);
     const auto t2 = Clock::now();
     for (const auto& g : groups) g->reduce_scatter_grads();
-    sampler.sample();
     sync(device);
     const auto t3 = Clock::now();
     adamw.step();
@@ -204,26 +167,29 @@ Measured measure(const Setup& setup, fsdp_muon::ShardingStrategy strategy, bool 
     const auto t4 = Clock::now();
     muon.step();
     for (const auto& g : refresh_after_step) g->refresh_model_weights();
-    sampler.sample();
     sync(device);
     const auto t5 = Clock::now();
     if (!timed) continue;
-    const double n = static_cast<double>(setup.steps);
     auto secs = [](Clock::time_point a, Clock::time_point b) {
       return std::chrono::duration<double>(b - a).count();
     };
-    m.forward += secs(t0, t1) / n;
-    m.backward += secs(t1, t2) / n;
-    m.reduce_scatter += secs(t2, t3) / n;
-    m.adamw += secs(t3, t4) / n;
-    m.muon += secs(t4, t5) / n;
-    m.step += secs(t0, t5) / n;
+    forwards.push_back(secs(t0, t1));
+    backwards.push_back(secs(t1, t2));
+    reduce_scatters.push_back(secs(t2, t3));
+    adamws.push_back(secs(t3, t4));
+    muons.push_back(secs(t4, t5));
+    steps.push_back(secs(t0, t5));
     m.final_loss = loss.item<double>();
   }
-  m.peak_sampled = sampler.peak();
+  m.step = median(steps);
+  m.forward = median(forwards);
+  m.backward = median(backwards);
+  m.reduce_scatter = median(reduce_scatters);
+  m.adamw = median(adamws);
+  m.muon = median(muons);
+  m.peak_total = fsdp_muon::peak_total_unsharded_bytes(groups);
   for (const auto& g : groups) {
     m.peak_group_max = std::max(m.peak_group_max, g->peak_unsharded_bytes());
-    m.peak_group_sum += g->peak_unsharded_bytes();
   }
 #if FSDP_MUON_WITH_CUDA
   if (device.is_cuda()) {
@@ -267,7 +233,7 @@ int run_strategies_worker(Flags& flags) {
   setup.config.vocab = flags.get_int("vocab", full ? 50257 : 8192);
   setup.config.seq_len = flags.get_int("seq-len", full ? 1024 : 128);
   setup.batch = flags.get_int("batch", full ? 8 : 4);
-  setup.steps = flags.get_int("steps", full ? 5 : 2);
+  setup.steps = flags.get_int("steps", full ? 5 : 3);
   setup.warmup = flags.get_int("warmup", 1);
   flags.finish();
   TORCH_CHECK(setup.steps >= 1 && setup.warmup >= 0 && setup.batch >= 1,
@@ -298,6 +264,15 @@ int run_strategies_worker(Flags& flags) {
 
   std::vector<Measured> results;
   int64_t model_bytes = 0, largest_group = 0, num_params = 0;
+  {
+    // A run that is thrown away: the first configuration of a process otherwise pays for
+    // first-touch costs (allocator growth, thread pools, Gloo buffers) in its timed steps.
+    Setup once = setup;
+    once.warmup = 0;
+    once.steps = 1;
+    measure(once, strategies.front(), prefetches.front(), comm, &model_bytes, &largest_group,
+            &num_params);
+  }
   for (const auto strategy : strategies) {
     for (const bool prefetch : prefetches) {
       results.push_back(
@@ -309,12 +284,12 @@ int run_strategies_worker(Flags& flags) {
   std::vector<double> local;
   for (const auto& m : results) {
     for (double v : {m.step, m.forward, m.backward, m.reduce_scatter, m.adamw, m.muon,
-                     static_cast<double>(m.peak_sampled), static_cast<double>(m.peak_group_max),
-                     static_cast<double>(m.peak_group_sum), static_cast<double>(m.cuda_peak)}) {
+                     static_cast<double>(m.peak_total), static_cast<double>(m.peak_group_max),
+                     static_cast<double>(m.cuda_peak)}) {
       local.push_back(v);
     }
   }
-  constexpr int kFields = 10;
+  constexpr int kFields = 9;
   at::Tensor maxes = at::tensor(local, at::kDouble).to(device);
   comm->all_reduce(maxes, fsdp_muon::ReduceOp::kMax);
   maxes = maxes.cpu();
@@ -336,12 +311,12 @@ int run_strategies_worker(Flags& flags) {
       "model weights %.2f MiB (weights + grads %.2f MiB); two groups' worth (2 x the "
       "largest group's weights + grads) %.2f MiB\n\n",
       model_bytes / kMiB, 2 * model_bytes / kMiB, 2 * largest_group / kMiB);
-  std::printf("%-20s %-4s %9s %8s %8s %8s %8s %8s %10s %9s %9s %10s\n", "strategy", "pf", "step ms",
+  std::printf("%-26s %-4s %9s %8s %8s %8s %8s %8s %10s %9s %9s %10s\n", "strategy", "pf", "step ms",
               "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp", "loss");
   for (size_t r = 0; r < results.size(); ++r) {
     const auto& m = results[r];
     const double peak = field(r, 6);
-    std::printf("%-20s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %9.3f %9.3f %10.6f\n",
+    std::printf("%-26s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %9.3f %9.3f %10.6f\n",
                 format("%s %s", fsdp_muon::to_string(m.strategy), zero_name(m.strategy)).c_str(),
                 m.prefetch ? "on" : "off", field(r, 0) * 1e3, field(r, 1) * 1e3, field(r, 2) * 1e3,
                 field(r, 3) * 1e3, field(r, 4) * 1e3, field(r, 5) * 1e3, peak / kMiB,
@@ -357,13 +332,13 @@ int run_strategies_worker(Flags& flags) {
         device.type() == c10::kCUDA ? "cuda" : "cpu", field(r, 0) * 1e3, field(r, 1) * 1e3,
         field(r, 2) * 1e3, field(r, 3) * 1e3, field(r, 4) * 1e3, field(r, 5) * 1e3);
     line += format(
-        " peak_unsharded_bytes=%lld peak_group_max_bytes=%lld peak_group_sum_bytes=%lld "
+        " peak_unsharded_bytes=%lld peak_group_max_bytes=%lld "
         "model_bytes=%lld largest_group_bytes=%lld params=%lld final_loss=%.6f",
         static_cast<long long>(field(r, 6)), static_cast<long long>(field(r, 7)),
-        static_cast<long long>(field(r, 8)), static_cast<long long>(model_bytes),
-        static_cast<long long>(largest_group), static_cast<long long>(num_params), m.final_loss);
+        static_cast<long long>(model_bytes), static_cast<long long>(largest_group),
+        static_cast<long long>(num_params), m.final_loss);
     if (device.is_cuda()) {
-      line += format(" cuda_peak_allocated_bytes=%lld", static_cast<long long>(field(r, 9)));
+      line += format(" cuda_peak_allocated_bytes=%lld", static_cast<long long>(field(r, 8)));
     }
     std::printf("%s\n", line.c_str());
   }
@@ -390,7 +365,7 @@ int run_strategies_worker(Flags& flags) {
     headline += format(", step ZeRO-3 / ZeRO-1 %.2fx (prefetch on)", field(z3, 0) / field(z1, 0));
   }
   if (device.is_cuda() && z3 >= 0 && z1 >= 0) {
-    headline += format(", CUDA allocator peak ZeRO-3 / ZeRO-1 %.2fx", field(z3, 9) / field(z1, 9));
+    headline += format(", CUDA allocator peak ZeRO-3 / ZeRO-1 %.2fx", field(z3, 8) / field(z1, 8));
   }
   std::printf("%s\n", headline.c_str());
   std::fflush(stdout);

@@ -14,8 +14,8 @@ What it prints (rank 0), one line the benchmark parses:
   peer: name=fsdp2_muon world=W step_ms=<max over ranks of the mean step> ...
         peak_unsharded_bytes=<max over ranks> peak_staging_bytes=... model_bytes=...
 step_ms: wall time of zero_grad + forward + backward + AdamW.step + Muon.step, every rank
-  entering each step together (a barrier before, not timed), mean over --steps after --warmup,
-  the slowest rank's.
+  entering each step together (a barrier before, not timed), the median over --steps after
+  --warmup, the slowest rank's (as the benchmark times its own steps).
 peak_unsharded_bytes: the most bytes of unsharded parameter storage (FSDP2's all-gather
   outputs that back the unsharded parameters, counted by their storage, which FSDP2 frees by
   resizing it to 0) plus unsharded gradients (the unsharded parameters' .grad before FSDP2
@@ -276,8 +276,10 @@ def main():
         if timed:
             times.append(elapsed)
 
-    mean_step = sum(times) / len(times)
-    stats = torch.tensor([mean_step, float(tracker.peak), float(tracker.peak_staging),
+    times.sort()
+    mid = len(times) // 2
+    median_step = times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+    stats = torch.tensor([median_step, float(tracker.peak), float(tracker.peak_staging),
                           float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda"
                           else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
