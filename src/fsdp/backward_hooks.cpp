@@ -30,12 +30,14 @@ BackwardParticipant* find_participant(int64_t id) {
 // Identity forward; backward tells the group first (the C++ counterpart of FSDP2's
 // pre-backward hook, which LibTorch modules lack).
 struct PreBackward : public torch::autograd::Function<PreBackward> {
+  // A TensorList, which Function::apply counts as differentiable inputs (a std::vector it
+  // would not).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                torch::autograd::variable_list inputs, int64_t id) {
+                                                at::TensorList inputs, int64_t id) {
     ctx->saved_data["participant"] = id;
     // An output without a gradient stays undefined instead of becoming a tensor of zeros.
     ctx->set_materialize_grads(false);
-    return inputs;
+    return inputs.vec();
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -43,6 +45,7 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
     if (BackwardParticipant* p = find_participant(ctx->saved_data["participant"].toInt())) {
       p->pre_backward();
     }
+    grads.emplace_back();  // for `id`, which has no gradient
     return grads;
   }
 };
@@ -77,7 +80,7 @@ std::vector<at::Tensor> before_backward(int64_t id, const std::vector<at::Tensor
     if (t.defined() && t.requires_grad()) differentiable.push_back(t);
   }
   if (differentiable.empty()) return outputs;
-  const std::vector<at::Tensor> wrapped = PreBackward::apply(differentiable, id);
+  const std::vector<at::Tensor> wrapped = PreBackward::apply(at::TensorList(differentiable), id);
   std::vector<at::Tensor> result;
   result.reserve(outputs.size());
   size_t k = 0;

@@ -172,6 +172,7 @@ struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
   // ---- full sharding (docs/DESIGN.md §2, Sharding strategies) ----
   ShardingStrategy strategy = ShardingStrategy::kOptim;
   std::shared_ptr<fsdp::ShardingSchedule> schedule;
+  std::shared_ptr<fsdp::ForwardOrder> order = std::make_shared<fsdp::ForwardOrder>();
   int64_t participant = -1;  // id autograd's hooks find this group by
   // kOptimGradsParams with main dtype != compute dtype: the main weights cast to the compute
   // dtype, what the next gather sends (refresh_model_weights() casts into it).
@@ -232,6 +233,9 @@ struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
     std::unique_ptr<CommWork> work = std::move(gather);
     work->wait();
     weights = Weights::kLive;
+    // set_data keeps each parameter's identity, version counter and autograd metadata (and so
+    // autograd's saved parameters) and points it at the gathered weights again.
+    for (size_t i = 0; i < params.size(); ++i) params[i].set_data(weight_views[i]);
   }
   void ensure_weights() {
     if (weights == Weights::kResharded) start_gather();
@@ -239,6 +243,18 @@ struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
   }
   void free_weights() {
     wait_gather();
+    // The parameters let go of the storage and refuse every access with this message, ATen's
+    // own check: a resharded weight used outside forward() is a clear error, never stale values
+    // and never a read of freed memory (docs/DESIGN.md §2).
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].unsafeGetTensorImpl()->release_storage_and_set_meta_custom_data_ptr_error_msg_(
+          label() + "parameter '" + layout.slots[i].name +
+          "' is resharded (sharding strategy optim_grads_params): its weights exist only "
+          "inside the group's forward() and the backward of what forward() computed, or "
+          "between unshard() and reshard(). Call the module through group->forward(fn, "
+          "input), or call group->unshard() before using its parameters directly (and "
+          "group->reshard() once their backward has run)");
+    }
     account(fsdp::set_storage_bytes(model_weights, 0));
     weights = Weights::kResharded;
   }
@@ -288,7 +304,7 @@ struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
       schedule->began_backward(this);
     }
     if (options.prefetch()) {
-      if (fsdp::ScheduledGroup* previous = schedule->before(this)) previous->prefetch_weights();
+      if (fsdp::ScheduledGroup* previous = order->before(this)) previous->prefetch_weights();
     }
   }
 
@@ -427,6 +443,7 @@ struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
   }
 
   void check_model_parameters_alias() const {
+    if (weights != Weights::kLive) return;  // resharded parameters hold no storage to compare
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
       const at::Tensor& v = weight_views[i];
@@ -621,6 +638,7 @@ FsdpParameterGroup::~FsdpParameterGroup() {
   d.gather.reset();
   d.reduction.reset();
   d.schedule->remove(&d);
+  d.order->remove(&d);
   d.schedule->add_unsharded_bytes(-d.held_bytes());
 }
 
@@ -771,12 +789,12 @@ std::vector<at::Tensor> FsdpParameterGroup::forward(
     const std::vector<at::Tensor>& inputs) {
   Impl& d = *impl_;
   TORCH_CHECK(fn, d.label(), "forward(): the function is empty");
-  d.check_model_parameters_alias();
-  d.schedule->record_forward(&d);
+  d.order->record(&d);
   if (d.shards_weights()) d.ensure_weights();
+  d.check_model_parameters_alias();
   if (d.options.prefetch()) {
     // The next group's gather runs while this one computes (docs/DESIGN.md §2, Prefetch).
-    if (fsdp::ScheduledGroup* next = d.schedule->after(&d)) next->prefetch_weights();
+    if (fsdp::ScheduledGroup* next = d.order->after(&d)) next->prefetch_weights();
   }
   std::vector<at::Tensor> outputs;
   try {
@@ -810,6 +828,15 @@ void FsdpParameterGroup::reshard() {
 int64_t FsdpParameterGroup::unsharded_bytes() const { return impl_->held_bytes(); }
 int64_t FsdpParameterGroup::peak_unsharded_bytes() const { return impl_->peak_bytes; }
 void FsdpParameterGroup::reset_peak_unsharded_bytes() { impl_->peak_bytes = impl_->held_bytes(); }
+
+void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  auto order = std::make_shared<fsdp::ForwardOrder>();
+  for (const auto& g : groups) {
+    TORCH_CHECK(g != nullptr, "fsdp_muon::share_forward_order: a group is null");
+    g->impl_->order->remove(g->impl_.get());
+    g->impl_->order = order;
+  }
+}
 
 int64_t total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
   int64_t total = 0;

@@ -27,22 +27,24 @@ std::shared_ptr<ShardingSchedule> ShardingSchedule::of(const Communicator& comm)
   return schedule;
 }
 
-void ShardingSchedule::record_forward(ScheduledGroup* group) {
-  if (std::find(forward_order_.begin(), forward_order_.end(), group) == forward_order_.end()) {
-    forward_order_.push_back(group);
-  }
+void ForwardOrder::record(ScheduledGroup* group) {
+  if (std::find(groups_.begin(), groups_.end(), group) == groups_.end()) groups_.push_back(group);
 }
 
-ScheduledGroup* ShardingSchedule::after(ScheduledGroup* group) const {
-  auto it = std::find(forward_order_.begin(), forward_order_.end(), group);
-  if (it == forward_order_.end() || std::next(it) == forward_order_.end()) return nullptr;
+ScheduledGroup* ForwardOrder::after(ScheduledGroup* group) const {
+  auto it = std::find(groups_.begin(), groups_.end(), group);
+  if (it == groups_.end() || std::next(it) == groups_.end()) return nullptr;
   return *std::next(it);
 }
 
-ScheduledGroup* ShardingSchedule::before(ScheduledGroup* group) const {
-  auto it = std::find(forward_order_.begin(), forward_order_.end(), group);
-  if (it == forward_order_.end() || it == forward_order_.begin()) return nullptr;
+ScheduledGroup* ForwardOrder::before(ScheduledGroup* group) const {
+  auto it = std::find(groups_.begin(), groups_.end(), group);
+  if (it == groups_.end() || it == groups_.begin()) return nullptr;
   return *std::prev(it);
+}
+
+void ForwardOrder::remove(ScheduledGroup* group) {
+  groups_.erase(std::remove(groups_.begin(), groups_.end(), group), groups_.end());
 }
 
 void ShardingSchedule::reduction_started(ScheduledGroup* group) {
@@ -84,8 +86,6 @@ void ShardingSchedule::end_backward() {
 }
 
 void ShardingSchedule::remove(ScheduledGroup* group) {
-  forward_order_.erase(std::remove(forward_order_.begin(), forward_order_.end(), group),
-                       forward_order_.end());
   reductions_.erase(std::remove(reductions_.begin(), reductions_.end(), group), reductions_.end());
   in_backward_.erase(std::remove(in_backward_.begin(), in_backward_.end(), group),
                      in_backward_.end());

@@ -27,23 +27,33 @@ class ScheduledGroup {
   virtual void end_backward() = 0;
 };
 
-// One per communicator, shared by every group built on it, so that groups built one by one
-// (not only by shard_module) share a forward order. Used from one thread at a time: the one
-// running forward, backward and the loop.
+// The order in which the groups of one model first ran forward() (recorded on the first
+// iteration, as FSDP2 does): forward prefetches the group after, backward the group before.
+// Shared by the groups of one model (shard_module's, or share_forward_order()'s); a group
+// alone has its own and prefetches nothing.
+class ForwardOrder {
+ public:
+  void record(ScheduledGroup* group);
+  ScheduledGroup* after(ScheduledGroup* group) const;   // next in forward order, or nullptr
+  ScheduledGroup* before(ScheduledGroup* group) const;  // previous in forward order, or nullptr
+  void remove(ScheduledGroup* group);
+
+ private:
+  std::vector<ScheduledGroup*> groups_;
+};
+
+// One per communicator, shared by every group built on it: the reduce-scatters in flight (their
+// order is the communicator's), the end of a backward pass and the unsharded bytes this rank
+// holds. Used from one thread at a time: the one running forward, backward and the loop.
 class ShardingSchedule : public std::enable_shared_from_this<ShardingSchedule> {
  public:
-  // At most this many reduce-scatters in flight: the one just issued and the one before, so the
-  // full gradients held by backward stay bounded whatever the model's depth.
-  static constexpr size_t kMaxReductionsInFlight = 2;
+  // At most this many reduce-scatters in flight once a new one is issued (the older one is
+  // finished first): backward then holds the full gradients of the group it runs and of the
+  // one whose reduce-scatter overlaps it, whatever the model's depth (docs/DESIGN.md §2).
+  static constexpr size_t kMaxReductionsInFlight = 1;
 
   // The schedule of `comm`, made on first use and kept while a group holds it.
   static std::shared_ptr<ShardingSchedule> of(const Communicator& comm);
-
-  // Forward order: the groups in the order their forward() first ran (recorded on the first
-  // iteration, as FSDP2 does).
-  void record_forward(ScheduledGroup* group);
-  ScheduledGroup* after(ScheduledGroup* group) const;   // next in forward order, or nullptr
-  ScheduledGroup* before(ScheduledGroup* group) const;  // previous in forward order, or nullptr
 
   // A group started a reduce-scatter; finishes the oldest ones beyond the bound.
   void reduction_started(ScheduledGroup* group);
@@ -66,7 +76,6 @@ class ShardingSchedule : public std::enable_shared_from_this<ShardingSchedule> {
  private:
   void end_backward();
 
-  std::vector<ScheduledGroup*> forward_order_;
   std::deque<ScheduledGroup*> reductions_;
   std::vector<ScheduledGroup*> in_backward_;
   bool callback_queued_ = false;

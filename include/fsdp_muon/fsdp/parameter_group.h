@@ -161,9 +161,16 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   void reset_peak_unsharded_bytes();
 
  private:
+  friend void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Makes `groups` (the groups of one model) share one forward order: forward() of a group
+// prefetches the group whose forward() first ran after it, backward the one before
+// (docs/DESIGN.md §2, Prefetch). shard_module() does this for the groups it makes; groups built
+// one by one prefetch nothing until they share an order.
+void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
 // What a sharded parameter maps back to.
 struct ShardedParameterInfo {
