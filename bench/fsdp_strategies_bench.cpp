@@ -20,9 +20,12 @@ const char* kUsage = R"(usage:
       $FSDP_MUON_PYTHON (scripts/env.sh). Threads per rank default to cores / W, both sides.
   torchrun --standalone --no-python --nproc_per_node=W fsdp_strategies_bench --worker
                         [model flags] [--strategies optim,optim_grads,optim_grads_params]
-                        [--prefetch on,off] [--threads N]
+                        [--prefetch on,off] [--threads N] [--sequential]
       One launch: every strategy on these ranks (a single process works too, e.g. on one GPU,
-      where the CUDA caching allocator's peak is reported as well).
+      where the CUDA caching allocator's peak is reported as well). On a CPU the
+      configurations live side by side and take their steps in turn, so that load from
+      elsewhere falls on all alike (each one's peak is its own: the others hold still while
+      it steps); --sequential, and always on a GPU, runs them one after another.
   model flags: [--layers L] [--width D] [--heads H] [--vocab V] [--seq-len T] [--batch B]
                [--steps S] [--warmup N]
       Defaults: on a CPU 4 layers, width 256, 4 heads, vocab 8192, 4 x 128 tokens per rank,

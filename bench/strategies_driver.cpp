@@ -80,6 +80,12 @@ std::string run_logged(const std::string& what, const std::string& command,
   return out;
 }
 
+// The 1-minute load average: other work on the machine, printed beside the times it skews.
+std::string load_average() {
+  std::string text = read_file("/proc/loadavg");
+  return text.empty() ? std::string("?") : text.substr(0, text.find(' '));
+}
+
 std::vector<ResultLine> lines_with(const std::string& text, const std::string& prefix) {
   std::vector<ResultLine> out;
   std::stringstream ss(text);
@@ -173,6 +179,7 @@ int run_strategies_driver(Flags& flags) {
     const std::string env = format("OMP_NUM_THREADS=%lld ", static_cast<long long>(threads));
     PerWorld pw;
     pw.world = static_cast<int>(w);
+    const std::string load_before = load_average();
     const std::string ours_log =
         format("%s/ours_w%lld.log", out_dir.c_str(), static_cast<long long>(w));
     const std::string ours =
@@ -201,10 +208,11 @@ int run_strategies_driver(Flags& flags) {
     const double model_bytes = num(any, "model_bytes");
     const double two_groups = 2.0 * num(any, "largest_group_bytes");
     std::printf(
-        "\n== W=%lld, %lld intra-op thread(s) per rank: %.2f M parameters, weights %.2f "
-        "MiB, weights + grads %.2f MiB, two groups' worth %.2f MiB\n",
-        static_cast<long long>(w), static_cast<long long>(threads), num(any, "params") / 1e6,
-        model_bytes / kMiB, 2 * model_bytes / kMiB, two_groups / kMiB);
+        "\n== W=%lld, %lld intra-op thread(s) per rank, load average %s -> %s: %.2f M "
+        "parameters, weights %.2f MiB, weights + grads %.2f MiB, two groups' worth %.2f MiB\n",
+        static_cast<long long>(w), static_cast<long long>(threads), load_before.c_str(),
+        load_average().c_str(), num(any, "params") / 1e6, model_bytes / kMiB,
+        2 * model_bytes / kMiB, two_groups / kMiB);
     std::printf("%-30s %-4s %9s %8s %8s %8s %8s %8s %10s %7s %7s %11s\n", "who", "pf", "step ms",
                 "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp", "final loss");
     for (const auto& r : pw.ours) {

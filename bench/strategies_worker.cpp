@@ -53,21 +53,6 @@ double median(std::vector<double> v) {
   return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
 }
 
-struct Measured {
-  fsdp_muon::ShardingStrategy strategy;
-  bool prefetch = true;
-  // Median seconds over the timed steps of this rank, per step and per phase (the load of a
-  // shared machine comes in bursts: the median ignores a step that met one).
-  double step = 0, forward = 0, backward = 0, reduce_scatter = 0, adamw = 0, muon = 0;
-  // The library's own count over the timed steps: the most unsharded model-weight and
-  // full-gradient bytes this rank held at once (peak_total_unsharded_bytes, kept where the
-  // buffers are allocated and freed), and the most one group held.
-  int64_t peak_total = 0;
-  int64_t peak_group_max = 0;
-  int64_t cuda_peak = 0;  // CUDA caching allocator's peak over the timed steps (everything)
-  double final_loss = 0;
-};
-
 struct Setup {
   Gpt2Config config;
   int64_t batch = 4;
@@ -77,129 +62,196 @@ struct Setup {
   double adamw_lr = 3e-3;
 };
 
-Measured measure(const Setup& setup, fsdp_muon::ShardingStrategy strategy, bool prefetch,
-                 const std::shared_ptr<fsdp_muon::Communicator>& comm, int64_t* model_bytes,
-                 int64_t* largest_group_bytes, int64_t* num_params) {
-  const c10::Device device = comm->device();
-  torch::manual_seed(1);
-  Gpt2 model(setup.config);
-  model->to(device);
-  const GroupList groups = fsdp_muon::shard_module(
-      *model, comm,
-      fsdp_muon::ShardModuleOptions()
-          .policy(gpt2_group_of)
-          .group_options(
-              fsdp_muon::FsdpParameterGroupOptions().sharding_strategy(strategy).prefetch(
-                  prefetch)));
-  TORCH_CHECK(static_cast<int64_t>(groups.size()) == setup.config.layers + 2,
-              "fsdp_strategies_bench: expected embeddings, ", setup.config.layers,
-              " blocks and head as groups, got ", groups.size());
+struct Measured {
+  fsdp_muon::ShardingStrategy strategy;
+  bool prefetch = true;
+  // Median seconds over the timed steps of this rank, per step and per phase (the load of a
+  // shared machine comes in bursts: the median ignores a step that met one).
+  double step = 0, forward = 0, backward = 0, reduce_scatter = 0, adamw = 0, muon = 0;
+  // The library's own count over the timed steps: the most unsharded model-weight and
+  // full-gradient bytes this rank held at once for this configuration
+  // (peak_total_unsharded_bytes, kept where the buffers are allocated and freed), and the most
+  // one group held.
+  int64_t peak_total = 0;
+  int64_t peak_group_max = 0;
+  int64_t cuda_peak = 0;  // CUDA caching allocator's peak over the timed steps (everything)
+  double final_loss = 0;
+};
 
-  // Blocks' matrices to FsdpMuon (torch.optim.Muon's coefficients and lr scaling, as the peer
-  // uses), the rest to AdamW; the groups AdamW alone steps are refreshed after it.
-  std::vector<at::Tensor> muon_params, adamw_params;
-  GroupList refresh_after_step;
-  *model_bytes = *largest_group_bytes = *num_params = 0;
-  for (const auto& group : groups) {
-    const bool block = group->name().rfind("h.", 0) == 0;
-    const int64_t element = c10::elementSize(group->compute_dtype());
-    *model_bytes += group->padded_numel() * element;
-    *largest_group_bytes = std::max(*largest_group_bytes, 2 * group->padded_numel() * element);
-    for (size_t i = 0; i < group->num_parameters(); ++i) {
-      *num_params += group->slot(i).numel;
-      if (block && group->slot(i).shape.size() == 2) {
-        muon_params.push_back(group->sharded_parameter(i));
-      } else {
-        adamw_params.push_back(group->sharded_parameter(i));
+// One configuration: the model, its groups and optimizers, and what its steps measured.
+class Trainer {
+ public:
+  Trainer(const Setup& setup, fsdp_muon::ShardingStrategy strategy, bool prefetch,
+          const std::shared_ptr<fsdp_muon::Communicator>& comm)
+      : setup_(setup), comm_(comm), device_(comm->device()) {
+    measured_.strategy = strategy;
+    measured_.prefetch = prefetch;
+    torch::manual_seed(1);  // every configuration starts from the same weights
+    model_ = Gpt2(setup.config);
+    model_->to(device_);
+    groups_ = fsdp_muon::shard_module(
+        *model_, comm,
+        fsdp_muon::ShardModuleOptions()
+            .policy(gpt2_group_of)
+            .group_options(
+                fsdp_muon::FsdpParameterGroupOptions().sharding_strategy(strategy).prefetch(
+                    prefetch)));
+    TORCH_CHECK(static_cast<int64_t>(groups_.size()) == setup.config.layers + 2,
+                "fsdp_strategies_bench: expected embeddings, ", setup.config.layers,
+                " blocks and head as groups, got ", groups_.size());
+    // Blocks' matrices to FsdpMuon (torch.optim.Muon's coefficients and lr scaling, as the
+    // peer uses), the rest to AdamW; the groups AdamW alone steps are refreshed after it.
+    std::vector<at::Tensor> muon_params, adamw_params;
+    for (const auto& group : groups_) {
+      const bool block = group->name().rfind("h.", 0) == 0;
+      const int64_t element = c10::elementSize(group->compute_dtype());
+      model_bytes_ += group->padded_numel() * element;
+      largest_group_bytes_ = std::max(largest_group_bytes_, 2 * group->padded_numel() * element);
+      for (size_t i = 0; i < group->num_parameters(); ++i) {
+        num_params_ += group->slot(i).numel;
+        if (block && group->slot(i).shape.size() == 2) {
+          muon_params.push_back(group->sharded_parameter(i));
+        } else {
+          adamw_params.push_back(group->sharded_parameter(i));
+        }
       }
+      if (!block) refresh_after_step_.push_back(group);
     }
-    if (!block) refresh_after_step.push_back(group);
+    muon_ = std::make_unique<fsdp_muon::FsdpMuon>(
+        muon_params,
+        fsdp_muon::MuonOptions(setup.lr).coefficients(fsdp_muon::NsCoefficients::kSimple));
+    adamw_ = std::make_unique<torch::optim::AdamW>(adamw_params,
+                                                   torch::optim::AdamWOptions(setup.adamw_lr)
+                                                       .betas(std::make_tuple(0.9, 0.95))
+                                                       .weight_decay(0.0));
   }
-  fsdp_muon::FsdpMuon muon(muon_params, fsdp_muon::MuonOptions(setup.lr).coefficients(
-                                            fsdp_muon::NsCoefficients::kSimple));
-  torch::optim::AdamW adamw(adamw_params, torch::optim::AdamWOptions(setup.adamw_lr)
-                                              .betas(std::make_tuple(0.9, 0.95))
-                                              .weight_decay(0.0));
 
-  Measured m;
-  m.strategy = strategy;
-  m.prefetch = prefetch;
-  at::Generator gen = at::detail::createCPUGenerator(1000 + comm->rank());
-  const int64_t vocab = setup.config.vocab;
-  std::vector<double> steps, forwards, backwards, reduce_scatters, adamws, muons;
-  for (int64_t s = 0; s < setup.warmup + setup.steps; ++s) {
-    const at::Tensor tokens =
-        at::randint(vocab, {setup.batch, setup.config.seq_len + 1}, gen, at::kLong).to(device);
-    const at::Tensor inputs = tokens.narrow(1, 0, setup.config.seq_len);
-    const at::Tensor targets = tokens.narrow(1, 1, setup.config.seq_len);
-    const bool timed = s >= setup.warmup;
-    if (s == setup.warmup) {
-      for (const auto& g : groups) g->reset_peak_unsharded_bytes();
-      fsdp_muon::reset_peak_total_unsharded_bytes(groups);
+  const GroupList& groups() const { return groups_; }
+  int64_t model_bytes() const { return model_bytes_; }                  // weights, padded
+  int64_t largest_group_bytes() const { return largest_group_bytes_; }  // weights + grads
+  int64_t num_params() const { return num_params_; }
+
+  // One training step. `others` are the bytes the other live configurations hold unsharded;
+  // they hold still while this one steps, so the communicator-wide peak less them is this
+  // configuration's.
+  void step(const at::Tensor& inputs, const at::Tensor& targets, bool first_timed, bool timed,
+            int64_t others) {
+    if (first_timed) {
+      for (const auto& g : groups_) g->reset_peak_unsharded_bytes();
 #if FSDP_MUON_WITH_CUDA
-      if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+      if (device_.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
 #endif
     }
-    sync(device);
-    comm->barrier();
+    fsdp_muon::reset_peak_total_unsharded_bytes(groups_);
+    const int64_t vocab = setup_.config.vocab;
+    sync(device_);
+    comm_->barrier();
     const auto t0 = Clock::now();
-    for (const auto& g : groups) g->zero_grad();
-    at::Tensor x = groups.front()->forward(
-        [&](const at::Tensor& t) { return model->embeddings->forward(t); }, inputs);
-    for (int64_t k = 0; k < setup.config.layers; ++k) {
-      auto block = model->h[k]->as<Gpt2Block>();
-      x = groups[1 + k]->forward([block](const at::Tensor& t) { return block->forward(t); }, x);
+    for (const auto& g : groups_) g->zero_grad();
+    at::Tensor x = groups_.front()->forward(
+        [&](const at::Tensor& t) { return model_->embeddings->forward(t); }, inputs);
+    for (int64_t k = 0; k < setup_.config.layers; ++k) {
+      auto block = model_->h[k]->as<Gpt2Block>();
+      x = groups_[1 + k]->forward([block](const at::Tensor& t) { return block->forward(t); }, x);
     }
     const at::Tensor logits =
-        groups.back()->forward([&](const at::Tensor& t) { return model->head->forward(t); }, x);
+        groups_.back()->forward([&](const at::Tensor& t) { return model_->head->forward(t); }, x);
     const at::Tensor loss =
         at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape(-1));
-    sync(device);
+    sync(device_);
     const auto t1 = Clock::now();
     loss.backward();
-    sync(device);
+    sync(device_);
     const auto t2 = Clock::now();
-    for (const auto& g : groups) g->reduce_scatter_grads();
-    sync(device);
+    for (const auto& g : groups_) g->reduce_scatter_grads();
+    sync(device_);
     const auto t3 = Clock::now();
-    adamw.step();
-    sync(device);
+    adamw_->step();
+    sync(device_);
     const auto t4 = Clock::now();
-    muon.step();
-    for (const auto& g : refresh_after_step) g->refresh_model_weights();
-    sync(device);
+    muon_->step();
+    for (const auto& g : refresh_after_step_) g->refresh_model_weights();
+    sync(device_);
     const auto t5 = Clock::now();
-    if (!timed) continue;
+    if (!timed) return;
     auto secs = [](Clock::time_point a, Clock::time_point b) {
       return std::chrono::duration<double>(b - a).count();
     };
-    forwards.push_back(secs(t0, t1));
-    backwards.push_back(secs(t1, t2));
-    reduce_scatters.push_back(secs(t2, t3));
-    adamws.push_back(secs(t3, t4));
-    muons.push_back(secs(t4, t5));
-    steps.push_back(secs(t0, t5));
-    m.final_loss = loss.item<double>();
+    forwards_.push_back(secs(t0, t1));
+    backwards_.push_back(secs(t1, t2));
+    reduce_scatters_.push_back(secs(t2, t3));
+    adamws_.push_back(secs(t3, t4));
+    muons_.push_back(secs(t4, t5));
+    steps_.push_back(secs(t0, t5));
+    measured_.final_loss = loss.item<double>();
+    measured_.peak_total =
+        std::max(measured_.peak_total, fsdp_muon::peak_total_unsharded_bytes(groups_) - others);
   }
-  m.step = median(steps);
-  m.forward = median(forwards);
-  m.backward = median(backwards);
-  m.reduce_scatter = median(reduce_scatters);
-  m.adamw = median(adamws);
-  m.muon = median(muons);
-  m.peak_total = fsdp_muon::peak_total_unsharded_bytes(groups);
-  for (const auto& g : groups) {
-    m.peak_group_max = std::max(m.peak_group_max, g->peak_unsharded_bytes());
-  }
+
+  Measured result() {
+    Measured m = measured_;
+    m.step = median(steps_);
+    m.forward = median(forwards_);
+    m.backward = median(backwards_);
+    m.reduce_scatter = median(reduce_scatters_);
+    m.adamw = median(adamws_);
+    m.muon = median(muons_);
+    for (const auto& g : groups_) {
+      m.peak_group_max = std::max(m.peak_group_max, g->peak_unsharded_bytes());
+    }
 #if FSDP_MUON_WITH_CUDA
-  if (device.is_cuda()) {
-    m.cuda_peak =
-        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index())
-            .allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
-            .peak;
-  }
+    if (device_.is_cuda()) {
+      m.cuda_peak =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index())
+              .allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+              .peak;
+    }
 #endif
-  return m;
+    return m;
+  }
+
+ private:
+  Setup setup_;
+  std::shared_ptr<fsdp_muon::Communicator> comm_;
+  c10::Device device_;
+  Gpt2 model_{nullptr};
+  GroupList groups_, refresh_after_step_;
+  std::unique_ptr<fsdp_muon::FsdpMuon> muon_;
+  std::unique_ptr<torch::optim::AdamW> adamw_;
+  int64_t model_bytes_ = 0, largest_group_bytes_ = 0, num_params_ = 0;
+  std::vector<double> steps_, forwards_, backwards_, reduce_scatters_, adamws_, muons_;
+  Measured measured_;
+};
+
+// Warm-up and timed steps of `trainers`, round by round: in each round every trainer takes one
+// step on the same batch, starting one further along the list each round, so that a burst of
+// load from elsewhere falls on all of them alike.
+void run_rounds(const std::vector<Trainer*>& trainers, const Setup& setup,
+                const fsdp_muon::Communicator& comm) {
+  at::Generator gen = at::detail::createCPUGenerator(1000 + comm.rank());
+  const size_t n = trainers.size();
+  for (int64_t s = 0; s < setup.warmup + setup.steps; ++s) {
+    const at::Tensor tokens =
+        at::randint(setup.config.vocab, {setup.batch, setup.config.seq_len + 1}, gen, at::kLong)
+            .to(comm.device());
+    const at::Tensor inputs = tokens.narrow(1, 0, setup.config.seq_len);
+    const at::Tensor targets = tokens.narrow(1, 1, setup.config.seq_len);
+    for (size_t j = 0; j < n; ++j) {
+      Trainer* t = trainers[(j + static_cast<size_t>(s)) % n];
+      auto others = [&] {
+        int64_t bytes = 0;
+        for (Trainer* o : trainers) {
+          if (o != t) bytes += fsdp_muon::total_unsharded_bytes(o->groups());
+        }
+        return bytes;
+      };
+      const int64_t before = others();
+      t->step(inputs, targets, s == setup.warmup, s >= setup.warmup, before);
+      TORCH_CHECK(others() == before,
+                  "fsdp_strategies_bench: another configuration's unsharded "
+                  "bytes changed while one stepped; the peaks would be wrong");
+    }
+  }
 }
 
 const char* zero_name(fsdp_muon::ShardingStrategy s) {
@@ -222,6 +274,7 @@ int run_strategies_worker(Flags& flags) {
       flags.get("strategies", "optim,optim_grads,optim_grads_params");
   const std::string prefetch_flag = flags.get("prefetch", "on,off");
   const int64_t threads = flags.get_int("threads", 0);
+  const bool sequential_flag = flags.has("sequential");
   const auto comm = fsdp_muon::init_from_env();
   const c10::Device device = comm->device();
   const int rank = comm->rank(), world = comm->size();
@@ -262,22 +315,33 @@ int run_strategies_worker(Flags& flags) {
     }
   }
 
+  // On a CPU shared with other work every configuration lives at once and they step in
+  // rounds (run_rounds); on a GPU, whose allocator peak is per process, one after another.
+  const bool sequential = sequential_flag || device.is_cuda();
   std::vector<Measured> results;
   int64_t model_bytes = 0, largest_group = 0, num_params = 0;
-  {
-    // A run that is thrown away: the first configuration of a process otherwise pays for
-    // first-touch costs (allocator growth, thread pools, Gloo buffers) in its timed steps.
-    Setup once = setup;
-    once.warmup = 0;
-    once.steps = 1;
-    measure(once, strategies.front(), prefetches.front(), comm, &model_bytes, &largest_group,
-            &num_params);
-  }
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  auto finish = [&](Trainer& t) {
+    results.push_back(t.result());
+    model_bytes = t.model_bytes();
+    largest_group = t.largest_group_bytes();
+    num_params = t.num_params();
+  };
   for (const auto strategy : strategies) {
     for (const bool prefetch : prefetches) {
-      results.push_back(
-          measure(setup, strategy, prefetch, comm, &model_bytes, &largest_group, &num_params));
+      trainers.push_back(std::make_unique<Trainer>(setup, strategy, prefetch, comm));
+      if (sequential) {
+        run_rounds({trainers.back().get()}, setup, *comm);
+        finish(*trainers.back());
+        trainers.clear();
+      }
     }
+  }
+  if (!sequential) {
+    std::vector<Trainer*> all;
+    for (const auto& t : trainers) all.push_back(t.get());
+    run_rounds(all, setup, *comm);
+    for (const auto& t : trainers) finish(*t);
   }
 
   // Cross-rank: the slowest rank's times, the largest peaks.
@@ -303,10 +367,11 @@ int run_strategies_worker(Flags& flags) {
              static_cast<long long>(setup.batch), static_cast<long long>(setup.config.seq_len));
   std::printf(
       "fsdp_strategies_bench: %s, %.2f M parameters, %lld groups, W=%d on %s [%s], %d "
-      "threads per rank, %lld steps after %lld warm-up\n",
+      "threads per rank, %lld steps after %lld warm-up, configurations %s\n",
       model_name.c_str(), num_params / 1e6, static_cast<long long>(setup.config.layers + 2), world,
       device.str().c_str(), comm->backend_name().c_str(), at::get_num_threads(),
-      static_cast<long long>(setup.steps), static_cast<long long>(setup.warmup));
+      static_cast<long long>(setup.steps), static_cast<long long>(setup.warmup),
+      sequential ? "one after another" : "side by side, stepping in turn");
   std::printf(
       "model weights %.2f MiB (weights + grads %.2f MiB); two groups' worth (2 x the "
       "largest group's weights + grads) %.2f MiB\n\n",
