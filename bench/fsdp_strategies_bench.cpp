@@ -17,7 +17,9 @@ const char* kUsage = R"(usage:
       (--worker: ours, every strategy, prefetch on and off) and on the peer script (FSDP2 +
       torch.optim.Muon), on the CPU with Gloo, and prints them side by side; writes
       DIR/memory.tsv and DIR/memory.png (default DIR: fsdp_strategies_bench_out). PY defaults to
-      $FSDP_MUON_PYTHON (scripts/env.sh). Threads per rank default to cores / W, both sides.
+      $FSDP_MUON_PYTHON (scripts/env.sh). --threads (intra-op threads per rank,
+      both sides) defaults to 1: on a loaded 2-core machine two OpenMP threads per rank made
+      the Python peer's forward + backward 8x slower (bench/RESULTS.md section 5).
   torchrun --standalone --no-python --nproc_per_node=W fsdp_strategies_bench --worker
                         [model flags] [--strategies optim,optim_grads,optim_grads_params]
                         [--prefetch on,off] [--threads N] [--sequential]

@@ -126,7 +126,7 @@ int run_strategies_driver(Flags& flags) {
   const int64_t batch = flags.get_int("batch", 4);
   const int64_t steps = flags.get_int("steps", 3);
   const int64_t warmup = flags.get_int("warmup", 1);
-  const int64_t threads_flag = flags.get_int("threads", 0);
+  const int64_t threads = flags.get_int("threads", 1);
   const std::string out_dir = flags.get("out-dir", "fsdp_strategies_bench_out");
   const char* env_python = std::getenv("FSDP_MUON_PYTHON");
   const std::string python = flags.get("python", env_python != nullptr ? env_python : "");
@@ -139,6 +139,7 @@ int run_strategies_driver(Flags& flags) {
               "fsdp_strategies_bench: no python with torch to launch the ranks and the FSDP2 peer "
               "with; `source scripts/env.sh` (sets FSDP_MUON_PYTHON) or pass --python");
   TORCH_CHECK(!worlds.empty(), "fsdp_strategies_bench: --world-sizes is empty");
+  TORCH_CHECK(threads >= 1, "fsdp_strategies_bench: --threads must be >= 1");
   for (int64_t w : worlds) {
     TORCH_CHECK(w >= 1 && w <= 64, "fsdp_strategies_bench: --world-sizes: ", w,
                 " is not in [1, 64]");
@@ -169,9 +170,6 @@ int run_strategies_driver(Flags& flags) {
 
   std::vector<PerWorld> all;
   for (const int64_t w : worlds) {
-    // Intra-op threads per rank: the cores split among the ranks (both sides alike).
-    const int64_t threads =
-        threads_flag > 0 ? threads_flag : std::max<int64_t>(1, static_cast<int64_t>(cores) / w);
     const std::string launch = format(
         "%s -m torch.distributed.run --standalone --nnodes=1 "
         "--nproc_per_node=%lld",
