@@ -5,7 +5,8 @@ one for the FSDP2 + torch.optim.Muon peer, from the memory.tsv fsdp_strategies_b
     python3 bench/plot_memory.py memory.tsv memory.png
 
 Columns of the TSV: world, series (optim, optim_grads, optim_grads_params, fsdp2_muon),
-peak_unsharded_mib, two_groups_mib. The PNG is drawn by this file alone (the standard
+peak_unsharded_mib, sharded_state_mib, two_groups_mib. Two charts: the peak of unsharded
+weights + gradients (with the ZeRO-3 goal, two groups' worth), and that plus the sharded state. The PNG is drawn by this file alone (the standard
 library's zlib and struct; a 5x7 bitmap font), so the benchmark writes it wherever Python runs,
 with or without matplotlib.
 """
@@ -158,24 +159,13 @@ def read_tsv(path):
     return rows
 
 
-def main():
-    if len(sys.argv) != 3:
-        sys.exit("usage: plot_memory.py memory.tsv memory.png")
-    rows = read_tsv(sys.argv[1])
-    worlds = sorted({int(r["world"]) for r in rows})
-    data = {name: {} for name, _, _ in SERIES}
-    two_groups = {}
-    for r in rows:
-        if r["series"] not in data:
-            sys.exit(f"plot_memory.py: unknown series {r['series']!r}")
-        data[r["series"]][int(r["world"])] = float(r["peak_unsharded_mib"])
-        two_groups[int(r["world"])] = float(r["two_groups_mib"])
-
-    W, H = 960, 600
-    left, right, top, bottom = 110, 40, 60, 230
-    c = Canvas(W, H)
-    x0, x1, y0, y1 = left, W - right, top, H - bottom  # plot area, y0 at the top
-    ymax = max([v for s in data.values() for v in s.values()] + list(two_groups.values()))
+def panel(c, box, title, worlds, data, two_groups=None):
+    """One chart in box = (x0, y0, x1, y1) of the canvas: a line per series against W."""
+    x0, y0, x1, y1 = box
+    values = [v for s in data.values() for v in s.values()]
+    if two_groups:
+        values += list(two_groups.values())
+    ymax = max(values + [1e-9])
     step = nice_step(ymax * 1.1)
     ytop = step * (int(ymax * 1.1 / step) + 1)
 
@@ -183,13 +173,12 @@ def main():
         if len(worlds) == 1:
             return (x0 + x1) // 2
         i = worlds.index(world)
-        return x0 + 40 + i * (x1 - x0 - 80) // (len(worlds) - 1)
+        return x0 + 30 + i * (x1 - x0 - 60) // (len(worlds) - 1)
 
     def py(v):
         return y1 - int(round(v / ytop * (y1 - y0)))
 
-    title = "PEAK UNSHARDED WEIGHTS + GRADS PER RANK (MIB) VS WORLD SIZE"
-    c.text((W - c.text_width(title)) // 2, 20, title)
+    c.text((x0 + x1 - c.text_width(title)) // 2, y0 - 34, title)
     v = 0.0
     while v <= ytop + 1e-9:  # grid and y labels
         y = py(v)
@@ -203,25 +192,53 @@ def main():
         c.line(px(w), y1, px(w), y1 + 6, (0, 0, 0), 2)
         c.text(px(w) - c.text_width(str(w)) // 2, y1 + 12, str(w))
     c.text((x0 + x1 - c.text_width("W (RANKS)")) // 2, y1 + 36, "W (RANKS)")
-
     for name, _, rgb in SERIES:
         pts = [(px(w), py(data[name][w])) for w in worlds if w in data[name]]
         for (ax, ay), (bx, by) in zip(pts, pts[1:]):
             c.line(ax, ay, bx, by, rgb, 3)
         for x, y in pts:
             c.rect(x - 5, y - 5, x + 5, y + 5, rgb)
-    # Two groups' worth (the ZeRO-3 goal), dashed, over the lines.
-    pts = [(px(w), py(two_groups[w])) for w in worlds]
-    for (ax, ay), (bx, by) in zip(pts, pts[1:]):
-        c.line(ax, ay, bx, by, (120, 120, 120), 2, dash=6)
+    if two_groups:  # the ZeRO-3 goal, dashed, over the lines
+        pts = [(px(w), py(two_groups[w])) for w in worlds]
+        for (ax, ay), (bx, by) in zip(pts, pts[1:]):
+            c.line(ax, ay, bx, by, (120, 120, 120), 2, dash=6)
 
-    ly = y1 + 70
-    for name, label, rgb in SERIES:
-        c.rect(x0, ly + 2, x0 + 30, ly + 11, rgb)
-        c.text(x0 + 42, ly, label)
-        ly += 26
-    c.line(x0, ly + 7, x0 + 30, ly + 7, (120, 120, 120), 2, dash=6)
-    c.text(x0 + 42, ly, "TWO GROUPS' WORTH (ZERO-3 GOAL: AT MOST THIS)")
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit("usage: plot_memory.py memory.tsv memory.png")
+    rows = read_tsv(sys.argv[1])
+    worlds = sorted({int(r["world"]) for r in rows})
+    unsharded = {name: {} for name, _, _ in SERIES}
+    total = {name: {} for name, _, _ in SERIES}
+    two_groups = {}
+    for r in rows:
+        if r["series"] not in unsharded:
+            sys.exit(f"plot_memory.py: unknown series {r['series']!r}")
+        w = int(r["world"])
+        unsharded[r["series"]][w] = float(r["peak_unsharded_mib"])
+        total[r["series"]][w] = float(r["peak_unsharded_mib"]) + float(r["sharded_state_mib"])
+        two_groups[w] = float(r["two_groups_mib"])
+
+    W, H = 1400, 640
+    c = Canvas(W, H)
+    title = "MEMORY PER RANK (MIB) AGAINST THE WORLD SIZE"
+    c.text((W - c.text_width(title)) // 2, 12, title)
+    panel(c, (110, 90, 660, 400), "PEAK UNSHARDED WEIGHTS + GRADS", worlds, unsharded,
+          two_groups)
+    panel(c, (820, 90, 1370, 400), "THAT + SHARDED STATE (SHARDS, OPTIMIZERS)", worlds, total)
+
+    ly = 480
+    for i, (name, label, rgb) in enumerate(SERIES):
+        x = 110 + (i % 2) * 660
+        y = ly + (i // 2) * 30
+        c.rect(x, y + 2, x + 30, y + 11, rgb)
+        c.text(x + 42, y, label)
+    y = ly + 60
+    c.line(110, y + 7, 140, y + 7, (120, 120, 120), 2, dash=6)
+    c.text(152, y, "TWO GROUPS' WORTH (ZERO-3 GOAL: AT MOST THIS)")
+    c.text(110, y + 36, "ACTIVATIONS ARE IN NEITHER. SHARDED STATE: MAIN WEIGHT / PARAMETER AND")
+    c.text(110, y + 60, "GRADIENT SHARDS, ADAMW MOMENTS, MUON MOMENTUM, AS ALLOCATED AFTER A STEP")
 
     with open(sys.argv[2], "wb") as f:
         f.write(c.png())

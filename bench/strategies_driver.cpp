@@ -211,26 +211,27 @@ int run_strategies_driver(Flags& flags) {
         static_cast<long long>(w), static_cast<long long>(threads), load_before.c_str(),
         load_average().c_str(), num(any, "params") / 1e6, model_bytes / kMiB,
         2 * model_bytes / kMiB, two_groups / kMiB);
-    std::printf("%-30s %-4s %9s %8s %8s %8s %8s %8s %10s %7s %7s %11s\n", "who", "pf", "step ms",
-                "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp", "final loss");
+    std::printf("%-30s %-4s %9s %8s %8s %8s %8s %8s %10s %7s %7s %9s %11s\n", "who", "pf",
+                "step ms", "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp",
+                "state MiB", "final loss");
     for (const auto& r : pw.ours) {
       const std::string strategy = r.at("strategy");
       const char* zero = strategy == "optim"         ? "ZeRO-1"
                          : strategy == "optim_grads" ? "ZeRO-2"
                                                      : "ZeRO-3";
       const double peak = num(r, "peak_unsharded_bytes");
-      std::printf("%-30s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %7.3f %7.3f %11s\n",
+      std::printf("%-30s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %7.3f %7.3f %9.2f %11s\n",
                   format("fsdp_muon %s (%s)", strategy.c_str(), zero).c_str(),
                   r.at("prefetch") == "1" ? "on" : "off", num(r, "step_ms"), num(r, "forward_ms"),
                   num(r, "backward_ms"), num(r, "reduce_scatter_ms"), num(r, "adamw_ms"),
                   num(r, "muon_ms"), peak / kMiB, peak / (2 * model_bytes), peak / two_groups,
-                  r.at("final_loss").c_str());
+                  num(r, "sharded_state_bytes") / kMiB, r.at("final_loss").c_str());
     }
     const double peer_peak = num(pw.peer, "peak_unsharded_bytes");
-    std::printf("%-30s %-4s %9.1f %8s %8s %8s %8s %8s %10.2f %7.3f %7.3f %11s\n",
+    std::printf("%-30s %-4s %9.1f %8s %8s %8s %8s %8s %10.2f %7.3f %7.3f %9.2f %11s\n",
                 "FSDP2 + torch.optim.Muon", "-", num(pw.peer, "step_ms"), "", "", "", "", "",
                 peer_peak / kMiB, peer_peak / (2 * model_bytes), peer_peak / two_groups,
-                pw.peer.at("final_loss").c_str());
+                num(pw.peer, "sharded_state_bytes") / kMiB, pw.peer.at("final_loss").c_str());
     std::printf("  (FSDP2's flat staging buffers at its peak, not counted above: %.2f MiB)\n",
                 num(pw.peer, "peak_staging_bytes") / kMiB);
   }
@@ -244,7 +245,7 @@ int run_strategies_driver(Flags& flags) {
               "Z1/peer");
   const std::string tsv_path = out_dir + "/memory.tsv";
   std::ofstream tsv(tsv_path);
-  tsv << "world\tseries\tpeak_unsharded_mib\ttwo_groups_mib\n";
+  tsv << "world\tseries\tpeak_unsharded_mib\tsharded_state_mib\ttwo_groups_mib\n";
   double worst_z3_two = 0, worst_z3_z1 = 0, worst_vs_peer = 0;
   std::string vs_peer_list, z3_z1_list;
   for (const auto& pw : all) {
@@ -277,6 +278,7 @@ int run_strategies_driver(Flags& flags) {
                                                                 {"fsdp2_muon", &pw.peer}}) {
       tsv << pw.world << '\t' << series << '\t'
           << format("%.4f", num(*r, "peak_unsharded_bytes") / kMiB) << '\t'
+          << format("%.4f", num(*r, "sharded_state_bytes") / kMiB) << '\t'
           << format("%.4f", two_groups / kMiB) << '\n';
     }
   }

@@ -75,6 +75,9 @@ struct Measured {
   int64_t peak_total = 0;
   int64_t peak_group_max = 0;
   int64_t cuda_peak = 0;  // CUDA caching allocator's peak over the timed steps (everything)
+  // What stays sharded on this rank after a step: main-weight and gradient shards and the
+  // optimizers' state (AdamW's moments, FsdpMuon's momentum), bytes as allocated.
+  int64_t sharded_state = 0;
   double final_loss = 0;
 };
 
@@ -196,6 +199,7 @@ class Trainer {
     m.reduce_scatter = median(reduce_scatters_);
     m.adamw = median(adamws_);
     m.muon = median(muons_);
+    m.sharded_state = sharded_state_bytes();
     for (const auto& g : groups_) {
       m.peak_group_max = std::max(m.peak_group_max, g->peak_unsharded_bytes());
     }
@@ -218,6 +222,25 @@ class Trainer {
   GroupList groups_, refresh_after_step_;
   std::unique_ptr<fsdp_muon::FsdpMuon> muon_;
   std::unique_ptr<torch::optim::AdamW> adamw_;
+
+  int64_t sharded_state_bytes() const {
+    auto bytes = [](const at::Tensor& t) {
+      return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+    };
+    int64_t total = 0;
+    for (const auto& g : groups_) total += bytes(g->main_weight_shard()) + bytes(g->grad_shard());
+    for (const auto& [key, state] : adamw_->state()) {
+      const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get());
+      TORCH_CHECK(s != nullptr, "fsdp_strategies_bench: unexpected AdamW state");
+      total += bytes(s->exp_avg()) + bytes(s->exp_avg_sq()) + bytes(s->max_exp_avg_sq());
+    }
+    for (const auto& [key, state] : muon_->state()) {
+      const auto* s = dynamic_cast<const fsdp_muon::MuonParamState*>(state.get());
+      TORCH_CHECK(s != nullptr, "fsdp_strategies_bench: unexpected FsdpMuon state");
+      total += bytes(s->momentum_buffer());
+    }
+    return total;
+  }
   int64_t model_bytes_ = 0, largest_group_bytes_ = 0, num_params_ = 0;
   std::vector<double> steps_, forwards_, backwards_, reduce_scatters_, adamws_, muons_;
   Measured measured_;
@@ -349,11 +372,11 @@ int run_strategies_worker(Flags& flags) {
   for (const auto& m : results) {
     for (double v : {m.step, m.forward, m.backward, m.reduce_scatter, m.adamw, m.muon,
                      static_cast<double>(m.peak_total), static_cast<double>(m.peak_group_max),
-                     static_cast<double>(m.cuda_peak)}) {
+                     static_cast<double>(m.cuda_peak), static_cast<double>(m.sharded_state)}) {
       local.push_back(v);
     }
   }
-  constexpr int kFields = 9;
+  constexpr int kFields = 10;
   at::Tensor maxes = at::tensor(local, at::kDouble).to(device);
   comm->all_reduce(maxes, fsdp_muon::ReduceOp::kMax);
   maxes = maxes.cpu();
@@ -376,16 +399,18 @@ int run_strategies_worker(Flags& flags) {
       "model weights %.2f MiB (weights + grads %.2f MiB); two groups' worth (2 x the "
       "largest group's weights + grads) %.2f MiB\n\n",
       model_bytes / kMiB, 2 * model_bytes / kMiB, 2 * largest_group / kMiB);
-  std::printf("%-26s %-4s %9s %8s %8s %8s %8s %8s %10s %9s %9s %10s\n", "strategy", "pf", "step ms",
-              "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp", "loss");
+  std::printf("%-26s %-4s %9s %8s %8s %8s %8s %8s %10s %9s %9s %10s %10s\n", "strategy", "pf",
+              "step ms", "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp",
+              "state MiB", "loss");
   for (size_t r = 0; r < results.size(); ++r) {
     const auto& m = results[r];
     const double peak = field(r, 6);
-    std::printf("%-26s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %9.3f %9.3f %10.6f\n",
+    std::printf("%-26s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %9.3f %9.3f %10.2f %10.6f\n",
                 format("%s %s", fsdp_muon::to_string(m.strategy), zero_name(m.strategy)).c_str(),
                 m.prefetch ? "on" : "off", field(r, 0) * 1e3, field(r, 1) * 1e3, field(r, 2) * 1e3,
                 field(r, 3) * 1e3, field(r, 4) * 1e3, field(r, 5) * 1e3, peak / kMiB,
-                peak / (2.0 * model_bytes), peak / (2.0 * largest_group), m.final_loss);
+                peak / (2.0 * model_bytes), peak / (2.0 * largest_group), field(r, 9) / kMiB,
+                m.final_loss);
   }
   std::printf("\n");
   for (size_t r = 0; r < results.size(); ++r) {
@@ -397,11 +422,11 @@ int run_strategies_worker(Flags& flags) {
         device.type() == c10::kCUDA ? "cuda" : "cpu", field(r, 0) * 1e3, field(r, 1) * 1e3,
         field(r, 2) * 1e3, field(r, 3) * 1e3, field(r, 4) * 1e3, field(r, 5) * 1e3);
     line += format(
-        " peak_unsharded_bytes=%lld peak_group_max_bytes=%lld "
+        " peak_unsharded_bytes=%lld peak_group_max_bytes=%lld sharded_state_bytes=%lld "
         "model_bytes=%lld largest_group_bytes=%lld params=%lld final_loss=%.6f",
         static_cast<long long>(field(r, 6)), static_cast<long long>(field(r, 7)),
-        static_cast<long long>(model_bytes), static_cast<long long>(largest_group),
-        static_cast<long long>(num_params), m.final_loss);
+        static_cast<long long>(field(r, 9)), static_cast<long long>(model_bytes),
+        static_cast<long long>(largest_group), static_cast<long long>(num_params), m.final_loss);
     if (device.is_cuda()) {
       line += format(" cuda_peak_allocated_bytes=%lld", static_cast<long long>(field(r, 8)));
     }

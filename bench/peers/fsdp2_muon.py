@@ -27,6 +27,8 @@ peak_unsharded_bytes: the most bytes of unsharded parameter storage (FSDP2's all
 peak_staging_bytes: FSDP2's flat communication buffers alive at the same sample points (the
   all-gather output kept for copy-out overlap, the reduce-scatter input kept until the next
   reduce-scatter); reported beside, not added in.
+sharded_state_bytes: what stays sharded after a step (local shards of parameters and gradients,
+  the optimizers' state), the counterpart of the benchmark's column of the same name.
 On CUDA it also prints cuda_peak_allocated_bytes, the caching allocator's peak over the timed
 steps (everything: parameters, gradients, activations, optimizer states).
 """
@@ -276,12 +278,30 @@ def main():
         if timed:
             times.append(elapsed)
 
+    # What stays sharded after a step: parameter and gradient shards and the optimizers' state
+    # (AdamW's moments, Muon's momentum), the local pieces of the DTensors.
+    seen_storages = set()
+
+    def local_bytes(t):  # each storage once
+        if not isinstance(t, torch.Tensor):
+            return 0
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        if storage.data_ptr() in seen_storages or storage.nbytes() == 0:
+            return 0
+        seen_storages.add(storage.data_ptr())
+        return storage.nbytes()
+
+    sharded_state = sum(local_bytes(p) + local_bytes(p.grad) for p in model.parameters())
+    for opt in (muon, adamw):
+        for state in opt.state.values():
+            sharded_state += sum(local_bytes(v) for v in state.values())
+
     times.sort()
     mid = len(times) // 2
     median_step = times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
     stats = torch.tensor([median_step, float(tracker.peak), float(tracker.peak_staging),
                           float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda"
-                          else 0.0], dtype=torch.float64, device=device)
+                          else 0.0, float(sharded_state)], dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     stats = stats.cpu().tolist()
     if rank == 0:
@@ -300,6 +320,7 @@ def main():
             "step_ms": f"{stats[0] * 1e3:.3f}",
             "peak_unsharded_bytes": int(stats[1]),
             "peak_staging_bytes": int(stats[2]),
+            "sharded_state_bytes": int(stats[4]),
             "final_loss": f"{loss.item():.6f}",
         }
         if device.type == "cuda":
