@@ -31,7 +31,7 @@ const char* kUsage = R"(usage:
   model flags: [--layers L] [--width D] [--heads H] [--vocab V] [--seq-len T] [--batch B]
                [--steps S] [--warmup N]
       Defaults: on a CPU 4 layers, width 256, 4 heads, vocab 8192, 4 x 128 tokens per rank,
-      3 steps after 1 warm-up (under a second per step on 2 cores); on a GPU (--worker)
+      5 steps after 1 warm-up (about a second per step on 2 cores); on a GPU (--worker)
       GPT-2 124M itself (12 layers, width 768, vocab 50257), 8 x 1024 tokens, 5 steps. Times
       are the median step of each rank, the slowest rank's.
 )";

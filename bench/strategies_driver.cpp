@@ -124,7 +124,7 @@ int run_strategies_driver(Flags& flags) {
   const int64_t vocab = flags.get_int("vocab", 8192);
   const int64_t seq_len = flags.get_int("seq-len", 128);
   const int64_t batch = flags.get_int("batch", 4);
-  const int64_t steps = flags.get_int("steps", 3);
+  const int64_t steps = flags.get_int("steps", 5);
   const int64_t warmup = flags.get_int("warmup", 1);
   const int64_t threads = flags.get_int("threads", 1);
   const std::string out_dir = flags.get("out-dir", "fsdp_strategies_bench_out");

@@ -309,7 +309,7 @@ int run_strategies_worker(Flags& flags) {
   setup.config.vocab = flags.get_int("vocab", full ? 50257 : 8192);
   setup.config.seq_len = flags.get_int("seq-len", full ? 1024 : 128);
   setup.batch = flags.get_int("batch", full ? 8 : 4);
-  setup.steps = flags.get_int("steps", full ? 5 : 3);
+  setup.steps = flags.get_int("steps", 5);
   setup.warmup = flags.get_int("warmup", 1);
   flags.finish();
   TORCH_CHECK(setup.steps >= 1 && setup.warmup >= 0 && setup.batch >= 1,
