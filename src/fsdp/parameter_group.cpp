@@ -151,7 +151,7 @@ std::string first_difference(const std::vector<std::string>& zero,
 }  // namespace
 
 struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
-                                       public fsdp::BackwardParticipant {
+                                        public fsdp::BackwardParticipant {
   std::shared_ptr<Communicator> comm;
   FsdpParameterGroupOptions options;
   fsdp::FlatLayout layout;
@@ -185,15 +185,15 @@ struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
   enum class Pass { kIdle, kAccumulating, kReduced };
   Pass pass = Pass::kIdle;
   size_t grads_pending = 0;
-  bool has_frozen = false;   // a parameter without requires_grad: its weights may be read by
-                             // backward nodes after the others' gradients are complete
-  bool shard_fresh = true;   // grad_shard zero since zero_grad(): the next reduction writes it
+  bool has_frozen = false;  // a parameter without requires_grad: its weights may be read by
+                            // backward nodes after the others' gradients are complete
+  bool shard_fresh = true;  // grad_shard zero since zero_grad(): the next reduction writes it
   struct Reduction {
-    at::Tensor send;          // full_grad itself, or its cast to the reduce dtype
-    at::Tensor recv;          // grad_shard itself, or a shard in the reduce dtype
-    int64_t cast_bytes = 0;   // bytes of `send` when it is a cast copy
-    bool into_shard = false;  // recv is grad_shard
-    bool first = false;       // the first reduction since zero_grad(): copy, not add
+    at::Tensor send;                 // full_grad itself, or its cast to the reduce dtype
+    at::Tensor recv;                 // grad_shard itself, or a shard in the reduce dtype
+    int64_t cast_bytes = 0;          // bytes of `send` when it is a cast copy
+    bool into_shard = false;         // recv is grad_shard
+    bool first = false;              // the first reduction since zero_grad(): copy, not add
     std::unique_ptr<CommWork> work;  // declared last: destroyed (and waited for) first
   };
   std::optional<Reduction> reduction;
@@ -609,7 +609,8 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
     d.free_grads();
   }
   if (d.shards_weights()) {
-    if (d.options.main_dtype() != d.compute_dtype) d.compute_shard = d.main_shard.to(d.compute_dtype);
+    if (d.options.main_dtype() != d.compute_dtype)
+      d.compute_shard = d.main_shard.to(d.compute_dtype);
     d.free_weights();
   }
 
@@ -861,8 +862,7 @@ fsdp::ShardingSchedule& shared_schedule(
 }
 }  // namespace
 
-int64_t peak_total_unsharded_bytes(
-    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+int64_t peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
   return shared_schedule(groups, "peak_total_unsharded_bytes").peak_unsharded_bytes();
 }
 

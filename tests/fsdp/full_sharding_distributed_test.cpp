@@ -7,11 +7,11 @@
 
 #include <gtest/gtest.h>
 
+#include <ftw.h>
+#include <stdio.h>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <ftw.h>
-#include <stdio.h>
 #include <memory>
 #include <string>
 #include <vector>
@@ -225,9 +225,8 @@ TEST(FullSharding, GradientAccumulationAgreesWithKOptim) {
 }
 
 TEST(FullSharding, UnshardedBytesBetweenStepsAndAtThePeak) {
-  for (const ShardingStrategy strategy :
-       {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
-        ShardingStrategy::kOptimGradsParams}) {
+  for (const ShardingStrategy strategy : {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
+                                          ShardingStrategy::kOptimGradsParams}) {
     SCOPED_TRACE(to_string(strategy));
     Training run({strategy});
     const int64_t weights = weight_bytes(run);
@@ -248,6 +247,13 @@ TEST(FullSharding, UnshardedBytesBetweenStepsAndAtThePeak) {
       }
       for (const auto& g : run.groups) {
         EXPECT_EQ(g->unsharded_bytes() == 0, strategy == ShardingStrategy::kOptimGradsParams);
+      }
+      // FsdpMuon's refresh casts the shard only under kOptimGradsParams: nothing is sent.
+      const int64_t refreshed = run.muon->last_step_stats().refresh_bytes;
+      if (strategy == ShardingStrategy::kOptimGradsParams) {
+        EXPECT_EQ(refreshed, 0);
+      } else if (world().size() > 1) {
+        EXPECT_GT(refreshed, 0);
       }
     }
     const int64_t peak = peak_total_unsharded_bytes(run.groups);
@@ -333,8 +339,7 @@ TEST(FullSharding, ReshardedWeightsAreRefusedOutsideForward) {
   }
   // unshard() makes the weights usable outside forward(), with the values forward() uses.
   group.unshard();
-  EXPECT_EQ(group.unsharded_bytes(),
-            group.padded_numel() * static_cast<int64_t>(sizeof(float)));
+  EXPECT_EQ(group.unsharded_bytes(), group.padded_numel() * static_cast<int64_t>(sizeof(float)));
   const at::Tensor direct = block->forward(x);
   group.reshard();
   EXPECT_EQ(group.unsharded_bytes(), 0);
@@ -400,8 +405,8 @@ TEST(FullSharding, GroupsBuiltWithDifferentStrategiesAreRefusedOnEveryRank) {
   if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
   at::manual_seed(1);
   torch::nn::Linear fc(3, 4);
-  const auto strategy = world().rank() == 1 ? ShardingStrategy::kOptimGradsParams
-                                            : ShardingStrategy::kOptim;
+  const auto strategy =
+      world().rank() == 1 ? ShardingStrategy::kOptimGradsParams : ShardingStrategy::kOptim;
   try {
     shard_module(*fc, world_ptr(),
                  ShardModuleOptions().group_options(
@@ -416,9 +421,8 @@ TEST(FullSharding, GroupsBuiltWithDifferentStrategiesAreRefusedOnEveryRank) {
 // when remove_all binds to them.
 void remove_tree(const std::string& path) {
   ::nftw(
-      path.c_str(),
-      [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-      FTW_DEPTH | FTW_PHYS);
+      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 // A folder every rank agrees on: rank 0 makes it, everyone receives its name.

@@ -184,8 +184,7 @@ int64_t total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGro
 // The highest sum of unsharded bytes over all groups of `groups`' communicator at any moment
 // since the groups were built or the last reset: the peak a rank held (docs/DESIGN.md §2). All
 // groups must share one communicator.
-int64_t peak_total_unsharded_bytes(
-    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
+int64_t peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 void reset_peak_total_unsharded_bytes(
     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
