@@ -318,6 +318,76 @@ TEST(FullSharding, VectorForwardRunsSeveralTensorsThroughOneGroup) {
   EXPECT_EQ(params.groups[0]->unsharded_bytes(), 0);
 }
 
+TEST(FullSharding, PrefetchGathersTheNextGroupInForwardAndThePreviousInBackward) {
+  for (const bool prefetch : {true, false}) {
+    Training run({ShardingStrategy::kOptimGradsParams, prefetch});
+    run.step(0, 1);  // the first iteration records the forward order
+    for (auto& g : run.groups) g->zero_grad();
+    at::Tensor h = at::randn({4, kDims.front()});
+    int seen = 0;
+    for (size_t k = 0; k < run.groups.size(); ++k) {
+      Block block = run.net->blocks[k];
+      h = run.groups[k]->forward(
+          [&](const at::Tensor& x) {
+            // Inside fn: this group's weights are here, the next group's are on their way
+            // (allocated and being gathered) only with prefetch.
+            const auto& self = *run.groups[k];
+            EXPECT_EQ(self.unsharded_bytes(), self.padded_numel() * 4);
+            if (k + 1 < run.groups.size()) {
+              const auto& next = *run.groups[k + 1];
+              EXPECT_EQ(next.unsharded_bytes(), prefetch ? next.padded_numel() * 4 : 0)
+                  << "group " << k + 1 << ", prefetch " << prefetch;
+            }
+            if (k > 0) {
+              // Runs in backward just before group k-1's own backward begins: with prefetch
+              // its weights are already on their way.
+              x.register_hook([&run, k, prefetch, &seen](const at::Tensor&) {
+                const auto& previous = *run.groups[k - 1];
+                EXPECT_EQ(previous.unsharded_bytes(), prefetch ? previous.padded_numel() * 4 : 0)
+                    << "backward of group " << k << ", prefetch " << prefetch;
+                ++seen;
+              });
+            }
+            return block->forward(x);
+          },
+          h);
+    }
+    h.pow(2).mean().backward();
+    EXPECT_EQ(seen, static_cast<int>(run.groups.size()) - 1);
+    for (auto& g : run.groups) g->reduce_scatter_grads();
+    EXPECT_EQ(total_unsharded_bytes(run.groups), 0);
+  }
+}
+
+TEST(FullSharding, TiedWeightsThroughUnshardMatchKOptim) {
+  // Block 0's weight serves twice: through its group's forward() and, as a tied output head,
+  // directly, which needs unshard() until its backward has run.
+  Training reference({ShardingStrategy::kOptim});
+  Training params({ShardingStrategy::kOptimGradsParams});
+  for (Training* run : {&reference, &params}) {
+    for (auto& g : run->groups) g->zero_grad();
+    at::manual_seed(21 + world().rank());
+    const at::Tensor x = at::randn({3, kDims[0]});
+    Block first = run->net->blocks[0];
+    Block second = run->net->blocks[1];
+    run->groups[0]->unshard();
+    at::Tensor h =
+        run->groups[0]->forward([&](const at::Tensor& in) { return first->forward(in); }, x);
+    h = run->groups[1]->forward([&](const at::Tensor& in) { return second->forward(in); }, h);
+    // kDims[2] = 5 features back to kDims[1] = 11 through block 0's weight: a tied head.
+    const at::Tensor head =
+        at::matmul(at::tanh(h).matmul(at::ones({kDims[2], kDims[1]})), first->fc->weight);
+    head.pow(2).mean().backward();
+    run->groups[0]->reshard();
+    for (auto& g : run->groups) g->reduce_scatter_grads();
+  }
+  for (size_t g = 0; g < 2; ++g) {
+    EXPECT_TRUE(torch::equal(reference.groups[g]->grad_shard(), params.groups[g]->grad_shard()))
+        << "group " << g << " on rank " << world().rank();
+  }
+  EXPECT_EQ(total_unsharded_bytes(params.groups), 0);
+}
+
 // What ATen says, with the group's message, when a resharded parameter is accessed.
 constexpr const char* kResharded =
     "parameter 'b1.fc.weight' is resharded (sharding strategy optim_grads_params)";
