@@ -691,8 +691,25 @@ const at::Tensor& FsdpParameterGroup::sharded_parameter(size_t index) const {
   return impl_->sharded[index];
 }
 
-const at::Tensor& FsdpParameterGroup::model_weights() const { return impl_->model_weights; }
-const at::Tensor& FsdpParameterGroup::full_grad_buffer() const { return impl_->full_grad; }
+const at::Tensor& FsdpParameterGroup::model_weights() const {
+  const Impl& d = *impl_;
+  // The buffer of a resharded group has no bytes; a kernel reading it would read a null
+  // pointer, so the accessor refuses instead (docs/DESIGN.md §2).
+  TORCH_CHECK(d.weights == Impl::Weights::kLive, d.label(),
+              "model_weights(): the model weights are resharded (sharding strategy ",
+              to_string(d.strategy), "); call unshard() first, and reshard() when done");
+  return d.model_weights;
+}
+
+const at::Tensor& FsdpParameterGroup::full_grad_buffer() const {
+  const Impl& d = *impl_;
+  TORCH_CHECK(!d.shards_grads() || fsdp::storage_bytes(d.full_grad) > 0, d.label(),
+              "full_grad_buffer(): under sharding strategy ", to_string(d.strategy),
+              " the full gradients exist only during the group's backward and are "
+              "reduce-scattered into grad_shard() as soon as they are complete; read "
+              "grad_shard() instead");
+  return d.full_grad;
+}
 const at::Tensor& FsdpParameterGroup::main_weight_shard() const { return impl_->main_shard; }
 const at::Tensor& FsdpParameterGroup::grad_shard() const { return impl_->grad_shard; }
 std::vector<at::Tensor> FsdpParameterGroup::model_parameters() const { return impl_->params; }

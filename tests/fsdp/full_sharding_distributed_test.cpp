@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -416,6 +417,16 @@ TEST(FullSharding, ReshardedWeightsAreRefusedOutsideForward) {
   const at::Tensor through =
       group.forward([&](const at::Tensor& in) { return block->forward(in); }, x);
   EXPECT_TRUE(torch::equal(direct, through));
+  for (const auto& [accessor, message] : std::vector<std::pair<std::function<void()>, std::string>>{
+           {[&] { group.model_weights(); }, "model_weights(): the model weights are resharded"},
+           {[&] { group.full_grad_buffer(); }, "read grad_shard() instead"}}) {
+    try {
+      accessor();
+      ADD_FAILURE() << "a freed buffer was handed out";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
   for (const at::Tensor& resharded : {block->fc->weight, block->gain}) {
     try {
       resharded.sum();

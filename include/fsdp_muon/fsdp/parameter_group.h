@@ -114,8 +114,11 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   const at::Tensor& sharded_parameter(size_t index) const;
 
   // ---- buffers ----
-  const at::Tensor& model_weights() const;           // flat, padded, compute dtype
-  const at::Tensor& full_grad_buffer() const;        // flat, padded, compute dtype
+  // flat, padded, compute dtype; an error while resharded (kOptimGradsParams: unshard() first)
+  const at::Tensor& model_weights() const;
+  // flat, padded, compute dtype; under kOptimGrads/kOptimGradsParams an error outside the
+  // group's backward (the gradients are in grad_shard())
+  const at::Tensor& full_grad_buffer() const;
   const at::Tensor& main_weight_shard() const;       // flat, shard_numel(), main dtype
   const at::Tensor& grad_shard() const;              // flat, shard_numel(), main dtype
   std::vector<at::Tensor> model_parameters() const;  // the module's tensors (views)
