@@ -59,6 +59,7 @@ struct TrainingOptions {
   bool prefetch = true;
   std::optional<c10::ScalarType> compute_dtype = std::nullopt;
   uint64_t seed = 3;
+  std::optional<c10::ScalarType> reduce_dtype = std::nullopt;
 };
 
 // One model, its groups (one per block) and its optimizers: FsdpMuon on the matrices, AdamW on
@@ -70,6 +71,7 @@ struct Training {
     auto group_options =
         FsdpParameterGroupOptions().sharding_strategy(o.strategy).prefetch(o.prefetch);
     group_options.compute_dtype(o.compute_dtype);
+    group_options.reduce_dtype(o.reduce_dtype);
     groups = shard_module(*net, world_ptr(), ShardModuleOptions().group_options(group_options));
     std::vector<at::Tensor> matrices, others;
     for (const auto& g : groups) {
@@ -206,6 +208,22 @@ TEST(FullSharding, MixedPrecisionGathersTheCastShard) {
     EXPECT_EQ(params.step(s, 1), reference.step(s, 1)) << "step " << s;
   }
   expect_same_model(reference, params, 0, "bf16 compute");
+}
+
+TEST(FullSharding, ReducingInAnotherDtypeSendsACastCopy) {
+  // bf16 compute, fp32 averaging: the full gradients are cast and freed at once, the cast copy
+  // is what travels (and is counted while in flight).
+  Training reference({ShardingStrategy::kOptim, true, at::kBFloat16, 3, at::kFloat});
+  Training grads({ShardingStrategy::kOptimGrads, true, at::kBFloat16, 3, at::kFloat});
+  Training params({ShardingStrategy::kOptimGradsParams, true, at::kBFloat16, 3, at::kFloat});
+  for (int s = 0; s < kSteps; ++s) {
+    const double l0 = reference.step(s, 1);
+    EXPECT_EQ(grads.step(s, 1), l0) << "step " << s;
+    EXPECT_EQ(params.step(s, 1), l0) << "step " << s;
+  }
+  expect_same_model(reference, grads, 0, "fp32 reduce, kOptimGrads");
+  expect_same_model(reference, params, 0, "fp32 reduce, kOptimGradsParams");
+  EXPECT_EQ(total_unsharded_bytes(params.groups), 0);
 }
 
 TEST(FullSharding, GradientAccumulationAgreesWithKOptim) {
