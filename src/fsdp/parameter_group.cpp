@@ -151,7 +151,7 @@ std::string first_difference(const std::vector<std::string>& zero,
 }  // namespace
 
 struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
-                                       public fsdp::BackwardParticipant {
+                                        public fsdp::BackwardParticipant {
   std::shared_ptr<Communicator> comm;
   FsdpParameterGroupOptions options;
   fsdp::FlatLayout layout;
@@ -185,15 +185,15 @@ struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
   enum class Pass { kIdle, kAccumulating, kReduced };
   Pass pass = Pass::kIdle;
   size_t grads_pending = 0;
-  bool has_frozen = false;   // a parameter without requires_grad: its weights may be read by
-                             // backward nodes after the others' gradients are complete
-  bool shard_fresh = true;   // grad_shard zero since zero_grad(): the next reduction writes it
+  bool has_frozen = false;  // a parameter without requires_grad: its weights may be read by
+                            // backward nodes after the others' gradients are complete
+  bool shard_fresh = true;  // grad_shard zero since zero_grad(): the next reduction writes it
   struct Reduction {
-    at::Tensor send;          // full_grad itself, or its cast to the reduce dtype
-    at::Tensor recv;          // grad_shard itself, or a shard in the reduce dtype
-    int64_t cast_bytes = 0;   // bytes of `send` when it is a cast copy
-    bool into_shard = false;  // recv is grad_shard
-    bool first = false;       // the first reduction since zero_grad(): copy, not add
+    at::Tensor send;                 // full_grad itself, or its cast to the reduce dtype
+    at::Tensor recv;                 // grad_shard itself, or a shard in the reduce dtype
+    int64_t cast_bytes = 0;          // bytes of `send` when it is a cast copy
+    bool into_shard = false;         // recv is grad_shard
+    bool first = false;              // the first reduction since zero_grad(): copy, not add
     std::unique_ptr<CommWork> work;  // declared last: destroyed (and waited for) first
   };
   std::optional<Reduction> reduction;
@@ -609,7 +609,8 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
     d.free_grads();
   }
   if (d.shards_weights()) {
-    if (d.options.main_dtype() != d.compute_dtype) d.compute_shard = d.main_shard.to(d.compute_dtype);
+    if (d.options.main_dtype() != d.compute_dtype)
+      d.compute_shard = d.main_shard.to(d.compute_dtype);
     d.free_weights();
   }
 
@@ -690,8 +691,25 @@ const at::Tensor& FsdpParameterGroup::sharded_parameter(size_t index) const {
   return impl_->sharded[index];
 }
 
-const at::Tensor& FsdpParameterGroup::model_weights() const { return impl_->model_weights; }
-const at::Tensor& FsdpParameterGroup::full_grad_buffer() const { return impl_->full_grad; }
+const at::Tensor& FsdpParameterGroup::model_weights() const {
+  const Impl& d = *impl_;
+  // The buffer of a resharded group has no bytes; a kernel reading it would read a null
+  // pointer, so the accessor refuses instead (docs/DESIGN.md §2).
+  TORCH_CHECK(d.weights == Impl::Weights::kLive, d.label(),
+              "model_weights(): the model weights are resharded (sharding strategy ",
+              to_string(d.strategy), "); call unshard() first, and reshard() when done");
+  return d.model_weights;
+}
+
+const at::Tensor& FsdpParameterGroup::full_grad_buffer() const {
+  const Impl& d = *impl_;
+  TORCH_CHECK(!d.shards_grads() || fsdp::storage_bytes(d.full_grad) > 0, d.label(),
+              "full_grad_buffer(): under sharding strategy ", to_string(d.strategy),
+              " the full gradients exist only during the group's backward and are "
+              "reduce-scattered into grad_shard() as soon as they are complete; read "
+              "grad_shard() instead");
+  return d.full_grad;
+}
 const at::Tensor& FsdpParameterGroup::main_weight_shard() const { return impl_->main_shard; }
 const at::Tensor& FsdpParameterGroup::grad_shard() const { return impl_->grad_shard; }
 std::vector<at::Tensor> FsdpParameterGroup::model_parameters() const { return impl_->params; }
@@ -861,8 +879,7 @@ fsdp::ShardingSchedule& shared_schedule(
 }
 }  // namespace
 
-int64_t peak_total_unsharded_bytes(
-    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+int64_t peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
   return shared_schedule(groups, "peak_total_unsharded_bytes").peak_unsharded_bytes();
 }
 

@@ -7,11 +7,12 @@
 
 #include <gtest/gtest.h>
 
+#include <ftw.h>
+#include <stdio.h>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <ftw.h>
-#include <stdio.h>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +59,7 @@ struct TrainingOptions {
   bool prefetch = true;
   std::optional<c10::ScalarType> compute_dtype = std::nullopt;
   uint64_t seed = 3;
+  std::optional<c10::ScalarType> reduce_dtype = std::nullopt;
 };
 
 // One model, its groups (one per block) and its optimizers: FsdpMuon on the matrices, AdamW on
@@ -69,6 +71,7 @@ struct Training {
     auto group_options =
         FsdpParameterGroupOptions().sharding_strategy(o.strategy).prefetch(o.prefetch);
     group_options.compute_dtype(o.compute_dtype);
+    group_options.reduce_dtype(o.reduce_dtype);
     groups = shard_module(*net, world_ptr(), ShardModuleOptions().group_options(group_options));
     std::vector<at::Tensor> matrices, others;
     for (const auto& g : groups) {
@@ -207,6 +210,22 @@ TEST(FullSharding, MixedPrecisionGathersTheCastShard) {
   expect_same_model(reference, params, 0, "bf16 compute");
 }
 
+TEST(FullSharding, ReducingInAnotherDtypeSendsACastCopy) {
+  // bf16 compute, fp32 averaging: the full gradients are cast and freed at once, the cast copy
+  // is what travels (and is counted while in flight).
+  Training reference({ShardingStrategy::kOptim, true, at::kBFloat16, 3, at::kFloat});
+  Training grads({ShardingStrategy::kOptimGrads, true, at::kBFloat16, 3, at::kFloat});
+  Training params({ShardingStrategy::kOptimGradsParams, true, at::kBFloat16, 3, at::kFloat});
+  for (int s = 0; s < kSteps; ++s) {
+    const double l0 = reference.step(s, 1);
+    EXPECT_EQ(grads.step(s, 1), l0) << "step " << s;
+    EXPECT_EQ(params.step(s, 1), l0) << "step " << s;
+  }
+  expect_same_model(reference, grads, 0, "fp32 reduce, kOptimGrads");
+  expect_same_model(reference, params, 0, "fp32 reduce, kOptimGradsParams");
+  EXPECT_EQ(total_unsharded_bytes(params.groups), 0);
+}
+
 TEST(FullSharding, GradientAccumulationAgreesWithKOptim) {
   for (const int micro_batches : {2, 3}) {
     Training reference({ShardingStrategy::kOptim});
@@ -225,9 +244,8 @@ TEST(FullSharding, GradientAccumulationAgreesWithKOptim) {
 }
 
 TEST(FullSharding, UnshardedBytesBetweenStepsAndAtThePeak) {
-  for (const ShardingStrategy strategy :
-       {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
-        ShardingStrategy::kOptimGradsParams}) {
+  for (const ShardingStrategy strategy : {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
+                                          ShardingStrategy::kOptimGradsParams}) {
     SCOPED_TRACE(to_string(strategy));
     Training run({strategy});
     const int64_t weights = weight_bytes(run);
@@ -248,6 +266,13 @@ TEST(FullSharding, UnshardedBytesBetweenStepsAndAtThePeak) {
       }
       for (const auto& g : run.groups) {
         EXPECT_EQ(g->unsharded_bytes() == 0, strategy == ShardingStrategy::kOptimGradsParams);
+      }
+      // FsdpMuon's refresh casts the shard only under kOptimGradsParams: nothing is sent.
+      const int64_t refreshed = run.muon->last_step_stats().refresh_bytes;
+      if (strategy == ShardingStrategy::kOptimGradsParams) {
+        EXPECT_EQ(refreshed, 0);
+      } else if (world().size() > 1) {
+        EXPECT_GT(refreshed, 0);
       }
     }
     const int64_t peak = peak_total_unsharded_bytes(run.groups);
@@ -312,6 +337,76 @@ TEST(FullSharding, VectorForwardRunsSeveralTensorsThroughOneGroup) {
   EXPECT_EQ(params.groups[0]->unsharded_bytes(), 0);
 }
 
+TEST(FullSharding, PrefetchGathersTheNextGroupInForwardAndThePreviousInBackward) {
+  for (const bool prefetch : {true, false}) {
+    Training run({ShardingStrategy::kOptimGradsParams, prefetch});
+    run.step(0, 1);  // the first iteration records the forward order
+    for (auto& g : run.groups) g->zero_grad();
+    at::Tensor h = at::randn({4, kDims.front()});
+    int seen = 0;
+    for (size_t k = 0; k < run.groups.size(); ++k) {
+      Block block = run.net->blocks[k];
+      h = run.groups[k]->forward(
+          [&](const at::Tensor& x) {
+            // Inside fn: this group's weights are here, the next group's are on their way
+            // (allocated and being gathered) only with prefetch.
+            const auto& self = *run.groups[k];
+            EXPECT_EQ(self.unsharded_bytes(), self.padded_numel() * 4);
+            if (k + 1 < run.groups.size()) {
+              const auto& next = *run.groups[k + 1];
+              EXPECT_EQ(next.unsharded_bytes(), prefetch ? next.padded_numel() * 4 : 0)
+                  << "group " << k + 1 << ", prefetch " << prefetch;
+            }
+            if (k > 0) {
+              // Runs in backward just before group k-1's own backward begins: with prefetch
+              // its weights are already on their way.
+              x.register_hook([&run, k, prefetch, &seen](const at::Tensor&) {
+                const auto& previous = *run.groups[k - 1];
+                EXPECT_EQ(previous.unsharded_bytes(), prefetch ? previous.padded_numel() * 4 : 0)
+                    << "backward of group " << k << ", prefetch " << prefetch;
+                ++seen;
+              });
+            }
+            return block->forward(x);
+          },
+          h);
+    }
+    h.pow(2).mean().backward();
+    EXPECT_EQ(seen, static_cast<int>(run.groups.size()) - 1);
+    for (auto& g : run.groups) g->reduce_scatter_grads();
+    EXPECT_EQ(total_unsharded_bytes(run.groups), 0);
+  }
+}
+
+TEST(FullSharding, TiedWeightsThroughUnshardMatchKOptim) {
+  // Block 0's weight serves twice: through its group's forward() and, as a tied output head,
+  // directly, which needs unshard() until its backward has run.
+  Training reference({ShardingStrategy::kOptim});
+  Training params({ShardingStrategy::kOptimGradsParams});
+  for (Training* run : {&reference, &params}) {
+    for (auto& g : run->groups) g->zero_grad();
+    at::manual_seed(21 + world().rank());
+    const at::Tensor x = at::randn({3, kDims[0]});
+    Block first = run->net->blocks[0];
+    Block second = run->net->blocks[1];
+    run->groups[0]->unshard();
+    at::Tensor h =
+        run->groups[0]->forward([&](const at::Tensor& in) { return first->forward(in); }, x);
+    h = run->groups[1]->forward([&](const at::Tensor& in) { return second->forward(in); }, h);
+    // kDims[2] = 5 features back to kDims[1] = 11 through block 0's weight: a tied head.
+    const at::Tensor head =
+        at::matmul(at::tanh(h).matmul(at::ones({kDims[2], kDims[1]})), first->fc->weight);
+    head.pow(2).mean().backward();
+    run->groups[0]->reshard();
+    for (auto& g : run->groups) g->reduce_scatter_grads();
+  }
+  for (size_t g = 0; g < 2; ++g) {
+    EXPECT_TRUE(torch::equal(reference.groups[g]->grad_shard(), params.groups[g]->grad_shard()))
+        << "group " << g << " on rank " << world().rank();
+  }
+  EXPECT_EQ(total_unsharded_bytes(params.groups), 0);
+}
+
 // What ATen says, with the group's message, when a resharded parameter is accessed.
 constexpr const char* kResharded =
     "parameter 'b1.fc.weight' is resharded (sharding strategy optim_grads_params)";
@@ -333,14 +428,23 @@ TEST(FullSharding, ReshardedWeightsAreRefusedOutsideForward) {
   }
   // unshard() makes the weights usable outside forward(), with the values forward() uses.
   group.unshard();
-  EXPECT_EQ(group.unsharded_bytes(),
-            group.padded_numel() * static_cast<int64_t>(sizeof(float)));
+  EXPECT_EQ(group.unsharded_bytes(), group.padded_numel() * static_cast<int64_t>(sizeof(float)));
   const at::Tensor direct = block->forward(x);
   group.reshard();
   EXPECT_EQ(group.unsharded_bytes(), 0);
   const at::Tensor through =
       group.forward([&](const at::Tensor& in) { return block->forward(in); }, x);
   EXPECT_TRUE(torch::equal(direct, through));
+  for (const auto& [accessor, message] : std::vector<std::pair<std::function<void()>, std::string>>{
+           {[&] { group.model_weights(); }, "model_weights(): the model weights are resharded"},
+           {[&] { group.full_grad_buffer(); }, "read grad_shard() instead"}}) {
+    try {
+      accessor();
+      ADD_FAILURE() << "a freed buffer was handed out";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
   for (const at::Tensor& resharded : {block->fc->weight, block->gain}) {
     try {
       resharded.sum();
@@ -400,8 +504,8 @@ TEST(FullSharding, GroupsBuiltWithDifferentStrategiesAreRefusedOnEveryRank) {
   if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
   at::manual_seed(1);
   torch::nn::Linear fc(3, 4);
-  const auto strategy = world().rank() == 1 ? ShardingStrategy::kOptimGradsParams
-                                            : ShardingStrategy::kOptim;
+  const auto strategy =
+      world().rank() == 1 ? ShardingStrategy::kOptimGradsParams : ShardingStrategy::kOptim;
   try {
     shard_module(*fc, world_ptr(),
                  ShardModuleOptions().group_options(
@@ -416,9 +520,8 @@ TEST(FullSharding, GroupsBuiltWithDifferentStrategiesAreRefusedOnEveryRank) {
 // when remove_all binds to them.
 void remove_tree(const std::string& path) {
   ::nftw(
-      path.c_str(),
-      [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-      FTW_DEPTH | FTW_PHYS);
+      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 // A folder every rank agrees on: rank 0 makes it, everyone receives its name.

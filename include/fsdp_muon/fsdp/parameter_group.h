@@ -114,8 +114,11 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   const at::Tensor& sharded_parameter(size_t index) const;
 
   // ---- buffers ----
-  const at::Tensor& model_weights() const;           // flat, padded, compute dtype
-  const at::Tensor& full_grad_buffer() const;        // flat, padded, compute dtype
+  // flat, padded, compute dtype; an error while resharded (kOptimGradsParams: unshard() first)
+  const at::Tensor& model_weights() const;
+  // flat, padded, compute dtype; under kOptimGrads/kOptimGradsParams an error outside the
+  // group's backward (the gradients are in grad_shard())
+  const at::Tensor& full_grad_buffer() const;
   const at::Tensor& main_weight_shard() const;       // flat, shard_numel(), main dtype
   const at::Tensor& grad_shard() const;              // flat, shard_numel(), main dtype
   std::vector<at::Tensor> model_parameters() const;  // the module's tensors (views)
@@ -184,8 +187,7 @@ int64_t total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGro
 // The highest sum of unsharded bytes over all groups of `groups`' communicator at any moment
 // since the groups were built or the last reset: the peak a rank held (docs/DESIGN.md §2). All
 // groups must share one communicator.
-int64_t peak_total_unsharded_bytes(
-    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
+int64_t peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 void reset_peak_total_unsharded_bytes(
     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
