@@ -4,6 +4,8 @@
 //
 //   torchrun --standalone --nproc_per_node=2 build/examples/char_gpt/char_gpt --compare
 //   mpirun -np 2 build/examples/char_gpt/char_gpt --optimizer muon --steps 300
+//   torchrun --standalone --nproc_per_node=2 --no-python build/examples/char_gpt/char_gpt
+//       --sharding optim_grads_params
 
 #include <unistd.h>
 
@@ -49,6 +51,11 @@ const char* kUsage =
   --optimizer muon|adamw   muon: FsdpMuon on hidden matrices + AdamW on the rest (default)
                            adamw: AdamW on everything (the baseline)
   --compare                run muon, then adamw with the same budget, and compare them
+  --sharding S             what each group keeps unsharded between uses: optim (ZeRO-1:
+                           weights and gradients), optim_grads (ZeRO-2: weights),
+                           optim_grads_params (ZeRO-3: nothing); default: the library's
+                           (FsdpParameterGroupOptions). Every part of the model runs through
+                           its group's forward() under each; the training is the same
   --steps N                optimizer steps (default 600)
   --batch N                sequences per rank per step (default 32)
   --seq-len N              characters per sequence (default 64)
@@ -83,6 +90,7 @@ const char* kUsage =
 struct Flags {
   std::string optimizer = "muon";
   bool compare = false;
+  fsdp_muon::ShardingStrategy sharding = fsdp_muon::FsdpParameterGroupOptions{}.sharding_strategy();
   int64_t steps = 600;
   int64_t batch = 32;
   int64_t seq_len = 64;
@@ -146,6 +154,14 @@ Flags parse_flags(int argc, char** argv) {
     kv.erase(it);
   };
   take_string("optimizer", f.optimizer);
+  std::string sharding;
+  take_string("sharding", sharding);
+  if (!sharding.empty()) {
+    const auto parsed = fsdp_muon::parse_sharding_strategy(sharding);
+    TORCH_CHECK(parsed.has_value(), "char_gpt: --sharding must be optim, optim_grads or ",
+                "optim_grads_params, got '", sharding, "'");
+    f.sharding = *parsed;
+  }
   take("steps", f.steps);
   take("batch", f.batch);
   take("seq-len", f.seq_len);
@@ -250,17 +266,57 @@ class Progress {
   Clock::time_point start_, last_draw_;
 };
 
+// The model's groups by part (shard_group_of's keys), in forward order.
+struct ShardedParts {
+  std::shared_ptr<fsdp_muon::FsdpParameterGroup> embeddings, head;
+  std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> blocks;
+};
+
+ShardedParts sharded_parts(
+    const std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>>& groups, int64_t n_layers) {
+  ShardedParts parts;
+  parts.blocks.resize(n_layers);
+  for (const auto& g : groups) {
+    if (g->name() == "embeddings") {
+      parts.embeddings = g;
+    } else if (g->name() == "head") {
+      parts.head = g;
+    } else {
+      TORCH_CHECK(g->name().rfind("blocks.", 0) == 0, "char_gpt: unexpected group ", g->name());
+      parts.blocks.at(std::stoll(g->name().substr(7))) = g;
+    }
+  }
+  for (const auto& b : parts.blocks) TORCH_CHECK(b != nullptr, "char_gpt: a block has no group");
+  TORCH_CHECK(parts.embeddings && parts.head, "char_gpt: embeddings or head has no group");
+  return parts;
+}
+
+// The model's forward with each part inside its group's forward(): under optim_grads_params a
+// group's weights are unsharded only while its part runs forward or backward, and under
+// optim_grads and optim_grads_params its gradients are reduce-scattered as soon as backward is
+// done with it (under optim the groups only run the part).
+at::Tensor sharded_forward(CharGpt& model, const ShardedParts& parts, const at::Tensor& tokens) {
+  at::Tensor x =
+      parts.embeddings->forward([&](const at::Tensor& t) { return model->embed(t); }, tokens);
+  for (size_t i = 0; i < parts.blocks.size(); ++i) {
+    x = parts.blocks[i]->forward(
+        [&model, i](const at::Tensor& h) { return model->block(static_cast<int64_t>(i), h); }, x);
+  }
+  return parts.head->forward([&](const at::Tensor& h) { return model->head(h); }, x);
+}
+
 // Mean validation loss over the whole held-out text; every rank evaluates its share of the
 // windows and one all-reduce combines them.
-double validation_loss(CharGpt& model, const Batch& windows, fsdp_muon::Communicator& comm,
-                       const c10::Device& device) {
+double validation_loss(CharGpt& model, const ShardedParts& parts, const Batch& windows,
+                       fsdp_muon::Communicator& comm, const c10::Device& device) {
   torch::NoGradGuard no_grad;
   const int64_t vocab = model->config().vocab_size;
   double sum = 0.0;
   const int64_t n = windows.inputs.size(0);
   for (int64_t start = 0; start < n; start += 64) {
     const int64_t len = std::min<int64_t>(64, n - start);
-    const at::Tensor logits = model->forward(windows.inputs.narrow(0, start, len).to(device));
+    const at::Tensor logits =
+        sharded_forward(model, parts, windows.inputs.narrow(0, start, len).to(device));
     const at::Tensor targets = windows.targets.narrow(0, start, len).to(device);
     sum += at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape(-1),
                                   /*weight=*/{}, at::Reduction::Sum)
@@ -315,8 +371,12 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     name_of[item.value().unsafeGetTensorImpl()] = item.key();
   }
 
-  const auto groups =
-      fsdp_muon::shard_module(*model, comm, fsdp_muon::ShardModuleOptions().policy(shard_group_of));
+  const auto groups = fsdp_muon::shard_module(
+      *model, comm,
+      fsdp_muon::ShardModuleOptions()
+          .policy(shard_group_of)
+          .group_options(fsdp_muon::FsdpParameterGroupOptions().sharding_strategy(flags.sharding)));
+  const ShardedParts parts = sharded_parts(groups, config.n_layers);
 
   // Hidden matrices to Muon, the rest to AdamW. Both receive sharded parameters: the local
   // slices of the main weights that the groups reduce-scatter gradients into.
@@ -359,9 +419,10 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     std::ostringstream ss;
     ss << "== " << optimizer_name << ": " << num_params << " parameters (" << muon_numel
        << " in hidden matrices stepped by " << (use_muon ? "FsdpMuon" : "AdamW") << "), "
-       << groups.size() << " FSDP groups, " << comm->size() << " rank(s) on " << device << " ["
-       << comm->backend_name() << "], " << flags.steps << " steps x " << comm->size() << " ranks x "
-       << flags.batch << " seqs x " << flags.seq_len << " chars, lr";
+       << groups.size() << " FSDP groups (sharding " << fsdp_muon::to_string(flags.sharding)
+       << "), " << comm->size() << " rank(s) on " << device << " [" << comm->backend_name() << "], "
+       << flags.steps << " steps x " << comm->size() << " ranks x " << flags.batch << " seqs x "
+       << flags.seq_len << " chars, lr";
     if (use_muon) ss << " muon " << flags.lr << " +";
     ss << " adamw " << adamw_lr;
     progress.message(ss.str());
@@ -381,7 +442,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
       validation_windows(corpus.validation, flags.seq_len, comm->rank(), comm->size());
   RunResult result;
   result.optimizer = optimizer_name;
-  result.initial_val_loss = validation_loss(model, val_windows, *comm, device);
+  result.initial_val_loss = validation_loss(model, parts, val_windows, *comm, device);
   if (rank0) {
     char line[128];
     std::snprintf(line, sizeof(line), "step %lld: val loss %.4f",
@@ -424,7 +485,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     // Never optimizer.zero_grad(): it would detach the sharded parameters' gradients from the
     // group's gradient shard. The group zeroes its buffers in place.
     for (const auto& group : groups) group->zero_grad();
-    const at::Tensor logits = model->forward(batch.inputs.to(device));
+    const at::Tensor logits = sharded_forward(model, parts, batch.inputs.to(device));
     const at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
                                                    batch.targets.to(device).reshape(-1));
     loss.backward();
@@ -439,7 +500,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     progress.update(state.step, smoothed, tokens_per_step);
     const bool last = state.step == flags.stop_at;
     if (last || (flags.eval_every > 0 && state.step % flags.eval_every == 0)) {
-      val = validation_loss(model, val_windows, *comm, device);
+      val = validation_loss(model, parts, val_windows, *comm, device);
       if (rank0) {
         char line[128];
         std::snprintf(line, sizeof(line), "step %lld: val loss %.4f",

@@ -55,12 +55,24 @@ CharGptImpl::CharGptImpl(const ModelConfig& config) : config_(config) {
 }
 
 at::Tensor CharGptImpl::forward(const at::Tensor& tokens) {
+  at::Tensor x = embed(tokens);
+  for (int64_t i = 0; i < config_.n_layers; ++i) x = block(i, x);
+  return head(x);
+}
+
+at::Tensor CharGptImpl::embed(const at::Tensor& tokens) {
   const int64_t seq = tokens.size(1);
   TORCH_CHECK(seq <= config_.seq_len, "char_gpt: sequence of ", seq,
               " tokens is longer than the model's --seq-len ", config_.seq_len);
-  at::Tensor x = token_embedding_->forward(tokens) +
-                 position_embedding_->forward(at::arange(seq, tokens.options()));
-  for (const auto& block : *blocks_) x = block->as<Block>()->forward(x);
+  return token_embedding_->forward(tokens) +
+         position_embedding_->forward(at::arange(seq, tokens.options()));
+}
+
+at::Tensor CharGptImpl::block(int64_t index, const at::Tensor& x) {
+  return blocks_[index]->as<Block>()->forward(x);
+}
+
+at::Tensor CharGptImpl::head(const at::Tensor& x) {
   return head_->forward(final_norm_->forward(x));
 }
 

@@ -38,8 +38,13 @@ TORCH_MODULE(Block);
 class CharGptImpl : public torch::nn::Module {
  public:
   explicit CharGptImpl(const ModelConfig& config);
-  // tokens: (batch, seq) int64 -> logits (batch, seq, vocab)
+  // tokens: (batch, seq) int64 -> logits (batch, seq, vocab); head(blocks(embed(tokens))).
   at::Tensor forward(const at::Tensor& tokens);
+  // The parts forward() runs, one per FSDP group (shard_group_of), so that each can run
+  // inside its group's FsdpParameterGroup::forward.
+  at::Tensor embed(const at::Tensor& tokens);            // -> (batch, seq, d_model)
+  at::Tensor block(int64_t index, const at::Tensor& x);  // blocks.<index>
+  at::Tensor head(const at::Tensor& x);                  // final norm + head -> logits
   const ModelConfig& config() const { return config_; }
 
  private:

@@ -12,7 +12,10 @@
 #include <c10/util/strides.h>
 
 #include "comm/agreement.h"
+#include "fsdp/backward_hooks.h"
 #include "fsdp/flat_layout.h"
+#include "fsdp/sharding_schedule.h"
+#include "fsdp/storage_bytes.h"
 
 namespace fsdp_muon {
 namespace {
@@ -66,7 +69,9 @@ std::vector<std::string> describe(const std::vector<std::pair<std::string, at::T
   opts << "options: name '" << o.name() << "', compute_dtype " << dtype(o.compute_dtype())
        << ", main_dtype " << c10::toString(o.main_dtype()) << ", reduce_dtype "
        << dtype(o.reduce_dtype()) << ", alignment_bytes " << o.alignment_bytes()
-       << ", broadcast_from_rank0 " << (o.broadcast_from_rank0() ? "true" : "false");
+       << ", broadcast_from_rank0 " << (o.broadcast_from_rank0() ? "true" : "false")
+       << ", sharding_strategy " << to_string(o.sharding_strategy()) << ", prefetch "
+       << (o.prefetch() ? "true" : "false");
   std::vector<std::string> lines{"ok", opts.str()};
   for (const auto& [name, t] : params) {
     std::ostringstream line;
@@ -145,7 +150,8 @@ std::string first_difference(const std::vector<std::string>& zero,
 
 }  // namespace
 
-struct FsdpParameterGroup::Impl {
+struct FsdpParameterGroup::Impl final : public fsdp::ScheduledGroup,
+                                        public fsdp::BackwardParticipant {
   std::shared_ptr<Communicator> comm;
   FsdpParameterGroupOptions options;
   fsdp::FlatLayout layout;
@@ -163,7 +169,230 @@ struct FsdpParameterGroup::Impl {
   at::Tensor main_shard;     // shard_numel, main dtype
   at::Tensor grad_shard;     // shard_numel, main dtype
 
+  // ---- full sharding (docs/DESIGN.md §2, Sharding strategies) ----
+  ShardingStrategy strategy = ShardingStrategy::kOptim;
+  std::shared_ptr<fsdp::ShardingSchedule> schedule;
+  std::shared_ptr<fsdp::ForwardOrder> order = std::make_shared<fsdp::ForwardOrder>();
+  int64_t participant = -1;  // id autograd's hooks find this group by
+  // kOptimGradsParams with main dtype != compute dtype: the main weights cast to the compute
+  // dtype, what the next gather sends (refresh_model_weights() casts into it).
+  at::Tensor compute_shard;
+  enum class Weights { kLive, kGathering, kResharded };
+  Weights weights = Weights::kLive;
+  bool user_unsharded = false;  // unshard() called, reshard() not yet
+  // One backward pass of this group: kAccumulating from its pre-backward until its gradients
+  // are complete (or the pass ends), kReduced after the reduce-scatter was issued.
+  enum class Pass { kIdle, kAccumulating, kReduced };
+  Pass pass = Pass::kIdle;
+  size_t grads_pending = 0;
+  bool has_frozen = false;  // a parameter without requires_grad: its weights may be read by
+                            // backward nodes after the others' gradients are complete
+  bool shard_fresh = true;  // grad_shard zero since zero_grad(): the next reduction writes it
+  struct Reduction {
+    at::Tensor send;                 // full_grad itself, or its cast to the reduce dtype
+    at::Tensor recv;                 // grad_shard itself, or a shard in the reduce dtype
+    int64_t cast_bytes = 0;          // bytes of `send` when it is a cast copy
+    bool into_shard = false;         // recv is grad_shard
+    bool first = false;              // the first reduction since zero_grad(): copy, not add
+    std::unique_ptr<CommWork> work;  // declared last: destroyed (and waited for) first
+  };
+  std::optional<Reduction> reduction;
+  int64_t cast_bytes_held = 0;
+  int64_t peak_bytes = 0;
+  std::unique_ptr<CommWork> gather;  // into model_weights; after the buffers so it dies first
+
   std::string label() const { return fsdp_muon::label(options.name()); }
+
+  bool shards_grads() const { return strategy != ShardingStrategy::kOptim; }
+  bool shards_weights() const { return strategy == ShardingStrategy::kOptimGradsParams; }
+  int64_t full_bytes() const {
+    return layout.padded_numel * static_cast<int64_t>(c10::elementSize(compute_dtype));
+  }
+  int64_t held_bytes() const {
+    return fsdp::storage_bytes(model_weights) + fsdp::storage_bytes(full_grad) + cast_bytes_held;
+  }
+  void account(int64_t delta) {
+    if (delta == 0) return;
+    schedule->add_unsharded_bytes(delta);
+    peak_bytes = std::max(peak_bytes, held_bytes());
+  }
+
+  // ---- model weights ----
+  const at::Tensor& gather_source() const {
+    return compute_shard.defined() ? compute_shard : main_shard;
+  }
+  void start_gather() {
+    account(fsdp::set_storage_bytes(model_weights, full_bytes()));
+    // Written through model_weights, whose version counter is not the parameters': autograd's
+    // saved parameters stay valid when backward gathers the same values again.
+    gather = comm->all_gather_async(gather_source(), model_weights);
+    weights = Weights::kGathering;
+  }
+  void wait_gather() {
+    if (weights != Weights::kGathering) return;
+    std::unique_ptr<CommWork> work = std::move(gather);
+    work->wait();
+    weights = Weights::kLive;
+    // set_data keeps each parameter's identity, version counter and autograd metadata (and so
+    // autograd's saved parameters) and points it at the gathered weights again.
+    for (size_t i = 0; i < params.size(); ++i) params[i].set_data(weight_views[i]);
+  }
+  void ensure_weights() {
+    if (weights == Weights::kResharded) start_gather();
+    wait_gather();
+  }
+  void free_weights() {
+    wait_gather();
+    // The parameters let go of the storage and refuse every access with this message, ATen's
+    // own check: a resharded weight used outside forward() is a clear error, never stale values
+    // and never a read of freed memory (docs/DESIGN.md §2).
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].unsafeGetTensorImpl()->release_storage_and_set_meta_custom_data_ptr_error_msg_(
+          label() + "parameter '" + layout.slots[i].name +
+          "' is resharded (sharding strategy optim_grads_params): its weights exist only "
+          "inside the group's forward() and the backward of what forward() computed, or "
+          "between unshard() and reshard(). Call the module through group->forward(fn, "
+          "input), or call group->unshard() before using its parameters directly (and "
+          "group->reshard() once their backward has run)");
+    }
+    account(fsdp::set_storage_bytes(model_weights, 0));
+    weights = Weights::kResharded;
+  }
+  void prefetch_weights() override {
+    if (shards_weights() && weights == Weights::kResharded) start_gather();
+  }
+  // Outside forward()/backward and unshard(): give the weights back (a prefetch nobody used).
+  void settle_weights() {
+    if (shards_weights() && !user_unsharded && weights != Weights::kResharded) free_weights();
+  }
+
+  // ---- full gradients ----
+  void allocate_grads() {
+    account(fsdp::set_storage_bytes(full_grad, full_bytes()));
+    full_grad.zero_();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].requires_grad()) params[i].mutable_grad() = grad_views[i];
+    }
+  }
+  void detach_module_grads() {
+    for (at::Tensor& p : params) {
+      if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+    }
+  }
+  void free_grads() {
+    detach_module_grads();
+    account(fsdp::set_storage_bytes(full_grad, 0));
+  }
+
+  // ---- autograd's calls (fsdp/backward_hooks.h) ----
+  void pre_backward() override {
+    at::NoGradGuard no_grad;
+    if (pass == Pass::kIdle) {
+      finish_reduction();  // the previous micro-batch's, if still in flight
+      if (shards_weights()) ensure_weights();
+      grads_pending = 0;
+      has_frozen = false;
+      for (const at::Tensor& p : params) {
+        if (p.requires_grad()) {
+          ++grads_pending;
+        } else {
+          has_frozen = true;
+        }
+      }
+      if (grads_pending > 0) allocate_grads();
+      pass = grads_pending > 0 ? Pass::kAccumulating : Pass::kReduced;
+      schedule->began_backward(this);
+    }
+    if (options.prefetch()) {
+      if (fsdp::ScheduledGroup* previous = order->before(this)) previous->prefetch_weights();
+    }
+  }
+
+  void gradient_accumulated(size_t index) override {
+    at::NoGradGuard no_grad;
+    TORCH_CHECK(pass == Pass::kAccumulating, label(), "parameter '", layout.slots[index].name,
+                "' received a gradient outside the group's forward(): under sharding strategy ",
+                to_string(strategy),
+                " a group collects gradients only for what its forward() computed. Call the "
+                "module through group->forward(fn, input), or use ShardingStrategy::kOptim");
+    at::Tensor& param = params[index];
+    if (!param.grad().is_same(grad_views[index])) {
+      // Autograd replaced the view (create_graph=true sums out of place): keep its sum.
+      if (param.grad().defined()) grad_views[index].copy_(param.grad());
+      param.mutable_grad() = grad_views[index];
+    }
+    TORCH_CHECK(grads_pending > 0, label(), "internal error: more gradients than parameters");
+    if (--grads_pending == 0) start_reduction();
+  }
+
+  // ---- reduce-scatter of the full gradients into the gradient shard ----
+  void start_reduction() {
+    at::NoGradGuard no_grad;
+    detach_module_grads();  // nothing may accumulate into what is being sent
+    Reduction r;
+    if (reduce_dtype == compute_dtype) {
+      r.send = full_grad;
+    } else {
+      r.send = full_grad.to(reduce_dtype);
+      r.cast_bytes = fsdp::storage_bytes(r.send);
+      cast_bytes_held += r.cast_bytes;
+      account(r.cast_bytes);
+      account(fsdp::set_storage_bytes(full_grad, 0));
+    }
+    // The first reduction after zero_grad() writes the shard exactly as kOptim's single
+    // reduce-scatter does; later micro-batches add into it.
+    r.first = shard_fresh;
+    r.into_shard = shard_fresh && reduce_dtype == options.main_dtype();
+    r.recv = r.into_shard ? grad_shard : at::empty({layout.shard_numel}, r.send.options());
+    r.work = comm->reduce_scatter_mean_async(r.send, r.recv);
+    shard_fresh = false;
+    reduction = std::move(r);
+    pass = Pass::kReduced;
+    if (shards_weights() && !has_frozen && !user_unsharded) free_weights();
+    if (options.prefetch()) {
+      schedule->reduction_started(this);
+    } else {
+      finish_reduction();
+    }
+  }
+
+  void finish_reduction() override {
+    if (!reduction) return;
+    Reduction r = std::move(*reduction);
+    reduction.reset();
+    schedule->reduction_finished(this);
+    r.work->wait();
+    at::NoGradGuard no_grad;
+    if (!r.into_shard) {
+      if (r.first) {
+        grad_shard.copy_(r.recv);
+      } else {
+        grad_shard.add_(r.recv);
+      }
+    }
+    if (r.cast_bytes > 0) {
+      cast_bytes_held -= r.cast_bytes;
+      r.send = at::Tensor();
+      account(-r.cast_bytes);
+    } else {
+      account(fsdp::set_storage_bytes(full_grad, 0));
+    }
+  }
+
+  void end_backward() override {
+    // Parameters that got no gradient in this pass never completed the count: their full
+    // gradients are zero, and the reduction goes out now, in the order the groups began.
+    if (pass == Pass::kAccumulating) start_reduction();
+    pass = Pass::kIdle;
+    settle_weights();
+  }
+
+  // A backward pass that threw never ended: drop what it left.
+  void abandon_backward() {
+    if (pass == Pass::kIdle) return;
+    pass = Pass::kIdle;
+    schedule->abandon_backward();
+  }
 
   void check_index(size_t index) const {
     TORCH_CHECK(index < params.size(), label(), "parameter index ", index, " out of range (",
@@ -202,7 +431,19 @@ struct FsdpParameterGroup::Impl {
     }
   }
 
+  // Points .grad() of the sharded parameters (those that require grad) at the gradient shard.
+  void install_shard_grads() {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].requires_grad()) {
+        if (sharded[i].grad().defined()) sharded[i].mutable_grad() = at::Tensor();
+      } else if (!sharded[i].grad().is_same(shard_grads[i])) {
+        sharded[i].mutable_grad() = shard_grads[i];
+      }
+    }
+  }
+
   void check_model_parameters_alias() const {
+    if (weights != Weights::kLive) return;  // resharded parameters hold no storage to compare
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
       const at::Tensor& v = weight_views[i];
@@ -356,6 +597,23 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
   }
   d.install_grads(/*keep_foreign=*/false);
 
+  // ---- sharding strategy (docs/DESIGN.md §2, Sharding strategies) ----
+  d.strategy = d.options.sharding_strategy();
+  d.schedule = fsdp::ShardingSchedule::of(*d.comm);
+  d.account(d.held_bytes());
+  if (d.shards_grads()) {
+    d.participant = fsdp::register_participant(&d);
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      if (d.params[i].requires_grad()) fsdp::set_accumulate_hook(d.params[i], d.participant, i);
+    }
+    d.free_grads();
+  }
+  if (d.shards_weights()) {
+    if (d.options.main_dtype() != d.compute_dtype)
+      d.compute_shard = d.main_shard.to(d.compute_dtype);
+    d.free_weights();
+  }
+
   std::lock_guard<std::mutex> lock(registry_mutex());
   for (size_t i = 0; i < d.sharded.size(); ++i) {
     registry()[d.sharded[i].unsafeGetTensorImpl()] = RegistryEntry{this, i};
@@ -363,11 +621,26 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
 }
 
 FsdpParameterGroup::~FsdpParameterGroup() {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  for (const at::Tensor& sp : impl_->sharded) {
-    auto it = registry().find(sp.unsafeGetTensorImpl());
-    if (it != registry().end() && it->second.group == this) registry().erase(it);
+  Impl& d = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    for (const at::Tensor& sp : d.sharded) {
+      auto it = registry().find(sp.unsafeGetTensorImpl());
+      if (it != registry().end() && it->second.group == this) registry().erase(it);
+    }
   }
+  if (d.participant >= 0) {
+    fsdp::unregister_participant(d.participant);
+    for (const at::Tensor& p : d.params) {
+      if (p.requires_grad()) fsdp::clear_accumulate_hook(p);
+    }
+  }
+  // Collectives in flight finish before their buffers go (CommWork's destructor waits).
+  d.gather.reset();
+  d.reduction.reset();
+  d.schedule->remove(&d);
+  d.order->remove(&d);
+  d.schedule->add_unsharded_bytes(-d.held_bytes());
 }
 
 const std::string& FsdpParameterGroup::name() const { return impl_->options.name(); }
@@ -418,8 +691,25 @@ const at::Tensor& FsdpParameterGroup::sharded_parameter(size_t index) const {
   return impl_->sharded[index];
 }
 
-const at::Tensor& FsdpParameterGroup::model_weights() const { return impl_->model_weights; }
-const at::Tensor& FsdpParameterGroup::full_grad_buffer() const { return impl_->full_grad; }
+const at::Tensor& FsdpParameterGroup::model_weights() const {
+  const Impl& d = *impl_;
+  // The buffer of a resharded group has no bytes; a kernel reading it would read a null
+  // pointer, so the accessor refuses instead (docs/DESIGN.md §2).
+  TORCH_CHECK(d.weights == Impl::Weights::kLive, d.label(),
+              "model_weights(): the model weights are resharded (sharding strategy ",
+              to_string(d.strategy), "); call unshard() first, and reshard() when done");
+  return d.model_weights;
+}
+
+const at::Tensor& FsdpParameterGroup::full_grad_buffer() const {
+  const Impl& d = *impl_;
+  TORCH_CHECK(!d.shards_grads() || fsdp::storage_bytes(d.full_grad) > 0, d.label(),
+              "full_grad_buffer(): under sharding strategy ", to_string(d.strategy),
+              " the full gradients exist only during the group's backward and are "
+              "reduce-scattered into grad_shard() as soon as they are complete; read "
+              "grad_shard() instead");
+  return d.full_grad;
+}
 const at::Tensor& FsdpParameterGroup::main_weight_shard() const { return impl_->main_shard; }
 const at::Tensor& FsdpParameterGroup::grad_shard() const { return impl_->grad_shard; }
 std::vector<at::Tensor> FsdpParameterGroup::model_parameters() const { return impl_->params; }
@@ -427,6 +717,17 @@ std::vector<at::Tensor> FsdpParameterGroup::model_parameters() const { return im
 void FsdpParameterGroup::zero_grad() {
   Impl& d = *impl_;
   at::NoGradGuard no_grad;
+  if (d.shards_grads()) {
+    // A reduction in flight would write the shard after it is zeroed: finish it first.
+    d.finish_reduction();
+    d.abandon_backward();
+    d.free_grads();
+    d.settle_weights();
+    d.grad_shard.zero_();
+    d.shard_fresh = true;
+    d.install_shard_grads();
+    return;
+  }
   d.full_grad.zero_();
   d.grad_shard.zero_();
   // Whatever a set_to_none zero_grad or autograd left in .grad() is stale now: re-point only.
@@ -436,6 +737,23 @@ void FsdpParameterGroup::zero_grad() {
 void FsdpParameterGroup::reduce_scatter_grads() {
   Impl& d = *impl_;
   at::NoGradGuard no_grad;
+  if (d.shards_grads()) {
+    // The reduce-scatters were issued during backward (docs/DESIGN.md §2): wait for this
+    // group's, and give back the weights of a prefetch no backward used.
+    if (d.pass != Impl::Pass::kIdle) d.end_backward();
+    d.finish_reduction();
+    d.settle_weights();
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      TORCH_CHECK(!d.params[i].grad().defined(), d.label(), "parameter '", d.layout.slots[i].name,
+                  "' has a .grad() that did not come from a backward through the group's "
+                  "forward(); under sharding strategy ",
+                  to_string(d.strategy),
+                  " gradients reach the gradient shard only that way. Call the module through "
+                  "group->forward(fn, input), or use ShardingStrategy::kOptim");
+    }
+    d.install_shard_grads();
+    return;
+  }
   d.install_grads(/*keep_foreign=*/true);
   const at::Tensor send =
       d.reduce_dtype == d.compute_dtype ? d.full_grad : d.full_grad.to(d.reduce_dtype);
@@ -452,12 +770,122 @@ void FsdpParameterGroup::refresh_model_weights() {
   Impl& d = *impl_;
   at::NoGradGuard no_grad;
   d.check_model_parameters_alias();
+  if (d.shards_weights()) {
+    // A gather in flight (an unused prefetch) carries the old values: drop it.
+    d.wait_gather();
+    if (d.compute_shard.defined()) d.compute_shard.copy_(d.main_shard);
+    if (d.weights == Impl::Weights::kLive && d.user_unsharded) {
+      d.comm->all_gather(d.gather_source(), d.model_weights);
+    } else {
+      // Only the cast shard is refreshed; the next forward() or unshard() gathers it.
+      d.settle_weights();
+    }
+    for (const at::Tensor& p : d.params) p.unsafeGetTensorImpl()->bump_version();
+    return;
+  }
   const at::Tensor send =
       d.options.main_dtype() == d.compute_dtype ? d.main_shard : d.main_shard.to(d.compute_dtype);
   d.comm->all_gather(send, d.model_weights);
   // The weights changed under the parameters' feet: bump their version counters so autograd
   // rejects a backward through a graph that saved the old values.
   for (const at::Tensor& p : d.params) p.unsafeGetTensorImpl()->bump_version();
+}
+
+ShardingStrategy FsdpParameterGroup::sharding_strategy() const { return impl_->strategy; }
+
+at::Tensor FsdpParameterGroup::forward(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                                       const at::Tensor& input) {
+  TORCH_CHECK(fn, impl_->label(), "forward(): the function is empty");
+  const std::vector<at::Tensor> outputs =
+      forward([&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
+              std::vector<at::Tensor>{input});
+  return outputs[0];
+}
+
+std::vector<at::Tensor> FsdpParameterGroup::forward(
+    const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>& fn,
+    const std::vector<at::Tensor>& inputs) {
+  Impl& d = *impl_;
+  TORCH_CHECK(fn, d.label(), "forward(): the function is empty");
+  d.order->record(&d);
+  if (d.shards_weights()) d.ensure_weights();
+  d.check_model_parameters_alias();
+  if (d.options.prefetch()) {
+    // The next group's gather runs while this one computes (docs/DESIGN.md §2, Prefetch).
+    if (fsdp::ScheduledGroup* next = d.order->after(&d)) next->prefetch_weights();
+  }
+  std::vector<at::Tensor> outputs;
+  try {
+    outputs = fn(inputs);
+  } catch (...) {
+    d.settle_weights();
+    throw;
+  }
+  if (d.shards_grads() && at::GradMode::is_enabled()) {
+    outputs = fsdp::before_backward(d.participant, outputs);
+  }
+  d.settle_weights();
+  return outputs;
+}
+
+void FsdpParameterGroup::unshard() {
+  Impl& d = *impl_;
+  if (!d.shards_weights()) return;
+  d.user_unsharded = true;
+  d.ensure_weights();
+}
+
+void FsdpParameterGroup::reshard() {
+  Impl& d = *impl_;
+  if (!d.shards_weights()) return;
+  d.user_unsharded = false;
+  // Inside this group's backward, the weights stay until its gradients are complete.
+  if (d.pass == Impl::Pass::kIdle) d.settle_weights();
+}
+
+int64_t FsdpParameterGroup::unsharded_bytes() const { return impl_->held_bytes(); }
+int64_t FsdpParameterGroup::peak_unsharded_bytes() const { return impl_->peak_bytes; }
+void FsdpParameterGroup::reset_peak_unsharded_bytes() { impl_->peak_bytes = impl_->held_bytes(); }
+
+void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  auto order = std::make_shared<fsdp::ForwardOrder>();
+  for (const auto& g : groups) {
+    TORCH_CHECK(g != nullptr, "fsdp_muon::share_forward_order: a group is null");
+    g->impl_->order->remove(g->impl_.get());
+    g->impl_->order = order;
+  }
+}
+
+int64_t total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  int64_t total = 0;
+  for (const auto& g : groups) {
+    if (g) total += g->unsharded_bytes();
+  }
+  return total;
+}
+
+namespace {
+fsdp::ShardingSchedule& shared_schedule(
+    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups, const char* api) {
+  TORCH_CHECK(!groups.empty() && groups.front(), "fsdp_muon::", api,
+              ": no groups given; pass the groups shard_module() returned");
+  const Communicator* comm = groups.front()->communicator().get();
+  for (const auto& g : groups) {
+    TORCH_CHECK(g && g->communicator().get() == comm, "fsdp_muon::", api,
+                ": the groups do not share one communicator; the peak is kept per communicator, "
+                "so pass the groups of one communicator");
+  }
+  return *fsdp::ShardingSchedule::of(*comm);
+}
+}  // namespace
+
+int64_t peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  return shared_schedule(groups, "peak_total_unsharded_bytes").peak_unsharded_bytes();
+}
+
+void reset_peak_total_unsharded_bytes(
+    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  shared_schedule(groups, "reset_peak_total_unsharded_bytes").reset_peak_unsharded_bytes();
 }
 
 std::optional<ShardedParameterInfo> find_sharded_parameter(const at::Tensor& tensor) {

@@ -50,6 +50,7 @@ std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module&
     groups.push_back(
         std::make_shared<FsdpParameterGroup>(std::move(members[key]), comm, group_options));
   }
+  share_forward_order(groups);
   return groups;
 }
 

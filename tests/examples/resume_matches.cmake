@@ -1,10 +1,13 @@
-# cmake -DTORCHRUN=... -DEXE=... -DDIR=... -P resume_matches.cmake
+# cmake -DTORCHRUN=... -DEXE=... -DDIR=... [-DSHARDING=optim_grads_params] -P resume_matches.cmake
 # char_gpt stopped at step 20 with a checkpoint and resumed to step 40 must end with the same
 # validation loss (printed to 6 digits) as an uninterrupted 40-step run. In between, saves that
 # crash at each of their renames (rank files, manifest, `latest`; the library's failure
 # injection) must leave that resume working, and so must a first save that crashed after its
 # manifest, before any `latest` existed.
 set(args --steps 40 --batch 8 --d-model 32 --layers 1 --heads 2 --eval-every 0 --warmup 5)
+if(SHARDING)
+  list(APPEND args --sharding ${SHARDING})  # the same under another sharding strategy
+endif()
 set(launch ${TORCHRUN} --standalone --nnodes=1 --nproc_per_node=2 --no-python ${EXE})
 file(REMOVE_RECURSE ${DIR})
 
@@ -13,6 +16,9 @@ function(run_char_gpt out_var)
                   ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "char_gpt ${ARGN} failed (${rc}):\n${out}\n${err}")
+  endif()
+  if(SHARDING AND NOT "${out}${err}" MATCHES "sharding ${SHARDING}\\)")
+    message(FATAL_ERROR "char_gpt ${ARGN} did not run under --sharding ${SHARDING}:\n${err}")
   endif()
   if(NOT out MATCHES "muon: val loss [0-9.]+ -> ([0-9.]+) nats/char")
     message(FATAL_ERROR "char_gpt ${ARGN}: no final validation loss in:\n${out}")

@@ -3,9 +3,11 @@
 // into flat buffers that are sharded evenly across the ranks of a Communicator.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -16,6 +18,25 @@
 #include <fsdp_muon/comm/communicator.h>
 
 namespace fsdp_muon {
+
+// What a group keeps unsharded between uses (docs/DESIGN.md §2, Sharding strategies). The names
+// are Megatron-FSDP's; the ZeRO stages they are.
+enum class ShardingStrategy {
+  // ZeRO-1: full model weights and full gradients persist; only main weights, gradient shards
+  // and optimizer state are sharded. Modules may be called directly (no forward() needed).
+  kOptim,
+  // ZeRO-2: full model weights persist; full gradients live only during the backward of the
+  // group (reduce-scattered into the gradient shard as soon as they are complete).
+  kOptimGrads,
+  // ZeRO-3: full model weights live only inside forward()/backward of the group (or between
+  // unshard() and reshard()); full gradients as under kOptimGrads.
+  kOptimGradsParams,
+};
+
+// "optim", "optim_grads", "optim_grads_params".
+const char* to_string(ShardingStrategy strategy);
+// The inverse of to_string(); nullopt for any other text.
+std::optional<ShardingStrategy> parse_sharding_strategy(std::string_view text);
 
 struct FsdpParameterGroupOptions {
   // dtype of the unsharded model weights the module computes with; default: the parameters'.
@@ -33,6 +54,14 @@ struct FsdpParameterGroupOptions {
   TORCH_ARG(bool, broadcast_from_rank0) = true;
   // Used in error messages and checkpoints.
   TORCH_ARG(std::string, name) = "";
+  // What stays unsharded between uses. kOptim keeps every loop that calls the module directly
+  // working; the others need the group's forward() (README, "Sharding strategies").
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kOptim;
+  // Overlap communication with compute: forward() all-gathers the next group in forward order
+  // while this one computes, backward the previous one, and gradient reduce-scatters run while
+  // backward goes on. false: every collective is waited for where it is started. Results are
+  // bitwise the same either way.
+  TORCH_ARG(bool, prefetch) = true;
 };
 
 // Where one parameter lives in the flat layout.
@@ -85,8 +114,11 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   const at::Tensor& sharded_parameter(size_t index) const;
 
   // ---- buffers ----
-  const at::Tensor& model_weights() const;           // flat, padded, compute dtype
-  const at::Tensor& full_grad_buffer() const;        // flat, padded, compute dtype
+  // flat, padded, compute dtype; an error while resharded (kOptimGradsParams: unshard() first)
+  const at::Tensor& model_weights() const;
+  // flat, padded, compute dtype; under kOptimGrads/kOptimGradsParams an error outside the
+  // group's backward (the gradients are in grad_shard())
+  const at::Tensor& full_grad_buffer() const;
   const at::Tensor& main_weight_shard() const;       // flat, shard_numel(), main dtype
   const at::Tensor& grad_shard() const;              // flat, shard_numel(), main dtype
   std::vector<at::Tensor> model_parameters() const;  // the module's tensors (views)
@@ -103,12 +135,45 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   // view re-installed; the sharded parameters' .grad() are re-installed too.
   void reduce_scatter_grads();
   // Main-weight shards -> full model weights (cast to the compute dtype, one all-gather).
+  // Under kOptimGradsParams while resharded: nothing is gathered; the next unshard() (forward)
+  // gathers the new main weights.
   void refresh_model_weights();
 
+  // ---- full sharding (docs/DESIGN.md §2, Sharding strategies) ----
+  ShardingStrategy sharding_strategy() const;
+  // Runs fn(input) with this group's model weights unsharded, and under kOptimGradsParams
+  // reshards them when fn returns. Through autograd, backward unshards them again before fn's
+  // backward runs, and under kOptimGrads/kOptimGradsParams the group's gradients are
+  // reduce-scattered into the gradient shard as soon as they are all accumulated, and the full
+  // gradients freed. Works under every strategy, so one loop serves all three. This is the C++
+  // counterpart of FSDP2's pre/post-forward hooks; call it once per group per micro-batch.
+  at::Tensor forward(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                     const at::Tensor& input);
+  std::vector<at::Tensor> forward(
+      const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>& fn,
+      const std::vector<at::Tensor>& inputs);
+  // Gathers the model weights (under kOptimGradsParams; a no-op where they persist) for use
+  // outside forward(): tied weights, evaluation, export. Collective: every rank must call it.
+  void unshard();
+  // Frees the model weights again under kOptimGradsParams (a no-op under the other strategies).
+  void reshard();
+  // Bytes of unsharded model-weight and full-gradient storage this rank holds right now.
+  int64_t unsharded_bytes() const;
+  // The highest unsharded_bytes() since construction or the last reset (for benchmarks).
+  int64_t peak_unsharded_bytes() const;
+  void reset_peak_unsharded_bytes();
+
  private:
+  friend void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Makes `groups` (the groups of one model) share one forward order: forward() of a group
+// prefetches the group whose forward() first ran after it, backward the one before
+// (docs/DESIGN.md §2, Prefetch). shard_module() does this for the groups it makes; groups built
+// one by one prefetch nothing until they share an order.
+void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
 // What a sharded parameter maps back to.
 struct ShardedParameterInfo {
@@ -116,6 +181,15 @@ struct ShardedParameterInfo {
   size_t index = 0;
   const ParameterSlot& slot() const { return group->slot(index); }
 };
+
+// Sum of unsharded_bytes() over `groups`: what this rank holds unsharded right now.
+int64_t total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
+// The highest sum of unsharded bytes over all groups of `groups`' communicator at any moment
+// since the groups were built or the last reset: the peak a rank held (docs/DESIGN.md §2). All
+// groups must share one communicator.
+int64_t peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
+void reset_peak_total_unsharded_bytes(
+    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
 // The group and index of a sharded parameter, or nullopt when `tensor` is not one (or its group
 // is not owned by a std::shared_ptr).

@@ -1,0 +1,103 @@
+#include "fsdp/backward_hooks.h"
+
+#include <mutex>
+#include <unordered_map>
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace fsdp_muon {
+namespace fsdp {
+namespace {
+
+std::mutex& participants_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::unordered_map<int64_t, BackwardParticipant*>& participants() {
+  static std::unordered_map<int64_t, BackwardParticipant*> map;
+  return map;
+}
+
+BackwardParticipant* find_participant(int64_t id) {
+  std::lock_guard<std::mutex> lock(participants_mutex());
+  auto it = participants().find(id);
+  return it == participants().end() ? nullptr : it->second;
+}
+
+// Identity forward; backward tells the group first (the C++ counterpart of FSDP2's
+// pre-backward hook, which LibTorch modules lack).
+struct PreBackward : public torch::autograd::Function<PreBackward> {
+  // A TensorList, which Function::apply counts as differentiable inputs (a std::vector it
+  // would not).
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, int64_t id) {
+    ctx->saved_data["participant"] = id;
+    // An output without a gradient stays undefined instead of becoming a tensor of zeros.
+    ctx->set_materialize_grads(false);
+    return inputs.vec();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (BackwardParticipant* p = find_participant(ctx->saved_data["participant"].toInt())) {
+      p->pre_backward();
+    }
+    grads.emplace_back();  // for `id`, which has no gradient
+    return grads;
+  }
+};
+
+struct AccumulatedHook : public torch::autograd::PostAccumulateGradHook {
+  AccumulatedHook(int64_t id, size_t index) : id(id), index(index) {}
+  void operator()(const torch::autograd::Variable& /*param*/) override {
+    if (BackwardParticipant* p = find_participant(id)) p->gradient_accumulated(index);
+  }
+  int64_t id;
+  size_t index;
+};
+
+}  // namespace
+
+int64_t register_participant(BackwardParticipant* participant) {
+  static int64_t next_id = 0;
+  std::lock_guard<std::mutex> lock(participants_mutex());
+  const int64_t id = next_id++;
+  participants()[id] = participant;
+  return id;
+}
+
+void unregister_participant(int64_t id) {
+  std::lock_guard<std::mutex> lock(participants_mutex());
+  participants().erase(id);
+}
+
+std::vector<at::Tensor> before_backward(int64_t id, const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> differentiable;
+  for (const at::Tensor& t : outputs) {
+    if (t.defined() && t.requires_grad()) differentiable.push_back(t);
+  }
+  if (differentiable.empty()) return outputs;
+  const std::vector<at::Tensor> wrapped = PreBackward::apply(at::TensorList(differentiable), id);
+  std::vector<at::Tensor> result;
+  result.reserve(outputs.size());
+  size_t k = 0;
+  for (const at::Tensor& t : outputs) {
+    result.push_back(t.defined() && t.requires_grad() ? wrapped[k++] : t);
+  }
+  return result;
+}
+
+void set_accumulate_hook(const at::Tensor& param, int64_t id, size_t index) {
+  torch::autograd::impl::set_post_acc_grad_hooks(param,
+                                                 std::make_unique<AccumulatedHook>(id, index));
+}
+
+void clear_accumulate_hook(const at::Tensor& param) {
+  torch::autograd::impl::set_post_acc_grad_hooks(param, nullptr);
+}
+
+}  // namespace fsdp
+}  // namespace fsdp_muon

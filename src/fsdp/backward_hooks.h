@@ -1,0 +1,42 @@
+#pragma once
+// The two places autograd calls into a group under full sharding (docs/DESIGN.md §2, Sharding
+// strategies): before the backward of what the group's forward() computed (to gather the
+// weights again and make room for the full gradients), and after each parameter's gradient has
+// been accumulated (to reduce-scatter once all of them are).
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace fsdp_muon {
+namespace fsdp {
+
+class BackwardParticipant {
+ public:
+  virtual ~BackwardParticipant() = default;
+  // The gradients of the outputs of one of the group's forward() calls are ready; the backward
+  // of the function that computed them runs next.
+  virtual void pre_backward() = 0;
+  // AccumulateGrad has added this backward's gradient into parameter `index`'s .grad().
+  virtual void gradient_accumulated(size_t index) = 0;
+};
+
+// Autograd nodes outlive nothing they should not: they refer to a participant by an id, looked
+// up under a mutex, so a node that runs after its group is destroyed finds nothing and does
+// nothing.
+int64_t register_participant(BackwardParticipant* participant);
+void unregister_participant(int64_t id);
+
+// `outputs` with those that require grad passed through an identity autograd function whose
+// backward calls pre_backward() of participant `id` before passing the gradients on.
+std::vector<at::Tensor> before_backward(int64_t id, const std::vector<at::Tensor>& outputs);
+
+// Installs (replacing any) the post-accumulate-grad hook of leaf `param`: it calls
+// gradient_accumulated(index) of participant `id`. clear_accumulate_hook removes it.
+void set_accumulate_hook(const at::Tensor& param, int64_t id, size_t index);
+void clear_accumulate_hook(const at::Tensor& param);
+
+}  // namespace fsdp
+}  // namespace fsdp_muon

@@ -1,0 +1,100 @@
+#include "fsdp/sharding_schedule.h"
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+
+#include <torch/csrc/autograd/engine.h>
+
+namespace fsdp_muon {
+namespace fsdp {
+
+std::shared_ptr<ShardingSchedule> ShardingSchedule::of(const Communicator& comm) {
+  static std::mutex mutex;
+  static std::unordered_map<const Communicator*, std::weak_ptr<ShardingSchedule>> schedules;
+  std::lock_guard<std::mutex> lock(mutex);
+  // Drop the entries of schedules no group holds any more (their communicator may be gone and
+  // its address reused).
+  for (auto it = schedules.begin(); it != schedules.end();) {
+    it = it->second.expired() ? schedules.erase(it) : std::next(it);
+  }
+  std::weak_ptr<ShardingSchedule>& slot = schedules[&comm];
+  std::shared_ptr<ShardingSchedule> schedule = slot.lock();
+  if (!schedule) {
+    schedule = std::make_shared<ShardingSchedule>();
+    slot = schedule;
+  }
+  return schedule;
+}
+
+void ForwardOrder::record(ScheduledGroup* group) {
+  if (std::find(groups_.begin(), groups_.end(), group) == groups_.end()) groups_.push_back(group);
+}
+
+ScheduledGroup* ForwardOrder::after(ScheduledGroup* group) const {
+  auto it = std::find(groups_.begin(), groups_.end(), group);
+  if (it == groups_.end() || std::next(it) == groups_.end()) return nullptr;
+  return *std::next(it);
+}
+
+ScheduledGroup* ForwardOrder::before(ScheduledGroup* group) const {
+  auto it = std::find(groups_.begin(), groups_.end(), group);
+  if (it == groups_.end() || it == groups_.begin()) return nullptr;
+  return *std::prev(it);
+}
+
+void ForwardOrder::remove(ScheduledGroup* group) {
+  groups_.erase(std::remove(groups_.begin(), groups_.end(), group), groups_.end());
+}
+
+void ShardingSchedule::reduction_started(ScheduledGroup* group) {
+  reductions_.push_back(group);
+  while (reductions_.size() > kMaxReductionsInFlight) {
+    // finish_reduction() calls reduction_finished(), which pops it.
+    reductions_.front()->finish_reduction();
+  }
+}
+
+void ShardingSchedule::reduction_finished(ScheduledGroup* group) {
+  auto it = std::find(reductions_.begin(), reductions_.end(), group);
+  if (it != reductions_.end()) reductions_.erase(it);
+}
+
+void ShardingSchedule::began_backward(ScheduledGroup* group) {
+  if (std::find(in_backward_.begin(), in_backward_.end(), group) == in_backward_.end()) {
+    in_backward_.push_back(group);
+  }
+  if (callback_queued_) return;
+  // Runs once the whole backward pass has finished, on the thread that ran it.
+  std::weak_ptr<ShardingSchedule> self = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    if (auto schedule = self.lock()) schedule->end_backward();
+  });
+  callback_queued_ = true;
+}
+
+void ShardingSchedule::abandon_backward() {
+  in_backward_.clear();
+  callback_queued_ = false;
+}
+
+void ShardingSchedule::end_backward() {
+  callback_queued_ = false;
+  std::vector<ScheduledGroup*> groups;
+  groups.swap(in_backward_);
+  for (ScheduledGroup* group : groups) group->end_backward();
+}
+
+void ShardingSchedule::remove(ScheduledGroup* group) {
+  reductions_.erase(std::remove(reductions_.begin(), reductions_.end(), group), reductions_.end());
+  in_backward_.erase(std::remove(in_backward_.begin(), in_backward_.end(), group),
+                     in_backward_.end());
+}
+
+void ShardingSchedule::add_unsharded_bytes(int64_t delta) {
+  unsharded_bytes_ += delta;
+  peak_unsharded_bytes_ = std::max(peak_unsharded_bytes_, unsharded_bytes_);
+}
+
+}  // namespace fsdp
+}  // namespace fsdp_muon
