@@ -836,7 +836,9 @@ std::vector<at::Tensor> FsdpParameterGroup::forward(
   if (d.shards_grads() && at::GradMode::is_enabled()) {
     outputs = fsdp::before_backward(d.participant, outputs);
   }
-  d.settle_weights();
+  // Called again inside the group's own backward (a recomputation), the weights stay: that
+  // backward still needs them.
+  if (d.pass == Impl::Pass::kIdle) d.settle_weights();
   return outputs;
 }
 
