@@ -821,10 +821,24 @@ std::vector<at::Tensor> FsdpParameterGroup::forward(
     d.settle_weights();
     throw;
   }
+  if (d.shards_weights() && !d.user_unsharded) {
+    for (const at::Tensor& out : outputs) {
+      // The weights are freed below: an output on their memory would read a null pointer.
+      if (out.defined() && out.has_storage() && out.is_alias_of(d.model_weights)) {
+        d.settle_weights();
+        TORCH_CHECK(false, d.label(),
+                    "forward(): fn returned a view of the group's weights, which are resharded "
+                    "when fn returns (sharding strategy optim_grads_params); return a result "
+                    "computed from them, or keep them with unshard() until you are done");
+      }
+    }
+  }
   if (d.shards_grads() && at::GradMode::is_enabled()) {
     outputs = fsdp::before_backward(d.participant, outputs);
   }
-  d.settle_weights();
+  // Called again inside the group's own backward (a recomputation), the weights stay: that
+  // backward still needs them.
+  if (d.pass == Impl::Pass::kIdle) d.settle_weights();
   return outputs;
 }
 

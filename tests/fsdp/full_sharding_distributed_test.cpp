@@ -455,6 +455,22 @@ TEST(FullSharding, ReshardedWeightsAreRefusedOutsideForward) {
   }
 }
 
+TEST(FullSharding, ForwardRefusesToReturnAViewOfTheWeights) {
+  Training run({ShardingStrategy::kOptimGradsParams});
+  Block block = run.net->blocks[2];
+  try {
+    run.groups[2]->forward([&](const at::Tensor&) { return block->fc->weight.t(); },
+                           at::zeros({1}));
+    ADD_FAILURE() << "a view of resharded weights escaped forward()";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fn returned a view of the group's weights"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(run.groups[2]->unsharded_bytes(), 0);
+  run.step(0, 1);  // and the group still trains
+}
+
 TEST(FullSharding, ReshardingBeforeBackwardIsAClearError) {
   Training run({ShardingStrategy::kOptimGradsParams});
   Block block = run.net->blocks[0];

@@ -128,11 +128,17 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   // views as the .grad() of the module's parameters and of the sharded parameters. Use it
   // instead of Module::zero_grad() / Optimizer::zero_grad(), whose default set_to_none=true
   // detaches .grad() from the buffers (reduce_scatter_grads() repairs that, at a copy's cost).
+  // Under kOptimGrads/kOptimGradsParams: finishes a reduce-scatter in flight, frees any full
+  // gradients and unused prefetched weights, zeroes the gradient shards; the module's .grad()
+  // stay undefined until the group's next backward.
   void zero_grad();
   // After backward: average the full gradients over ranks into the gradient shards (one
   // reduce-scatter). A module parameter whose .grad() is no longer the buffer view (set to
   // None and re-created by autograd, or replaced) has it copied in (undefined: zeros) and the
   // view re-installed; the sharded parameters' .grad() are re-installed too.
+  // Under kOptimGrads/kOptimGradsParams the reduce-scatters were started during backward: this
+  // waits for the group's, frees the weights of a prefetch nobody used, and refuses a module
+  // .grad() that did not come from a backward through forward().
   void reduce_scatter_grads();
   // Main-weight shards -> full model weights (cast to the compute dtype, one all-gather).
   // Under kOptimGradsParams while resharded: nothing is gathered; the next unshard() (forward)
@@ -146,7 +152,8 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   // backward runs, and under kOptimGrads/kOptimGradsParams the group's gradients are
   // reduce-scattered into the gradient shard as soon as they are all accumulated, and the full
   // gradients freed. Works under every strategy, so one loop serves all three. This is the C++
-  // counterpart of FSDP2's pre/post-forward hooks; call it once per group per micro-batch.
+  // counterpart of FSDP2's pre/post-forward hooks. An output that views the weights is an
+  // error under kOptimGradsParams (they are freed when fn returns).
   at::Tensor forward(const std::function<at::Tensor(const at::Tensor&)>& fn,
                      const at::Tensor& input);
   std::vector<at::Tensor> forward(
