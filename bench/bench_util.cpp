@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <exception>
 #include <numeric>
 #include <sstream>
 
@@ -158,6 +159,23 @@ fsdp_muon::OwnerPlan round_robin_plan(const std::vector<fsdp_muon::PlanGroup>& g
     plan.group_balance.push_back(total > 0 ? largest * double(world_size) / total : 1.0);
   }
   return plan;
+}
+
+int run_main(int argc, char** argv, const char* program, const char* usage,
+             const std::function<int(Flags&)>& run) {
+  try {
+    for (int i = 1; i < argc; ++i) {
+      if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+        std::printf("%s", usage);
+        return 0;
+      }
+    }
+    Flags flags(argc, argv, usage);
+    return run(flags);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", program, e.what());
+    return 2;
+  }
 }
 
 }  // namespace fsdp_muon_bench

@@ -2,6 +2,7 @@
 // Small shared pieces of the benchmarks: flags, table formatting, the round-robin baseline plan.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -27,6 +28,11 @@ class Flags {
   std::map<std::string, std::string> values_;
   std::string usage_;
 };
+
+// The main() of a benchmark: --help prints `usage`; otherwise `run` gets the parsed flags. An
+// exception is printed as "<program>: error: <what>" and exits 2.
+int run_main(int argc, char** argv, const char* program, const char* usage,
+             const std::function<int(Flags&)>& run);
 
 // printf into a std::string.
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -26,18 +26,10 @@ const char* kUsage = R"(usage:
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    for (int i = 1; i < argc; ++i) {
-      if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
-        std::printf("%s", kUsage);
-        return 0;
-      }
-    }
-    fsdp_muon_bench::Flags flags(argc, argv, kUsage);
-    if (flags.has("plan-only")) return fsdp_muon_bench::run_plan_only(flags);
-    return fsdp_muon_bench::run_measure(flags);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp_muon_bench: error: %s\n", e.what());
-    return 2;
-  }
+  return fsdp_muon_bench::run_main(argc, argv, "fsdp_muon_bench", kUsage,
+                                   [](fsdp_muon_bench::Flags& flags) {
+                                     if (flags.has("plan-only"))
+                                       return fsdp_muon_bench::run_plan_only(flags);
+                                     return fsdp_muon_bench::run_measure(flags);
+                                   });
 }
