@@ -1,0 +1,103 @@
+#include "fsdp/group_agreement.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include <ATen/ATen.h>
+
+namespace fsdp_muon::fsdp {
+
+// What a rank built, one line per item: "ok", the options, then each parameter in order; or
+// "error" and this rank's own validation message. Every rank must build the same group
+// (docs/DESIGN.md §2), and comparing these lines across ranks is how they agree before the
+// group's first collective. Devices are left out: NCCL ranks each use their own GPU.
+std::vector<std::string> describe_group(
+    const std::vector<std::pair<std::string, at::Tensor>>& params,
+    const FsdpParameterGroupOptions& o) {
+  auto dtype = [](const std::optional<c10::ScalarType>& t) {
+    return t ? std::string(c10::toString(*t)) : std::string("default");
+  };
+  std::ostringstream opts;
+  opts << "options: name '" << o.name() << "', compute_dtype " << dtype(o.compute_dtype())
+       << ", main_dtype " << c10::toString(o.main_dtype()) << ", reduce_dtype "
+       << dtype(o.reduce_dtype()) << ", alignment_bytes " << o.alignment_bytes()
+       << ", broadcast_from_rank0 " << (o.broadcast_from_rank0() ? "true" : "false")
+       << ", sharding_strategy " << to_string(o.sharding_strategy()) << ", prefetch "
+       << (o.prefetch() ? "true" : "false");
+  std::vector<std::string> lines{"ok", opts.str()};
+  for (const auto& [name, t] : params) {
+    std::ostringstream line;
+    line << "'" << name << "' " << t.sizes() << " " << t.scalar_type();
+    lines.push_back(line.str());
+  }
+  return lines;
+}
+
+std::string join_lines(const std::vector<std::string>& lines) {
+  std::string text;
+  for (const auto& line : lines) text += line + "\n";
+  return text;
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Every rank's description, through two all-gathers (lengths, then the padded texts). Only
+// called once every rank knows that some rank differs, so the bytes travel on failure only.
+std::vector<std::string> gather_descriptions(Communicator& comm, const std::string& mine) {
+  const int world = comm.size();
+  const auto on_device = at::TensorOptions().device(comm.device());
+  at::Tensor lengths = at::empty({world}, on_device.dtype(at::kLong));
+  comm.all_gather(at::full({1}, static_cast<int64_t>(mine.size()), on_device.dtype(at::kLong)),
+                  lengths);
+  const at::Tensor host_lengths = comm.to_host(lengths);
+  const int64_t* length = host_lengths.data_ptr<int64_t>();
+  const int64_t slot = std::max<int64_t>(1, *std::max_element(length, length + world));
+  at::Tensor padded = at::zeros({slot}, at::kByte);
+  std::copy(mine.begin(), mine.end(), padded.data_ptr<uint8_t>());
+  at::Tensor all = at::empty({slot * world}, on_device.dtype(at::kByte));
+  comm.all_gather(padded.to(comm.device()), all);
+  const at::Tensor host = comm.to_host(all);
+  const char* bytes = reinterpret_cast<const char*>(host.data_ptr<uint8_t>());
+  std::vector<std::string> texts;
+  for (int r = 0; r < world; ++r) texts.emplace_back(bytes + r * slot, length[r]);
+  return texts;
+}
+
+// "rank 0 has <a>, rank r has <b>" for the first line where rank r's description differs from
+// rank 0's.
+std::string first_difference(const std::vector<std::string>& zero,
+                             const std::vector<std::string>& other, int r) {
+  const std::string theirs = "rank " + std::to_string(r);
+  if (zero.empty() || zero[0] != "ok" || other.empty() || other[0] != "ok") {
+    for (const auto& [who, lines] :
+         {std::pair<std::string, const std::vector<std::string>*>{"rank 0", &zero},
+          {theirs, &other}}) {
+      if (!lines->empty() && (*lines)[0] == "error") {
+        return who + " could not build its group: " + (lines->size() > 1 ? (*lines)[1] : "");
+      }
+    }
+    return "the ranks' descriptions are unreadable";
+  }
+  if (zero[1] != other[1]) {
+    return "rank 0 has " + zero[1] + "; " + theirs + " has " + other[1];
+  }
+  const size_t n0 = zero.size() - 2;
+  const size_t n1 = other.size() - 2;
+  for (size_t i = 0; i < std::max(n0, n1); ++i) {
+    const std::string a = i < n0 ? zero[i + 2] : "no parameter";
+    const std::string b = i < n1 ? other[i + 2] : "no parameter";
+    if (a != b) {
+      return "parameter #" + std::to_string(i) + ": rank 0 has " + a + ", " + theirs + " has " + b +
+             " (rank 0 has " + std::to_string(n0) + " parameters, " + theirs + " " +
+             std::to_string(n1) + ")";
+    }
+  }
+  return "the descriptions differ only in their hash";
+}
+
+}  // namespace fsdp_muon::fsdp

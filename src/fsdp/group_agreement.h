@@ -1,0 +1,32 @@
+#pragma once
+// How the ranks agree that they built the same FsdpParameterGroup before its first collective
+// (docs/DESIGN.md §2): each describes what it built as lines of text, the texts are compared by
+// hash, and only when some rank differs are they gathered to name the first difference.
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
+
+namespace fsdp_muon::fsdp {
+
+// "ok", the options, then one line per parameter (name, shape, dtype); devices are left out.
+std::vector<std::string> describe_group(
+    const std::vector<std::pair<std::string, at::Tensor>>& params,
+    const FsdpParameterGroupOptions& options);
+
+std::string join_lines(const std::vector<std::string>& lines);
+std::vector<std::string> split_lines(const std::string& text);
+
+// Every rank's text (two all-gathers; host waits bounded by the communicator's timeout).
+std::vector<std::string> gather_descriptions(Communicator& comm, const std::string& mine);
+
+// The first line where rank r's description differs from rank 0's, as a sentence.
+std::string first_difference(const std::vector<std::string>& zero,
+                             const std::vector<std::string>& other, int r);
+
+}  // namespace fsdp_muon::fsdp
