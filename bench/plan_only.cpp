@@ -39,6 +39,11 @@ struct Row {
   // The smallest max_bytes_ratio tried that brings rounds within 1.10x of the floor (0: none),
   // and the busiest rank's bytes / holders-only it then sends.
   double need_ratio = 0, need_bytes_ratio = 0;
+  // max_bytes_ratio(kBytesRatioByCost) at the default rates: the limit chosen, rounds / floor,
+  // B/min, and the estimated seconds of the orthogonalize critical path plus the busiest rank's
+  // bytes, for it and for the default plan.
+  double cost_ratio = 0, cost_over_floor = 0, cost_bytes_ratio = 0;
+  double cost_seconds = 0, default_seconds = 0;
   size_t num_rounds;
 };
 
@@ -102,6 +107,15 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
     const auto free = with_ratio(std::numeric_limits<double>::infinity());
     row.free_over_floor = free.critical_path_ratio_planned() / free.floor_ratio();
     row.free_bytes_ratio = bytes_ratio(free);
+    const fsdp_muon::OwnerPlanOptions rates;
+    const auto by_cost = with_ratio(fsdp_muon::kBytesRatioByCost);
+    row.cost_ratio = by_cost.max_bytes_ratio;
+    row.cost_over_floor = by_cost.critical_path_ratio_planned() / by_cost.floor_ratio();
+    row.cost_bytes_ratio = bytes_ratio(by_cost);
+    row.cost_seconds =
+        by_cost.estimated_seconds(rates.newton_schulz_flops_per_second(), rates.bytes_per_second());
+    row.default_seconds =
+        rounds.estimated_seconds(rates.newton_schulz_flops_per_second(), rates.bytes_per_second());
     for (double ratio : {1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0}) {
       const auto p = ratio == 1.5 ? rounds : with_ratio(ratio);
       if (p.critical_path_ratio_planned() <= 1.10 * p.floor_ratio()) {
@@ -167,16 +181,22 @@ int run_plan_only(Flags& flags) {
       "          and B/min\n"
       "  need    the smallest max_bytes_ratio of 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32 that brings\n"
       "          rounds within 1.10x of the floor, and the B/min it then sends (-: none)\n"
+      "  cost    max_bytes_ratio(kBytesRatioByCost): the limit the cost model picks at %.0f\n"
+      "          TFLOP/s of Newton-Schulz and %.0f GB/s per rank (estimates for an H200\n"
+      "          NVLink node), its rounds / floor and B/min, and the estimated ms of NS critical\n"
+      "          path + busiest rank's bytes for the default plan -> the cost model's plan\n"
       "Default FsdpMuonConfig: policy %s, schedule %s.\n",
       static_cast<long long>(ns_steps), format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       static_cast<long long>(budget_mib),
       format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       format("%lldM", static_cast<long long>(budget_mib)).c_str(), defaults.max_bytes_ratio(),
+      defaults.newton_schulz_flops_per_second() / 1e12, defaults.bytes_per_second() / 1e9,
       fsdp_muon::to_string(defaults.owner_policy()),
       fsdp_muon::to_string(defaults.owner_schedule()));
 
   double worst = 0;
   std::string worst_where;
+  double worst_cost = 0, worst_cost_bytes = 0, best_gain = 0;
   for (const auto& name : models) {
     const ModelShapes model = model_by_name(name);
     double total_flops = 0;
@@ -194,11 +214,12 @@ int run_plan_only(Flags& flags) {
         model.name.c_str(), model.groups.size(), static_cast<long long>(model.num_matrices()),
         model.num_elements() / 1e9, total_flops / 1e12);
     std::printf(
-        "%5s %-13s %6s %6s %6s %6s %6s %6s %6s %9s %9s %9s | %6s %6s %5s %5s %8s | %11s | %11s\n",
+        "%5s %-13s %6s %6s %6s %6s %6s %6s %6s %9s %9s %9s | %6s %6s %5s %5s %8s | %11s | %11s | "
+        "%31s\n",
         "W", "policy", "seed-1", "1-buf",
         format("%lldM", static_cast<long long>(budget_mib)).c_str(), "unlim", "rr-1", "rr-u",
         "floor", "MiB max", "MiB mean", "rrMiBmax", "rounds", "/floor", "B/min", "#rnd", "heldMiB",
-        "free", "need");
+        "free", "need", "cost: ratio /floor B/min ms->ms");
     for (int64_t w : world_sizes) {
       TORCH_CHECK(w >= 1, "--world-sizes must be positive");
       const auto groups = plan_groups(model, static_cast<int>(w), ns_steps);
@@ -207,7 +228,7 @@ int run_plan_only(Flags& flags) {
         const Row r = plan_row(groups, static_cast<int>(w), policy, budget_mib << 20);
         std::printf(
             "%5lld %-13s %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f %9.1f %9.1f %9.1f | %6.2f "
-            "%6.2f %5.2f %5zu %8.1f | %s | %s\n",
+            "%6.2f %5.2f %5zu %8.1f | %s | %s | %s\n",
             static_cast<long long>(w), fsdp_muon::to_string(policy), r.seed_budget0, r.budget0,
             r.default_budget, r.unlimited, r.rr_budget0, r.rr_unlimited, r.floor, r.max_mib,
             r.mean_mib, r.rr_max_mib, r.rounds, r.rounds_over_floor, r.rounds_bytes_ratio,
@@ -217,7 +238,17 @@ int run_plan_only(Flags& flags) {
                 : "-",
             policy != fsdp_muon::OwnerPolicy::kBalanced ? "-"
             : r.need_ratio > 0 ? format("%5.1f %5.2f", r.need_ratio, r.need_bytes_ratio).c_str()
-                               : "none");
+                               : "none",
+            policy == fsdp_muon::OwnerPolicy::kBalanced
+                ? format("%5.1f %5.2f %5.2f %6.1f->%6.1f", r.cost_ratio, r.cost_over_floor,
+                         r.cost_bytes_ratio, r.default_seconds * 1e3, r.cost_seconds * 1e3)
+                      .c_str()
+                : "-");
+        if (policy == fsdp_muon::OwnerPolicy::kBalanced) {
+          worst_cost = std::max(worst_cost, r.cost_over_floor);
+          worst_cost_bytes = std::max(worst_cost_bytes, r.cost_bytes_ratio);
+          best_gain = std::max(best_gain, r.default_seconds / r.cost_seconds);
+        }
         if (policy == defaults.owner_policy() && r.rounds_over_floor > worst) {
           worst = r.rounds_over_floor;
           worst_where = format("%s at W=%lld (%.2fx ideal, floor %.2fx, bytes %.2fx holders-only)",
@@ -227,6 +258,10 @@ int run_plan_only(Flags& flags) {
       }
     }
   }
+  std::printf(
+      "\ncost model (max_bytes_ratio(kBytesRatioByCost), H200 estimates): worst rounds / floor "
+      "%.2fx, worst B/min %.2fx, estimated NS + bytes time up to %.2fx lower than the default's\n",
+      worst_cost, worst_cost_bytes, best_gain);
   std::printf(
       "\nheadline: default schedule (%s, %s, %lld MiB budget): worst NS critical path / floor "
       "over the table %.2fx, %s\n",

@@ -130,6 +130,8 @@ OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
       .policy(owner_policy())
       .schedule(owner_schedule())
       .max_bytes_ratio(max_bytes_ratio())
+      .newton_schulz_flops_per_second(newton_schulz_flops_per_second())
+      .bytes_per_second(bytes_per_second())
       .prefetch_budget_bytes(prefetch_budget_bytes())
       .overlap(overlap_communication());
 }
@@ -397,6 +399,8 @@ std::string FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
   std::ostringstream desc;
   desc << "world " << world() << "; policy " << to_string(config.owner_policy()) << "; schedule "
        << to_string(config.owner_schedule()) << "; bytes ratio " << config.max_bytes_ratio()
+       << "; cost-model rates " << config.newton_schulz_flops_per_second() << " FLOP/s "
+       << config.bytes_per_second() << " B/s"
        << "; budget " << config.prefetch_budget_bytes() << "; overlap "
        << config.overlap_communication() << "; non-finite "
        << to_string(config.non_finite_gradients()) << "; agreement "

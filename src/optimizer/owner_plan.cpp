@@ -612,14 +612,37 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   const int64_t budget = options.prefetch_budget_bytes();
   TORCH_CHECK(budget >= 0, "fsdp_muon::plan_owners: the prefetch budget must be >= 0 bytes, got ",
               budget, " (use kUnlimitedPrefetch for no limit)");
-  TORCH_CHECK(options.max_bytes_ratio() >= 1.0,
+  TORCH_CHECK(options.max_bytes_ratio() >= 1.0 || options.max_bytes_ratio() == kBytesRatioByCost,
               "fsdp_muon::plan_owners: max_bytes_ratio must be >= 1 (1: holders-only bytes, "
-              "infinity: no limit), got ",
+              "infinity: no limit) or kBytesRatioByCost, got ",
               options.max_bytes_ratio());
+  TORCH_CHECK(options.newton_schulz_flops_per_second() > 0 && options.bytes_per_second() > 0,
+              "fsdp_muon::plan_owners: the cost model's rates must be positive, got ",
+              options.newton_schulz_flops_per_second(), " FLOP/s and ", options.bytes_per_second(),
+              " B/s");
+  if (options.policy() == OwnerPolicy::kBalanced &&
+      options.max_bytes_ratio() == kBytesRatioByCost) {
+    // docs/DESIGN.md §7: one plan per candidate limit, the cheapest wins, the smaller limit on
+    // a tie. Every rank computes the same plans, so every rank picks the same one.
+    std::optional<OwnerPlan> best;
+    double best_seconds = 0;
+    for (const double ratio : kCostModelBytesRatios) {
+      OwnerPlan candidate =
+          plan_owners(groups, world_size, OwnerPlanOptions(options).max_bytes_ratio(ratio));
+      const double seconds = candidate.estimated_seconds(options.newton_schulz_flops_per_second(),
+                                                         options.bytes_per_second());
+      if (!best || seconds < best_seconds) {
+        best = std::move(candidate);
+        best_seconds = seconds;
+      }
+    }
+    return *best;
+  }
   // Two exchanges in flight share the budget (docs/DESIGN.md §3).
   const int64_t exchange_budget =
       options.overlap() && budget != kUnlimitedPrefetch ? budget / 2 : budget;
   plan.schedule = options.schedule();
+  if (plan.policy == OwnerPolicy::kBalanced) plan.max_bytes_ratio = options.max_bytes_ratio();
   {
     OwnerPlan holders = plan;
     holders.policy = OwnerPolicy::kHoldersOnly;
@@ -696,6 +719,11 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   // Both are greedy; neither wins everywhere (LPT under holder constraints is no optimum), so
   // keep the shorter critical path, the carried plan on a tie. Every rank picks the same one.
   return windowed.critical_path_planned() < carried.critical_path_planned() ? windowed : carried;
+}
+
+double OwnerPlan::estimated_seconds(double flops_per_second, double bytes_per_second) const {
+  return static_cast<double>(critical_path_planned()) / flops_per_second +
+         static_cast<double>(max_bytes_per_rank()) / bytes_per_second;
 }
 
 int64_t OwnerPlan::total_cost() const {

@@ -258,6 +258,7 @@ TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
        {FsdpMuonConfig(), FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly),
         FsdpMuonConfig().owner_policy(OwnerPolicy::kAnyRank).prefetch_budget_bytes(300),
         FsdpMuonConfig().max_bytes_ratio(1.0).prefetch_budget_bytes(0).overlap_communication(false),
+        FsdpMuonConfig().max_bytes_ratio(kBytesRatioByCost).bytes_per_second(1e15),
         FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows),
         FsdpMuonConfig()
             .owner_schedule(OwnerSchedule::kWindows)
@@ -311,6 +312,7 @@ TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes
     OwnerPolicy policy;
     int64_t budget;
     bool overlap;
+    double max_bytes_ratio = 1.5;  // kBytesRatioByCost below: bytes made cheap, so it moves more
   };
   // Budget 0, a couple of groups (the owned bytes of the largest group), unlimited.
   const auto rounds = OwnerSchedule::kRounds;
@@ -327,11 +329,13 @@ TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes
                                  {rounds, OwnerPolicy::kBalanced, 0, true},
                                  {rounds, OwnerPolicy::kBalanced, 300, false},
                                  {rounds, OwnerPolicy::kBalanced, 300, true},
-                                 {rounds, OwnerPolicy::kBalanced, kUnlimitedPrefetch, true}};
+                                 {rounds, OwnerPolicy::kBalanced, kUnlimitedPrefetch, true},
+                                 {rounds, OwnerPolicy::kBalanced, 300, true, kBytesRatioByCost}};
   std::vector<at::Tensor> first_result;
   for (const Run& run : runs) {
     SCOPED_TRACE(std::string(to_string(run.schedule)) + " " + to_string(run.policy) + " budget " +
-                 std::to_string(run.budget) + (run.overlap ? " overlap" : ""));
+                 std::to_string(run.budget) + (run.overlap ? " overlap" : "") + " bytes ratio " +
+                 std::to_string(run.max_bytes_ratio));
     Model model = make_model(11);
     const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(at::kFloat);
     FsdpMuon fsdp(sharded_matrices(model), options,
@@ -339,7 +343,9 @@ TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes
                       .owner_schedule(run.schedule)
                       .owner_policy(run.policy)
                       .prefetch_budget_bytes(run.budget)
-                      .overlap_communication(run.overlap));
+                      .overlap_communication(run.overlap)
+                      .max_bytes_ratio(run.max_bytes_ratio)
+                      .bytes_per_second(1e15));
     Muon muon(reference_matrices(model), options);
     const OwnerPlan& plan = fsdp.owner_plan();
     if (run.schedule == windows) {
@@ -383,7 +389,8 @@ TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes
       EXPECT_EQ(plan.max_bytes_per_rank(), plan.holders_only_max_bytes);
     }
     if (run.policy == OwnerPolicy::kBalanced) {
-      EXPECT_LE(plan.max_bytes_per_rank(), 1.5 * plan.holders_only_max_bytes);
+      EXPECT_EQ(plan.max_bytes_ratio == 1.5, run.max_bytes_ratio == 1.5);
+      EXPECT_LE(plan.max_bytes_per_rank(), plan.max_bytes_ratio * plan.holders_only_max_bytes);
     }
     // Transient full matrices: the owned ones of each round (by hand from the matrices), or of
     // two consecutive rounds with overlap.

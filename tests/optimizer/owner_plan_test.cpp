@@ -389,6 +389,60 @@ TEST(OwnerPlanTest, BalancedMovesLocalMatricesWithinTheByteLimit) {
   EXPECT_EQ(loose.holders_only_max_bytes, 8);
 }
 
+// The cost model (docs/DESIGN.md §7) on the same hand case: where bytes are cheap it takes the
+// unlimited plan (15600 FLOPs, 264 bytes), where FLOPs are cheap holders-only (30720 FLOPs, 8
+// bytes); either way the plan is exactly the one planned with the chosen limit.
+TEST(OwnerPlanTest, CostModelPicksTheCheapestByteLimit) {
+  const std::vector<PlanGroup> groups = {
+      {"g",
+       {matrix("X", 8, 8, 2, {{0, 64}}), matrix("Y", 8, 8, 2, {{0, 64}}),
+        matrix("Z", 2, 2, 2, {{0, 2}, {1, 2}})}}};
+  const auto by_cost =
+      OwnerPlanOptions().policy(OwnerPolicy::kBalanced).max_bytes_ratio(kBytesRatioByCost);
+
+  const auto fast_bytes =
+      OwnerPlanOptions(by_cost).newton_schulz_flops_per_second(1).bytes_per_second(1e9);
+  const OwnerPlan balanced = plan_owners(groups, 2, fast_bytes);
+  EXPECT_EQ(balanced.max_bytes_ratio, std::numeric_limits<double>::infinity());
+  EXPECT_EQ(balanced.critical_path_planned(), 15600);
+  EXPECT_EQ(balanced.max_bytes_per_rank(), 264);
+  EXPECT_DOUBLE_EQ(balanced.estimated_seconds(1, 1e9), 15600 + 264e-9);
+
+  const auto fast_flops =
+      OwnerPlanOptions(by_cost).newton_schulz_flops_per_second(1e9).bytes_per_second(1);
+  const OwnerPlan frugal = plan_owners(groups, 2, fast_flops);
+  EXPECT_EQ(frugal.max_bytes_ratio, 1.0);  // every limit below 33 gives this plan: the first wins
+  EXPECT_EQ(frugal.critical_path_planned(), 30720);
+  EXPECT_EQ(frugal.max_bytes_per_rank(), 8);
+
+  for (const auto& [options, chosen] : {std::pair{fast_bytes, &balanced}, {fast_flops, &frugal}}) {
+    const OwnerPlan fixed =
+        plan_owners(groups, 2, OwnerPlanOptions(options).max_bytes_ratio(chosen->max_bytes_ratio));
+    EXPECT_EQ(fixed.owner, chosen->owner);
+    EXPECT_EQ(fixed.rounds, chosen->rounds);
+    // No candidate limit is cheaper at these rates.
+    for (const double ratio : kCostModelBytesRatios) {
+      const OwnerPlan other =
+          plan_owners(groups, 2, OwnerPlanOptions(options).max_bytes_ratio(ratio));
+      EXPECT_LE(chosen->estimated_seconds(options.newton_schulz_flops_per_second(),
+                                          options.bytes_per_second()),
+                other.estimated_seconds(options.newton_schulz_flops_per_second(),
+                                        options.bytes_per_second()))
+          << "ratio " << ratio;
+    }
+  }
+  EXPECT_THROW(plan_owners(groups, 2, OwnerPlanOptions(by_cost).bytes_per_second(0)), c10::Error);
+  // FsdpMuonConfig hands the rates to the planner.
+  const OwnerPlanOptions from_config = FsdpMuonConfig()
+                                           .max_bytes_ratio(kBytesRatioByCost)
+                                           .newton_schulz_flops_per_second(3e12)
+                                           .bytes_per_second(5e9)
+                                           .owner_plan_options();
+  EXPECT_EQ(from_config.max_bytes_ratio(), kBytesRatioByCost);
+  EXPECT_EQ(from_config.newton_schulz_flops_per_second(), 3e12);
+  EXPECT_EQ(from_config.bytes_per_second(), 5e9);
+}
+
 // GPT-2 124M and a Mixtral-like 8-expert model, one group per layer, bf16 layout.
 std::vector<PlanGroup> model_groups(const std::string& which, int world_size) {
   std::vector<PlanGroup> groups;

@@ -64,8 +64,14 @@ struct FsdpMuonConfig {
   // expensive matrices whole overloaded in every layer.
   TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPolicy::kBalanced;
   // kBalanced: the bytes a rank may send per step, as a multiple of the busiest rank's under
-  // holders-only (see OwnerPlanOptions::max_bytes_ratio).
+  // holders-only (see OwnerPlanOptions::max_bytes_ratio), or kBytesRatioByCost.
   TORCH_ARG(double, max_bytes_ratio) = 1.5;
+  // The cost model's rates (see OwnerPlanOptions): with max_bytes_ratio(kBytesRatioByCost) the
+  // plan whose orthogonalize critical path and busiest rank's bytes cost least at these rates
+  // decides the byte limit. Set them to your machine's measured rates.
+  TORCH_ARG(double,
+            newton_schulz_flops_per_second) = OwnerPlanOptions().newton_schulz_flops_per_second();
+  TORCH_ARG(double, bytes_per_second) = OwnerPlanOptions().bytes_per_second();
   // When ranks meet (see OwnerSchedule): kRounds, the default, chosen from bench/RESULTS.md,
   // packs every rank's owned matrices into rounds of about equal cost over the whole model.
   TORCH_ARG(OwnerSchedule, owner_schedule) = OwnerSchedule::kRounds;

@@ -72,6 +72,13 @@ struct PlanGroup {
   int64_t element_bytes = 0;
 };
 
+// OwnerPlanOptions::max_bytes_ratio: let the cost model choose the byte limit.
+constexpr double kBytesRatioByCost = 0.0;
+
+// The byte limits the cost model chooses among, smallest first (the last: no limit).
+constexpr double kCostModelBytesRatios[] = {
+    1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, std::numeric_limits<double>::infinity()};
+
 struct OwnerPlanOptions {
   TORCH_ARG(OwnerPolicy, policy) = OwnerPolicy::kHoldersOnly;
   // Bytes of one element moved by the gather and scatter (the momentum-input dtype, fp32).
@@ -87,7 +94,16 @@ struct OwnerPlanOptions {
   TORCH_ARG(OwnerSchedule, schedule) = OwnerSchedule::kRounds;
   // kBalanced: the bytes a rank may send (gather + scatter), as a multiple of the busiest rank's
   // under holders-only (OwnerPlan::holders_only_max_bytes); >= 1, infinity for no limit.
+  // kBytesRatioByCost: the cost model below chooses it.
   TORCH_ARG(double, max_bytes_ratio) = 1.5;
+  // The cost model (docs/DESIGN.md §7): a plan's step costs critical_path_planned() FLOPs at
+  // this Newton–Schulz rate plus max_bytes_per_rank() bytes at this per-rank send rate
+  // (OwnerPlan::estimated_seconds). With max_bytes_ratio kBytesRatioByCost it picks, among
+  // kCostModelBytesRatios, the limit whose plan costs least. The defaults are estimates for an
+  // H200 NVLink node (bf16 Newton–Schulz at ~40% of peak, ~150 GB/s of all-to-all per rank),
+  // not measurements.
+  TORCH_ARG(double, newton_schulz_flops_per_second) = 4e14;
+  TORCH_ARG(double, bytes_per_second) = 1.5e11;
   // Two exchanges in flight at once (FsdpMuonConfig::overlap_communication: the next one is
   // gathered while the current one is orthogonalized): each window or round is then packed to
   // half the budget, so that what a rank holds at once stays within it.
@@ -122,6 +138,9 @@ struct OwnerPlan {
   // The busiest rank's gather + scatter bytes under holders-only owners over all groups: the
   // reference of OwnerPlanOptions::max_bytes_ratio and of the benchmarks' byte ratios.
   int64_t holders_only_max_bytes = 0;
+  // kBalanced: the max_bytes_ratio the plan was made under (the cost model's choice under
+  // kBytesRatioByCost); 0 for the other policies.
+  double max_bytes_ratio = 0;
   // [group][matrix]: the owning rank (-1 for an empty matrix, which nobody needs to own).
   std::vector<std::vector<int>> owner;
   // [group][matrix]: Newton–Schulz FLOPs.
@@ -164,6 +183,10 @@ struct OwnerPlan {
   int64_t max_round_full_bytes() const;
   // Largest full-matrix bytes one rank holds at once: one round, or two that overlap.
   int64_t max_held_full_bytes() const;
+  // The cost model of OwnerPlanOptions: critical_path_planned() / flops_per_second +
+  // max_bytes_per_rank() / bytes_per_second, i.e. with no overlap of the two (an upper bound;
+  // overlap_communication hides part of the second term).
+  double estimated_seconds(double flops_per_second, double bytes_per_second) const;
   // A few lines for logs and benchmarks.
   std::string summary() const;
 };
