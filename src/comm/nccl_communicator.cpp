@@ -18,6 +18,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include "comm/call_watchdog.h"
+#include "comm/nccl_internal.h"
 #include "common/cuda_check.h"
 
 namespace fsdp_muon {
@@ -120,6 +122,15 @@ DeviceOrder& device_order(int device_index) {
   return *order;
 }
 
+// The device's communication stream; `order.mutex` is held by the caller.
+c10::cuda::CUDAStream& communication_stream(DeviceOrder& order, int device_index) {
+  if (!order.stream) {
+    order.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
+                                                static_cast<c10::DeviceIndex>(device_index));
+  }
+  return *order.stream;
+}
+
 // An asynchronous collective on the communication stream: `done` marks its end there. wait()
 // orders the caller's current stream after it; the host never waits. The buffers were recorded on
 // the communication stream before it was enqueued, and the work holds them until wait(), so
@@ -156,6 +167,13 @@ class NcclWork final : public CommWork {
   std::vector<at::Tensor> buffers_;
 };
 
+// Two NCCL communicators per rank (docs/DESIGN.md §5). `control_` is non-blocking: set-up and
+// ncclCommSplit run in NCCL's own thread while we poll, so a peer that never arrives becomes a
+// timeout we can act on. `comm_` is split from it with blocking = 1 and carries every collective:
+// NCCL then launches on the caller's thread (group.cc, ncclGroupEndInternal's blocking branch),
+// where a non-blocking communicator would start a thread per call and return ncclInProgress.
+// A blocking call waits for peers only while NCCL connects to them (the first use of an
+// algorithm or of a send/recv peer); `watchdog_` bounds that wait.
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -187,41 +205,86 @@ class NcclCommunicator final : public Communicator {
     }
 
     c10::cuda::CUDAGuard guard(device_index_);
-    // Non-blocking, so that a peer that never arrives shows up as a timeout we can act on
-    // instead of a call that never returns.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     // NCCL may hand out a communicator even when the call fails; fail() aborts whatever it
     // handed out, since a constructor that throws leaves no destructor to do it.
-    const ncclResult_t init = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+    const ncclResult_t init = ncclCommInitRankConfig(&control_, size, id, rank, &config);
     if (init != ncclSuccess && init != ncclInProgress) {
       fail(std::string("ncclCommInitRankConfig failed: ") + ncclGetErrorString(init) + " (" +
-           ncclGetLastError(comm_) + ")");
+           ncclGetLastError(control_) + ")");
     }
-    wait_until_ready("ncclCommInitRankConfig");
+    wait_until_ready(control_, "ncclCommInitRankConfig");
+
+    // The collectives' communicator: same ranks (one color, key = rank), blocking, sharing the
+    // parent's resources (splitShare: no second proxy thread or set of buffers). A split from a
+    // non-blocking parent runs in NCCL's thread and reports through the parent
+    // (init.cc, ncclCommInitChildComm), so the wait is the same bounded poll.
+    ncclConfig_t blocking = NCCL_CONFIG_INITIALIZER;
+    blocking.blocking = 1;
+    blocking.splitShare = 1;
+    split_pending_ = true;
+    const ncclResult_t split = ncclCommSplit(control_, /*color=*/0, rank, &comm_, &blocking);
+    if (split != ncclSuccess && split != ncclInProgress) {
+      fail(std::string("ncclCommSplit failed: ") + ncclGetErrorString(split) + " (" +
+           ncclGetLastError(control_) + ")");
+    }
+    wait_until_ready(control_, "ncclCommSplit");
+    split_pending_ = false;
+    if (comm_ == nullptr) {
+      fail("ncclCommSplit completed without a communicator");
+    }
+    check_async_error("ncclCommSplit");
+    watchdog_ = std::make_unique<detail::CallWatchdog>(
+        timeout_, [rank, size, device_index, timeout](const char* what, const char* call,
+                                                      std::chrono::milliseconds elapsed) {
+          detail::terminate_with(
+              std::string("fsdp_muon::Communicator::") + what + ": nccl on rank " +
+              std::to_string(rank) + " of " + std::to_string(size) +
+              " (cuda:" + std::to_string(device_index) + "): " + call + " has not returned after " +
+              std::to_string(elapsed.count()) + " ms, past the timeout of " +
+              std::to_string(timeout.count()) +
+              " ms (a rank missing or stuck while NCCL connects to its peers?); NCCL cannot "
+              "abort a call another thread is inside, so the process ends here");
+        });
   }
 
   ~NcclCommunicator() override {
-    if (comm_ == nullptr) {
+    if (comm_ == nullptr && control_ == nullptr) {
       return;
     }
     // Destructors must not throw: a communicator that cannot finish its work is aborted.
     c10::cuda::CUDAGuard guard(device_index_);
-    if (!failed_) {
-      ncclResult_t state = ncclCommFinalize(comm_);
-      const auto deadline = Clock::now() + timeout_;
-      while (state == ncclInProgress && Clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) {
-          break;
+    if (!failed_ && comm_ != nullptr && control_ != nullptr && drained()) {
+      // ncclCommFinalize on a blocking communicator synchronizes NCCL's streams on this thread
+      // (init.cc, commDestroySync); drained() has bounded that wait already, and the watchdog
+      // bounds the rest.
+      bool finalized = false;
+      {
+        const detail::CallWatchdog::Scope watched(*watchdog_, "~Communicator", "ncclCommFinalize");
+        ncclResult_t state = ncclCommFinalize(comm_);
+        if (state == ncclInProgress) {
+          state = poll_quietly(comm_);  // NCCL_COMM_BLOCKING=0 made it non-blocking
+        }
+        finalized = state == ncclSuccess;
+      }
+      if (finalized) {
+        ncclResult_t state = ncclCommFinalize(control_);
+        if (state == ncclInProgress || state == ncclSuccess) {
+          state = poll_quietly(control_);
+        }
+        if (state == ncclSuccess) {
+          {
+            const detail::CallWatchdog::Scope watched(*watchdog_, "~Communicator",
+                                                      "ncclCommDestroy");
+            ncclCommDestroy(comm_);
+          }
+          ncclCommDestroy(control_);
+          return;
         }
       }
-      if (state == ncclSuccess) {
-        ncclCommDestroy(comm_);
-        return;
-      }
     }
-    ncclCommAbort(comm_);
+    abort_all();
   }
 
   c10::Device device() const override {
@@ -233,17 +296,23 @@ class NcclCommunicator final : public Communicator {
   void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
                        const at::Tensor& recv, const std::vector<int64_t>& recv_counts) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, begin("all_to_all_v"));
+    const cudaStream_t stream = begin("all_to_all_v");
+    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, stream);
+    end(stream);
   }
 
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    enqueue_all_gather(send, recv, begin("all_gather"));
+    const cudaStream_t stream = begin("all_gather");
+    enqueue_all_gather(send, recv, stream);
+    end(stream);
   }
 
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    enqueue_reduce_scatter_mean(send, recv, begin("reduce_scatter_mean"));
+    const cudaStream_t stream = begin("reduce_scatter_mean");
+    enqueue_reduce_scatter_mean(send, recv, stream);
+    end(stream);
   }
 
   std::unique_ptr<CommWork> do_all_to_all_v_async(
@@ -288,6 +357,9 @@ class NcclCommunicator final : public Communicator {
                                            static_cast<size_t>(send_counts[rank()]) * elem,
                                            cudaMemcpyDeviceToDevice, stream));
     }
+    // The sends and receives only queue; ncclGroupEnd launches them (and, the first time a peer
+    // is used, connects to it: the wait the watchdog bounds).
+    const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclGroupEnd (all_to_all_v)");
     const ncclResult_t started = ncclGroupStart();
     if (started != ncclSuccess) {
       fail(std::string("ncclGroupStart failed: ") + ncclGetErrorString(started));
@@ -334,6 +406,7 @@ class NcclCommunicator final : public Communicator {
     if (send.numel() == 0) {
       return;  // the same on every rank; NCCL may reject the null pointers of empty tensors
     }
+    const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclAllGather");
     finish(ncclAllGather(send.data_ptr(), recv.data_ptr(), bytes_of(send), ncclInt8, comm_, stream),
            "ncclAllGather");
   }
@@ -343,8 +416,10 @@ class NcclCommunicator final : public Communicator {
     if (recv.numel() == 0) {
       return;
     }
+    const ncclDataType_t dtype = to_nccl(send.scalar_type(), api_);
+    const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclReduceScatter");
     finish(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(recv.numel()),
-                             to_nccl(send.scalar_type(), api_), ncclAvg, comm_, stream),
+                             dtype, ncclAvg, comm_, stream),
            "ncclReduceScatter");
   }
 
@@ -354,9 +429,14 @@ class NcclCommunicator final : public Communicator {
     if (tensor.numel() == 0) {
       return;
     }
-    finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
-                         to_nccl(tensor.scalar_type(), api_), to_nccl(op), comm_, stream),
-           "ncclAllReduce");
+    const ncclDataType_t dtype = to_nccl(tensor.scalar_type(), api_);
+    {
+      const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclAllReduce");
+      finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
+                           static_cast<size_t>(tensor.numel()), dtype, to_nccl(op), comm_, stream),
+             "ncclAllReduce");
+    }
+    end(stream);
   }
 
   void do_broadcast(const at::Tensor& tensor, int root) override {
@@ -365,9 +445,13 @@ class NcclCommunicator final : public Communicator {
     if (tensor.numel() == 0) {
       return;
     }
-    finish(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), bytes_of(tensor), ncclInt8, root,
-                         comm_, stream),
-           "ncclBroadcast");
+    {
+      const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclBroadcast");
+      finish(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), bytes_of(tensor), ncclInt8, root,
+                           comm_, stream),
+             "ncclBroadcast");
+    }
+    end(stream);
   }
 
   void do_barrier() override {
@@ -376,9 +460,13 @@ class NcclCommunicator final : public Communicator {
     if (!barrier_buffer_.defined()) {
       barrier_buffer_ = at::empty({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
     }
-    finish(ncclAllReduce(barrier_buffer_.data_ptr(), barrier_buffer_.data_ptr(), 1, ncclFloat32,
-                         ncclSum, comm_, stream),
-           "barrier (ncclAllReduce)");
+    {
+      const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclAllReduce (barrier)");
+      finish(ncclAllReduce(barrier_buffer_.data_ptr(), barrier_buffer_.data_ptr(), 1, ncclFloat32,
+                           ncclSum, comm_, stream),
+             "barrier (ncclAllReduce)");
+    }
+    end(stream);
     // The host waits too, so that a peer that never arrives becomes an error.
     wait_on_host(stream, "barrier");
   }
@@ -409,6 +497,7 @@ class NcclCommunicator final : public Communicator {
   // Checks that earlier work has not failed; returns the caller's stream on our device. From
   // here on errors name the collective `what` (a Communicator member).
   cudaStream_t check_usable(const char* what) {
+    what_ = what;
     api_ = std::string("fsdp_muon::Communicator::") + what;
     TORCH_CHECK(!failed_, api_, ": the nccl communicator (rank ", rank(), " of ", size(),
                 ") was aborted by an earlier error");
@@ -430,6 +519,15 @@ class NcclCommunicator final : public Communicator {
     return caller;
   }
 
+  // Marks the end of the synchronous collective just enqueued on `stream`, for the destructor.
+  void end(cudaStream_t stream) {
+    if (!last_sync_) {
+      last_sync_ = std::make_shared<MarkerEvent>();
+    }
+    FSDP_MUON_CHECK_CUDA(cudaEventRecord(last_sync_->get(), stream));
+    last_enqueued_ = last_sync_;
+  }
+
   // check_usable() for an asynchronous collective: returns the communication stream, made to
   // wait for everything enqueued so far on the caller's current stream (which produced the send
   // buffer and ran the synchronous collectives started earlier). The caller's stream does not
@@ -438,10 +536,7 @@ class NcclCommunicator final : public Communicator {
     const cudaStream_t caller = check_usable(what);
     DeviceOrder& order = device_order(device_index_);
     std::lock_guard<std::mutex> lock(order.mutex);
-    if (!order.stream) {
-      order.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
-                                                  static_cast<c10::DeviceIndex>(device_index_));
-    }
+    communication_stream(order, device_index_);
     const MarkerEvent ready;
     FSDP_MUON_CHECK_CUDA(cudaEventRecord(ready.get(), caller));
     FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(order.stream->stream(), ready.get(), 0));
@@ -460,24 +555,32 @@ class NcclCommunicator final : public Communicator {
     auto done = std::make_shared<MarkerEvent>();
     FSDP_MUON_CHECK_CUDA(cudaEventRecord(done->get(), order.stream->stream()));
     order.last_async = done;
+    last_enqueued_ = done;
     return std::make_unique<NcclWork>(std::move(done), device_index_, aborted_, api_,
                                       std::move(buffers));
   }
 
-  // A non-blocking communicator may still be enqueuing when the call returns; NCCL requires
-  // that to finish before the next call.
+  // A blocking communicator returns once the collective is enqueued: ncclSuccess, or an error.
+  // ncclInProgress only comes back where NCCL_COMM_BLOCKING=0 overrode blocking = 1; NCCL then
+  // requires the enqueue to finish before the next call, so we poll as the parent's set-up does.
   void finish(ncclResult_t result, const char* what) {
-    if (result != ncclSuccess && result != ncclInProgress) {
-      fail(std::string(what) + " failed: " + ncclGetErrorString(result));
+    if (result == ncclInProgress) {
+      wait_until_ready(comm_, what);
+      return;
     }
-    wait_until_ready(what);
+    if (result != ncclSuccess) {
+      fail(std::string(what) + " failed: " + ncclGetErrorString(result) + " (" +
+           ncclGetLastError(comm_) + ")");
+    }
   }
 
-  void wait_until_ready(const char* what) {
+  // Polls a non-blocking call on `comm` (set-up, split) until it completes, bounded by the
+  // timeout.
+  void wait_until_ready(ncclComm_t comm, const char* what) {
     const auto deadline = Clock::now() + timeout_;
     for (;;) {
       ncclResult_t state = ncclSuccess;
-      const ncclResult_t query = ncclCommGetAsyncError(comm_, &state);
+      const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
       if (query != ncclSuccess) {
         fail(std::string(what) + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query));
       }
@@ -486,13 +589,46 @@ class NcclCommunicator final : public Communicator {
       }
       if (state != ncclInProgress) {
         fail(std::string(what) + " failed: " + ncclGetErrorString(state) + " (" +
-             ncclGetLastError(comm_) + ")");
+             ncclGetLastError(comm) + ")");
       }
       if (Clock::now() > deadline) {
         fail(std::string(what) + " did not complete within " + std::to_string(timeout_.count()) +
              " ms (a rank missing or stuck?)");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  // wait_until_ready() for the destructor: never throws, returns the final state (ncclInProgress
+  // when the timeout passed first).
+  ncclResult_t poll_quietly(ncclComm_t comm) {
+    const auto deadline = Clock::now() + timeout_;
+    ncclResult_t state = ncclInProgress;
+    while (Clock::now() < deadline) {
+      if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) return ncclInternalError;
+      if (state != ncclInProgress) return state;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return state;
+  }
+
+  // For the destructor: whether every collective enqueued so far has run, waiting at most the
+  // timeout. Collectives run in start order (§5), so the last one's end marks them all.
+  bool drained() {
+    if (!last_enqueued_) return true;
+    const auto deadline = Clock::now() + timeout_;
+    for (;;) {
+      const cudaError_t status = cudaEventQuery(last_enqueued_->get());
+      if (status == cudaSuccess) return true;
+      if (status != cudaErrorNotReady) return false;
+      (void)cudaGetLastError();
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess ||
+          (state != ncclSuccess && state != ncclInProgress)) {
+        return false;
+      }
+      if (Clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
 
@@ -521,25 +657,46 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // The collectives' communicator reports the asynchronous errors (the proxy thread's, shared
+  // with the parent under splitShare); before the split, the parent does.
   void check_async_error(const char* what) {
+    const ncclComm_t comm = comm_ != nullptr ? comm_ : control_;
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t query = ncclCommGetAsyncError(comm_, &state);
+    const ncclResult_t query = ncclCommGetAsyncError(comm, &state);
     if (query != ncclSuccess) {
       fail(std::string(what) + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query));
     }
     if (state != ncclSuccess && state != ncclInProgress) {
       fail(std::string("NCCL reported an asynchronous error (seen at ") + what +
-           "): " + ncclGetErrorString(state) + " (" + ncclGetLastError(comm_) + ")");
+           "): " + ncclGetErrorString(state) + " (" + ncclGetLastError(comm) + ")");
+    }
+  }
+
+  // Aborts both communicators, on this thread. While the split is still running in NCCL's
+  // thread the parent goes first: its abort raises the child's abort flag and joins that thread
+  // (init.cc, ncclCommAbort -> ncclCommEnsureReady -> ncclGroupJobAbort), after which comm_ holds
+  // whatever the split produced. Otherwise the child goes first, since it is the one in use.
+  void abort_all() {
+    if (split_pending_ && control_ != nullptr) {
+      ncclCommAbort(control_);
+      control_ = nullptr;
+    }
+    if (comm_ != nullptr) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    if (control_ != nullptr) {
+      ncclCommAbort(control_);
+      control_ = nullptr;
     }
   }
 
   // Aborting frees the peers' kernels from waiting on us and makes the failure final.
   [[noreturn]] void fail(const std::string& message) {
-    if (comm_ != nullptr && !failed_) {
+    if (!failed_) {
       failed_ = true;
       aborted_->store(true);
-      ncclCommAbort(comm_);
-      comm_ = nullptr;
+      abort_all();
     }
     TORCH_CHECK(false, api_, ": nccl on rank ", rank(), " of ", size(), " (cuda:", device_index_,
                 "): ", message, "; the communicator has been aborted");
@@ -547,16 +704,32 @@ class NcclCommunicator final : public Communicator {
 
   int device_index_;
   std::chrono::milliseconds timeout_;
-  ncclComm_t comm_ = nullptr;
+  ncclComm_t control_ = nullptr;  // non-blocking: set-up and the split
+  ncclComm_t comm_ = nullptr;     // blocking, split from control_: the collectives
+  bool split_pending_ = false;
   bool failed_ = false;
+  std::unique_ptr<detail::CallWatchdog> watchdog_;
   at::Tensor barrier_buffer_;
+  // The end of the last collective enqueued (any stream), and the event synchronous ones reuse.
+  std::shared_ptr<MarkerEvent> last_enqueued_;
+  std::shared_ptr<MarkerEvent> last_sync_;
   // Set by fail(), read by the works this communicator handed out.
   std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
-  // The public call errors are reported under: the factory until the first collective.
+  // The public call errors are reported under: the factory until the first collective; what_
+  // is its short name (a literal), for the watchdog.
   std::string api_ = kFactoryApi;
+  const char* what_ = "make_nccl_communicator";
 };
 
 }  // namespace
+
+namespace detail {
+c10::cuda::CUDAStream nccl_communication_stream(int device_index) {
+  DeviceOrder& order = device_order(device_index);
+  std::lock_guard<std::mutex> lock(order.mutex);
+  return communication_stream(order, device_index);
+}
+}  // namespace detail
 
 std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store> store,
                                                      int rank, int size, int device_index,

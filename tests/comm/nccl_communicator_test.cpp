@@ -24,6 +24,8 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include "comm/nccl_internal.h"
 #endif
 
 namespace fsdp_muon {
@@ -146,7 +148,6 @@ TEST(NcclCommunicator, ToHostRejectsATensorOnAnotherDevice) {
             std::string::npos);
 }
 
-
 // The asynchronous collectives run on the communicator's own stream: they see what the caller's
 // stream wrote before they started (even behind a long kernel), wait() orders the caller's stream
 // after them, and a synchronous collective started later runs after them.
@@ -179,6 +180,47 @@ TEST(NcclCommunicator, AsyncCollectivesOrderWithTheCallersStream) {
   EXPECT_TRUE(at::equal(comm->to_host(moved), at::full({1000}, 5.0f)));
   EXPECT_TRUE(at::equal(comm->to_host(summed), at::full({4}, 2.0f)));
   EXPECT_EQ(comm->stats().calls, 4);
+}
+
+// The waits, tested so that they fail when missing: the communication stream is held busy
+// (a sleep kernel of ~0.3 s enqueued there first), so the collective runs long after the
+// caller's stream could have moved on. A wait() that did not order the caller's stream lets
+// gathered.add_(1) run on the zeros first (the gather then overwrites: 5, not 6); a synchronous
+// collective that did not wait for the asynchronous one copies zeros.
+TEST(NcclCommunicator, WaitsOrderTheCallersStreamAfterABusyCommunicationStream) {
+  FSDP_MUON_REQUIRE_GPU();
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  const auto on = at::TensorOptions().device(comm->device()).dtype(at::kFloat);
+  const int64_t busy = static_cast<int64_t>(0.3 * sleep_cycles_per_second());
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+  const c10::cuda::CUDAStreamGuard guard(side);
+  const c10::cuda::CUDAStream communication = detail::nccl_communication_stream(0);
+  ASSERT_NE(communication, side);
+
+  const at::Tensor send = at::full({1000}, 5.0f, on);
+  at::Tensor gathered = at::zeros({1000}, on);
+  {
+    const c10::cuda::CUDAStreamGuard busy_guard(communication);
+    at::cuda::sleep(busy);
+  }
+  auto work = comm->all_gather_async(send, gathered);
+  work->wait();
+  gathered.add_(1);
+  EXPECT_TRUE(at::equal(comm->to_host(gathered), at::full({1000}, 6.0f)))
+      << "wait() did not order the caller's stream after the collective";
+
+  // A synchronous collective started after an asynchronous one runs after it.
+  at::Tensor first = at::zeros({1000}, on);
+  at::Tensor second = at::zeros({1000}, on);
+  {
+    const c10::cuda::CUDAStreamGuard busy_guard(communication);
+    at::cuda::sleep(busy);
+  }
+  auto pending = comm->all_gather_async(send, first);
+  comm->all_gather(first, second);  // reads what the asynchronous gather writes
+  pending->wait();
+  EXPECT_TRUE(at::equal(comm->to_host(second), at::full({1000}, 5.0f)))
+      << "the synchronous collective did not wait for the asynchronous one started before it";
 }
 
 #else

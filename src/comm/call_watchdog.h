@@ -1,0 +1,76 @@
+#pragma once
+// A watchdog for blocking library calls made on the caller's thread (docs/DESIGN.md §5): the
+// caller marks a call's start and end (two atomic stores, no lock, no system call), and one
+// thread per watchdog, waking a few times per timeout, runs the expiry handler once when a call
+// has been running longer than the timeout. The NCCL communicator uses it for the calls NCCL
+// may block in while it connects to peers; its handler terminates the process, because NCCL
+// cannot abort a call that another thread is inside (§5).
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace fsdp_muon::detail {
+
+class CallWatchdog {
+ public:
+  // `what`: the library call (e.g. "all_gather"); `call`: the call it is blocked in (e.g.
+  // "ncclAllGather"); `elapsed`: how long it has been running.
+  using Handler =
+      std::function<void(const char* what, const char* call, std::chrono::milliseconds elapsed)>;
+
+  // Starts the watchdog thread. `timeout` > 0.
+  CallWatchdog(std::chrono::milliseconds timeout, Handler on_expiry);
+  ~CallWatchdog();  // stops and joins the thread
+  CallWatchdog(const CallWatchdog&) = delete;
+  CallWatchdog& operator=(const CallWatchdog&) = delete;
+
+  // One call at a time (the calls it watches are never concurrent: NCCL forbids it). Both
+  // strings must outlive the call (string literals).
+  void begin(const char* what, const char* call) noexcept;
+  void end() noexcept;
+
+  // begin() on construction, end() on destruction.
+  class Scope {
+   public:
+    Scope(CallWatchdog& watchdog, const char* what, const char* call) noexcept
+        : watchdog_(watchdog) {
+      watchdog_.begin(what, call);
+    }
+    ~Scope() { watchdog_.end(); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    CallWatchdog& watchdog_;
+  };
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+ private:
+  void run();
+
+  const std::chrono::milliseconds timeout_;
+  const Handler on_expiry_;
+  // Nanoseconds since the steady clock's epoch at begin(); 0 while no call runs. The watchdog
+  // reads it before and after the names: the same nonzero value twice means the names belong
+  // to that call.
+  std::atomic<int64_t> started_ns_{0};
+  std::atomic<const char*> what_{""};
+  std::atomic<const char*> call_{""};
+  std::mutex mutex_;
+  std::condition_variable stop_signal_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// Writes `message` to stderr and ends the process with std::abort (the handler the NCCL
+// communicator installs).
+[[noreturn]] void terminate_with(const std::string& message);
+
+}  // namespace fsdp_muon::detail
