@@ -1,8 +1,8 @@
 #include "comm/call_watchdog.h"
 
+#include <unistd.h>
+
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <utility>
 
 #include <c10/util/Exception.h>
@@ -71,9 +71,27 @@ void CallWatchdog::run() {
 }
 
 void terminate_with(const std::string& message) {
-  std::fprintf(stderr, "%s\n", message.c_str());
-  std::fflush(stderr);
-  std::abort();
+  const std::string line = message + "\n";
+  size_t written = 0;
+  while (written < line.size()) {
+    const ssize_t n = ::write(STDERR_FILENO, line.data() + written, line.size() - written);
+    if (n <= 0) break;
+    written += static_cast<size_t>(n);
+  }
+  ::_exit(kWatchdogExitStatus);
+}
+
+std::string nccl_launch_timeout_message(const char* api, const char* call, int rank, int size,
+                                        int device_index, std::chrono::milliseconds elapsed,
+                                        std::chrono::milliseconds limit) {
+  return std::string(api) + ": nccl on rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " (cuda:" + std::to_string(device_index) + "): " + call +
+         " has not returned after " + std::to_string(elapsed.count()) + " ms (the limit is " +
+         std::to_string(limit.count()) +
+         " ms, twice the communicator's timeout): a rank missing or stuck, while NCCL connects "
+         "to its peers or queues behind kernels waiting for one. NCCL cannot abort a call "
+         "another thread is inside, so the process ends here (exit status " +
+         std::to_string(kWatchdogExitStatus) + ")";
 }
 
 }  // namespace fsdp_muon::detail

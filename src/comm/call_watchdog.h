@@ -2,9 +2,9 @@
 // A watchdog for blocking library calls made on the caller's thread (docs/DESIGN.md §5): the
 // caller marks a call's start and end (two atomic stores, no lock, no system call), and one
 // thread per watchdog, waking a few times per timeout, runs the expiry handler once when a call
-// has been running longer than the timeout. The NCCL communicator uses it for the calls NCCL
-// may block in while it connects to peers; its handler terminates the process, because NCCL
-// cannot abort a call that another thread is inside (§5).
+// has been running longer than the timeout. The NCCL communicator uses it for its blocking
+// launches (which can wait for peers and for the GPU); its handler ends the process, because
+// NCCL cannot abort a call that another thread is inside (§5).
 
 #include <atomic>
 #include <chrono>
@@ -19,8 +19,8 @@ namespace fsdp_muon::detail {
 
 class CallWatchdog {
  public:
-  // `what`: the library call (e.g. "all_gather"); `call`: the call it is blocked in (e.g.
-  // "ncclAllGather"); `elapsed`: how long it has been running.
+  // `what`: the library call (e.g. "fsdp_muon::Communicator::all_gather"); `call`: the call it
+  // is blocked in (e.g. "ncclAllGather"); `elapsed`: how long it has been running.
   using Handler =
       std::function<void(const char* what, const char* call, std::chrono::milliseconds elapsed)>;
 
@@ -69,8 +69,18 @@ class CallWatchdog {
   std::thread thread_;
 };
 
-// Writes `message` to stderr and ends the process with std::abort (the handler the NCCL
-// communicator installs).
+// The exit status of a process the watchdog ended (as timeout(1) uses for a command it ended).
+constexpr int kWatchdogExitStatus = 124;
+
+// Writes `message` and a newline to stderr (one write(2), no stdio lock) and ends the process
+// with _exit(kWatchdogExitStatus): no atexit handlers, no SIGABRT handler, no core dump, so the
+// end is as bounded as the wait that led to it.
 [[noreturn]] void terminate_with(const std::string& message);
+
+// What the NCCL communicator's watchdog prints: the public call `api`, the NCCL call it is blocked
+// in, the rank, the device, how long, and why the process ends instead of throwing.
+std::string nccl_launch_timeout_message(const char* api, const char* call, int rank, int size,
+                                        int device_index, std::chrono::milliseconds elapsed,
+                                        std::chrono::milliseconds limit);
 
 }  // namespace fsdp_muon::detail

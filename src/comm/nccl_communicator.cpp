@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -87,6 +88,7 @@ ncclRedOp_t to_nccl(ReduceOp op) {
 size_t bytes_of(const at::Tensor& t) { return static_cast<size_t>(t.nbytes()); }
 
 constexpr const char* kFactoryApi = "fsdp_muon::make_nccl_communicator";
+constexpr const char* kDestructorApi = "fsdp_muon::Communicator::~Communicator";
 
 // A CUDA event that only marks a point on a stream (no timing), destroyed with its scope. An
 // event destroyed before it completes is released by CUDA once it does.
@@ -132,19 +134,29 @@ c10::cuda::CUDAStream& communication_stream(DeviceOrder& order, int device_index
 }
 
 // An asynchronous collective on the communication stream: `done` marks its end there. wait()
-// orders the caller's current stream after it; the host never waits. The buffers were recorded on
-// the communication stream before it was enqueued, and the work holds them until wait(), so
-// neither the caching allocator nor a caller that drops its handles frees them too early.
+// orders the caller's current stream, and the stream the call was made on, after it; the host
+// never waits. The work holds the buffers until then, so a caller that drops its handles frees
+// nothing early; and since they are released only after the calling stream waited for `done`,
+// the caching allocator can hand their blocks out again on that stream at once, in stream order
+// (docs/DESIGN.md §5, "Memory"). A work destroyed unwaited makes the calling stream wait first.
 class NcclWork final : public CommWork {
  public:
-  NcclWork(std::shared_ptr<MarkerEvent> done, int device_index,
+  NcclWork(std::shared_ptr<MarkerEvent> done, int device_index, cudaStream_t calling_stream,
            std::shared_ptr<std::atomic<bool>> aborted, std::string api,
            std::vector<at::Tensor> buffers)
       : done_(std::move(done)),
         device_index_(device_index),
+        calling_stream_(calling_stream),
         aborted_(std::move(aborted)),
         api_(std::move(api)),
         buffers_(std::move(buffers)) {}
+
+  ~NcclWork() override {
+    if (!waited() && !buffers_.empty()) {
+      // Never throws: a failure here leaves the buffers to the allocator as they are.
+      (void)cudaStreamWaitEvent(calling_stream_, done_->get(), 0);
+    }
+  }
 
  protected:
   void do_wait() override {
@@ -156,12 +168,16 @@ class NcclWork final : public CommWork {
     const cudaStream_t caller =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
     FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, done_->get(), 0));
+    if (calling_stream_ != caller) {
+      FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(calling_stream_, done_->get(), 0));
+    }
     buffers_.clear();
   }
 
  private:
   std::shared_ptr<MarkerEvent> done_;
   int device_index_;
+  cudaStream_t calling_stream_;
   std::shared_ptr<std::atomic<bool>> aborted_;
   std::string api_;
   std::vector<at::Tensor> buffers_;
@@ -172,14 +188,25 @@ class NcclWork final : public CommWork {
 // timeout we can act on. `comm_` is split from it with blocking = 1 and carries every collective:
 // NCCL then launches on the caller's thread (group.cc, ncclGroupEndInternal's blocking branch),
 // where a non-blocking communicator would start a thread per call and return ncclInProgress.
-// A blocking call waits for peers only while NCCL connects to them (the first use of an
-// algorithm or of a send/recv peer); `watchdog_` bounds that wait.
+// A blocking launch can wait on the caller's thread: for peers while NCCL connects to them (the
+// first use of an algorithm or of a send/recv peer), and for the GPU when NCCL's work FIFO, its
+// proxy's op slots or CUDA's launch queue are full behind kernels waiting for a peer (enqueue.cc
+// waitWorkFifoAvailable, proxy.cc ncclLocalOpAppend). `watchdog_` bounds every such call.
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                    int device_index, std::chrono::milliseconds timeout)
       : Communicator(rank, size), device_index_(device_index), timeout_(timeout) {
     TORCH_CHECK(store, "fsdp_muon::make_nccl_communicator: store is null");
+    // NCCL_COMM_BLOCKING overrides every communicator's blocking mode (init.cc,
+    // envConfigOverride): it would make the set-up unbounded or the collectives non-blocking.
+    const char* forced = std::getenv("NCCL_COMM_BLOCKING");
+    TORCH_CHECK(
+        forced == nullptr || *forced == '\0',
+        "fsdp_muon::make_nccl_communicator: NCCL_COMM_BLOCKING=", forced == nullptr ? "" : forced,
+        " is set; it overrides the blocking mode of every NCCL communicator, and fsdp_muon "
+        "needs its set-up non-blocking (bounded by the timeout) and its collectives "
+        "blocking (launched on your thread): unset NCCL_COMM_BLOCKING");
     int device_count = 0;
     FSDP_MUON_CHECK_CUDA(cudaGetDeviceCount(&device_count));
     TORCH_CHECK(device_index >= 0 && device_index < device_count,
@@ -187,6 +214,14 @@ class NcclCommunicator final : public Communicator {
                 " is outside the visible CUDA devices [0, ", device_count,
                 "); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
     check_nccl_version();
+    // Twice the timeout: a wait for the GPU (to_host, barrier) reaches its own timeout and
+    // throws first; the watchdog is for calls that never get there.
+    watchdog_ = std::make_unique<detail::CallWatchdog>(
+        2 * timeout_, [rank, size, device_index, timeout](const char* api, const char* call,
+                                                          std::chrono::milliseconds elapsed) {
+          detail::terminate_with(detail::nccl_launch_timeout_message(
+              api, call, rank, size, device_index, elapsed, 2 * timeout));
+        });
 
     // Rank 0 draws the id; everyone else reads it from the store (which waits for it).
     static const std::string kKey = "nccl_unique_id";
@@ -207,24 +242,38 @@ class NcclCommunicator final : public Communicator {
     c10::cuda::CUDAGuard guard(device_index_);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
+    // Sharing is the parent's setting (init.cc, ncclCommInitChildComm reads the parent's
+    // config.splitShare; NCCL_COMM_SPLIT_SHARE_RESOURCES overrides it): the child then uses the
+    // parent's proxy thread, streams, channels and abort flag (freed by reference count), so
+    // the second communicator costs no second set of buffers. NCCL forbids using parent and
+    // child at the same time; control_ is idle after the split.
+    config.splitShare = 1;
     // NCCL may hand out a communicator even when the call fails; fail() aborts whatever it
     // handed out, since a constructor that throws leaves no destructor to do it.
-    const ncclResult_t init = ncclCommInitRankConfig(&control_, size, id, rank, &config);
+    ncclResult_t init = ncclSuccess;
+    {
+      const detail::CallWatchdog::Scope watched(*watchdog_, kFactoryApi, "ncclCommInitRankConfig");
+      init = ncclCommInitRankConfig(&control_, size, id, rank, &config);
+    }
     if (init != ncclSuccess && init != ncclInProgress) {
       fail(std::string("ncclCommInitRankConfig failed: ") + ncclGetErrorString(init) + " (" +
            ncclGetLastError(control_) + ")");
     }
     wait_until_ready(control_, "ncclCommInitRankConfig");
 
-    // The collectives' communicator: same ranks (one color, key = rank), blocking, sharing the
-    // parent's resources (splitShare: no second proxy thread or set of buffers). A split from a
-    // non-blocking parent runs in NCCL's thread and reports through the parent
-    // (init.cc, ncclCommInitChildComm), so the wait is the same bounded poll.
+    // The collectives' communicator: same ranks (one color, key = rank), blocking. The split
+    // runs in NCCL's thread because ncclAsyncLaunch is given the non-blocking parent (its
+    // config decides ncclGroupBlocking, and ncclCommSetAsyncError reports on the parent), so the
+    // wait is the parent's bounded poll; the child's own asyncResult stays ncclSuccess even when
+    // the split fails (init.cc, ncclCommInitChildComm; group.cc, ncclAsyncLaunch).
     ncclConfig_t blocking = NCCL_CONFIG_INITIALIZER;
     blocking.blocking = 1;
-    blocking.splitShare = 1;
     split_pending_ = true;
-    const ncclResult_t split = ncclCommSplit(control_, /*color=*/0, rank, &comm_, &blocking);
+    ncclResult_t split = ncclSuccess;
+    {
+      const detail::CallWatchdog::Scope watched(*watchdog_, kFactoryApi, "ncclCommSplit");
+      split = ncclCommSplit(control_, /*color=*/0, rank, &comm_, &blocking);
+    }
     if (split != ncclSuccess && split != ncclInProgress) {
       fail(std::string("ncclCommSplit failed: ") + ncclGetErrorString(split) + " (" +
            ncclGetLastError(control_) + ")");
@@ -235,18 +284,6 @@ class NcclCommunicator final : public Communicator {
       fail("ncclCommSplit completed without a communicator");
     }
     check_async_error("ncclCommSplit");
-    watchdog_ = std::make_unique<detail::CallWatchdog>(
-        timeout_, [rank, size, device_index, timeout](const char* what, const char* call,
-                                                      std::chrono::milliseconds elapsed) {
-          detail::terminate_with(
-              std::string("fsdp_muon::Communicator::") + what + ": nccl on rank " +
-              std::to_string(rank) + " of " + std::to_string(size) +
-              " (cuda:" + std::to_string(device_index) + "): " + call + " has not returned after " +
-              std::to_string(elapsed.count()) + " ms, past the timeout of " +
-              std::to_string(timeout.count()) +
-              " ms (a rank missing or stuck while NCCL connects to its peers?); NCCL cannot "
-              "abort a call another thread is inside, so the process ends here");
-        });
   }
 
   ~NcclCommunicator() override {
@@ -258,30 +295,29 @@ class NcclCommunicator final : public Communicator {
     if (!failed_ && comm_ != nullptr && control_ != nullptr && drained()) {
       // ncclCommFinalize on a blocking communicator synchronizes NCCL's streams on this thread
       // (init.cc, commDestroySync); drained() has bounded that wait already, and the watchdog
-      // bounds the rest.
-      bool finalized = false;
+      // bounds the call.
+      ncclResult_t child = ncclSuccess;
       {
-        const detail::CallWatchdog::Scope watched(*watchdog_, "~Communicator", "ncclCommFinalize");
-        ncclResult_t state = ncclCommFinalize(comm_);
-        if (state == ncclInProgress) {
-          state = poll_quietly(comm_);  // NCCL_COMM_BLOCKING=0 made it non-blocking
-        }
-        finalized = state == ncclSuccess;
+        const detail::CallWatchdog::Scope watched(*watchdog_, kDestructorApi, "ncclCommFinalize");
+        child = ncclCommFinalize(comm_);
       }
-      if (finalized) {
-        ncclResult_t state = ncclCommFinalize(control_);
-        if (state == ncclInProgress || state == ncclSuccess) {
-          state = poll_quietly(control_);
+      if (child == ncclSuccess) {
+        ncclResult_t parent = ncclCommFinalize(control_);
+        if (parent == ncclInProgress || parent == ncclSuccess) {
+          parent = poll_quietly(control_);
         }
-        if (state == ncclSuccess) {
-          {
-            const detail::CallWatchdog::Scope watched(*watchdog_, "~Communicator",
-                                                      "ncclCommDestroy");
-            ncclCommDestroy(comm_);
-          }
-          ncclCommDestroy(control_);
+        if (parent == ncclSuccess) {
+          // Destroy runs on this thread for both (destroyFlag makes the group blocking) and
+          // joins the proxy thread.
+          const detail::CallWatchdog::Scope watched(*watchdog_, kDestructorApi, "ncclCommDestroy");
+          warn_unless_success(ncclCommDestroy(comm_), "ncclCommDestroy (collectives)");
+          warn_unless_success(ncclCommDestroy(control_), "ncclCommDestroy (set-up)");
+          comm_ = control_ = nullptr;
           return;
         }
+        warn_unless_success(parent, "ncclCommFinalize (set-up)");
+      } else {
+        warn_unless_success(child, "ncclCommFinalize (collectives)");
       }
     }
     abort_all();
@@ -296,6 +332,8 @@ class NcclCommunicator final : public Communicator {
   void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
                        const at::Tensor& recv, const std::vector<int64_t>& recv_counts) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(*watchdog_, "fsdp_muon::Communicator::all_to_all_v",
+                                              "ncclGroupEnd (ncclSend/ncclRecv)");
     const cudaStream_t stream = begin("all_to_all_v");
     enqueue_all_to_all_v(send, send_counts, recv, recv_counts, stream);
     end(stream);
@@ -303,6 +341,8 @@ class NcclCommunicator final : public Communicator {
 
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(*watchdog_, "fsdp_muon::Communicator::all_gather",
+                                              "ncclAllGather");
     const cudaStream_t stream = begin("all_gather");
     enqueue_all_gather(send, recv, stream);
     end(stream);
@@ -310,6 +350,8 @@ class NcclCommunicator final : public Communicator {
 
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(
+        *watchdog_, "fsdp_muon::Communicator::reduce_scatter_mean", "ncclReduceScatter");
     const cudaStream_t stream = begin("reduce_scatter_mean");
     enqueue_reduce_scatter_mean(send, recv, stream);
     end(stream);
@@ -319,24 +361,31 @@ class NcclCommunicator final : public Communicator {
       const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
       const std::vector<int64_t>& recv_counts) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(*watchdog_,
+                                              "fsdp_muon::Communicator::all_to_all_v_async",
+                                              "ncclGroupEnd (ncclSend/ncclRecv)");
     const cudaStream_t stream = begin_async("all_to_all_v", {send, recv});
-    enqueue_all_to_all_v(send, send_counts, recv, recv_counts, stream);
+    guarded_enqueue([&] { enqueue_all_to_all_v(send, send_counts, recv, recv_counts, stream); });
     return end_async({send, recv});
   }
 
   std::unique_ptr<CommWork> do_all_gather_async(const at::Tensor& send,
                                                 const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(
+        *watchdog_, "fsdp_muon::Communicator::all_gather_async", "ncclAllGather");
     const cudaStream_t stream = begin_async("all_gather", {send, recv});
-    enqueue_all_gather(send, recv, stream);
+    guarded_enqueue([&] { enqueue_all_gather(send, recv, stream); });
     return end_async({send, recv});
   }
 
   std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,
                                                          const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(
+        *watchdog_, "fsdp_muon::Communicator::reduce_scatter_mean_async", "ncclReduceScatter");
     const cudaStream_t stream = begin_async("reduce_scatter_mean", {send, recv});
-    enqueue_reduce_scatter_mean(send, recv, stream);
+    guarded_enqueue([&] { enqueue_reduce_scatter_mean(send, recv, stream); });
     return end_async({send, recv});
   }
 
@@ -358,8 +407,7 @@ class NcclCommunicator final : public Communicator {
                                            cudaMemcpyDeviceToDevice, stream));
     }
     // The sends and receives only queue; ncclGroupEnd launches them (and, the first time a peer
-    // is used, connects to it: the wait the watchdog bounds).
-    const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclGroupEnd (all_to_all_v)");
+    // is used, connects to it).
     const ncclResult_t started = ncclGroupStart();
     if (started != ncclSuccess) {
       fail(std::string("ncclGroupStart failed: ") + ncclGetErrorString(started));
@@ -406,7 +454,6 @@ class NcclCommunicator final : public Communicator {
     if (send.numel() == 0) {
       return;  // the same on every rank; NCCL may reject the null pointers of empty tensors
     }
-    const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclAllGather");
     finish(ncclAllGather(send.data_ptr(), recv.data_ptr(), bytes_of(send), ncclInt8, comm_, stream),
            "ncclAllGather");
   }
@@ -417,7 +464,6 @@ class NcclCommunicator final : public Communicator {
       return;
     }
     const ncclDataType_t dtype = to_nccl(send.scalar_type(), api_);
-    const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclReduceScatter");
     finish(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(recv.numel()),
                              dtype, ncclAvg, comm_, stream),
            "ncclReduceScatter");
@@ -425,49 +471,50 @@ class NcclCommunicator final : public Communicator {
 
   void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(*watchdog_, "fsdp_muon::Communicator::all_reduce",
+                                              "ncclAllReduce");
     const cudaStream_t stream = begin("all_reduce");
     if (tensor.numel() == 0) {
       return;
     }
     const ncclDataType_t dtype = to_nccl(tensor.scalar_type(), api_);
-    {
-      const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclAllReduce");
-      finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
-                           static_cast<size_t>(tensor.numel()), dtype, to_nccl(op), comm_, stream),
-             "ncclAllReduce");
-    }
+    finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
+                         dtype, to_nccl(op), comm_, stream),
+           "ncclAllReduce");
     end(stream);
   }
 
   void do_broadcast(const at::Tensor& tensor, int root) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(*watchdog_, "fsdp_muon::Communicator::broadcast",
+                                              "ncclBroadcast");
     const cudaStream_t stream = begin("broadcast");
     if (tensor.numel() == 0) {
       return;
     }
-    {
-      const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclBroadcast");
-      finish(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), bytes_of(tensor), ncclInt8, root,
-                           comm_, stream),
-             "ncclBroadcast");
-    }
+    finish(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), bytes_of(tensor), ncclInt8, root,
+                         comm_, stream),
+           "ncclBroadcast");
     end(stream);
   }
 
   void do_barrier() override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaStream_t stream = begin("barrier");
-    if (!barrier_buffer_.defined()) {
-      barrier_buffer_ = at::empty({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
-    }
+    cudaStream_t stream = nullptr;
     {
-      const detail::CallWatchdog::Scope watched(*watchdog_, what_, "ncclAllReduce (barrier)");
+      const detail::CallWatchdog::Scope watched(*watchdog_, "fsdp_muon::Communicator::barrier",
+                                                "ncclAllReduce");
+      stream = begin("barrier");
+      if (!barrier_buffer_.defined()) {
+        barrier_buffer_ = at::empty({1}, at::TensorOptions().dtype(at::kFloat).device(device()));
+      }
       finish(ncclAllReduce(barrier_buffer_.data_ptr(), barrier_buffer_.data_ptr(), 1, ncclFloat32,
                            ncclSum, comm_, stream),
              "barrier (ncclAllReduce)");
+      end(stream);
     }
-    end(stream);
-    // The host waits too, so that a peer that never arrives becomes an error.
+    // The host waits too, so that a peer that never arrives becomes an error (outside the
+    // watchdog: this wait has its own timeout and throws).
     wait_on_host(stream, "barrier");
   }
 
@@ -497,7 +544,6 @@ class NcclCommunicator final : public Communicator {
   // Checks that earlier work has not failed; returns the caller's stream on our device. From
   // here on errors name the collective `what` (a Communicator member).
   cudaStream_t check_usable(const char* what) {
-    what_ = what;
     api_ = std::string("fsdp_muon::Communicator::") + what;
     TORCH_CHECK(!failed_, api_, ": the nccl communicator (rank ", rank(), " of ", size(),
                 ") was aborted by an earlier error");
@@ -533,19 +579,47 @@ class NcclCommunicator final : public Communicator {
   // buffer and ran the synchronous collectives started earlier). The caller's stream does not
   // wait for anything: that is the overlap.
   cudaStream_t begin_async(const char* what, std::initializer_list<at::Tensor> buffers) {
-    const cudaStream_t caller = check_usable(what);
+    check_usable(what);
+    const c10::cuda::CUDAStream caller =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_));
+    calling_stream_ = caller.stream();
     DeviceOrder& order = device_order(device_index_);
     std::lock_guard<std::mutex> lock(order.mutex);
-    communication_stream(order, device_index_);
+    const c10::cuda::CUDAStream& communication = communication_stream(order, device_index_);
     const MarkerEvent ready;
-    FSDP_MUON_CHECK_CUDA(cudaEventRecord(ready.get(), caller));
-    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(order.stream->stream(), ready.get(), 0));
-    // Recorded before anything is enqueued, so that buffers the caller frees after a failed
-    // start (an aborted group may leave a queued copy behind) are not handed out too early.
+    FSDP_MUON_CHECK_CUDA(cudaEventRecord(ready.get(), caller.stream()));
+    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(communication.stream(), ready.get(), 0));
+    // No record_stream on the communication stream: that would keep each block from the
+    // allocator until the communication stream passed the point where the block was freed,
+    // behind later gathers and reductions (about a group of weights and one of gradients more
+    // than the library counts). The work's wait() orders the calling stream after the
+    // collective before the buffers are released, so blocks allocated on the calling stream
+    // are safe to reuse there in stream order. A buffer allocated on another stream is
+    // recorded on the calling stream (a no-op for blocks of the calling stream itself), so the
+    // allocator waits for that stream, which wait() has ordered after the collective.
     for (const at::Tensor& t : buffers) {
-      if (t.defined() && t.numel() > 0) t.record_stream(*order.stream);
+      if (t.defined() && t.numel() > 0) t.record_stream(caller);
     }
-    return order.stream->stream();
+    return communication.stream();
+  }
+
+  // Runs an asynchronous collective's enqueue; when it throws (the communicator is then
+  // aborted), the calling stream is made to wait for whatever the communication stream still
+  // holds (a queued local copy, an aborted kernel) before the caller frees the buffers.
+  template <typename Enqueue>
+  void guarded_enqueue(const Enqueue& enqueue) {
+    try {
+      enqueue();
+    } catch (...) {
+      DeviceOrder& order = device_order(device_index_);
+      std::lock_guard<std::mutex> lock(order.mutex);
+      const MarkerEvent drained;
+      if (cudaEventRecord(drained.get(), communication_stream(order, device_index_).stream()) ==
+          cudaSuccess) {
+        (void)cudaStreamWaitEvent(calling_stream_, drained.get(), 0);
+      }
+      throw;
+    }
   }
 
   // Marks the end of the collective just enqueued on the communication stream.
@@ -556,17 +630,19 @@ class NcclCommunicator final : public Communicator {
     FSDP_MUON_CHECK_CUDA(cudaEventRecord(done->get(), order.stream->stream()));
     order.last_async = done;
     last_enqueued_ = done;
-    return std::make_unique<NcclWork>(std::move(done), device_index_, aborted_, api_,
-                                      std::move(buffers));
+    return std::make_unique<NcclWork>(std::move(done), device_index_, calling_stream_, aborted_,
+                                      api_, std::move(buffers));
   }
 
   // A blocking communicator returns once the collective is enqueued: ncclSuccess, or an error.
-  // ncclInProgress only comes back where NCCL_COMM_BLOCKING=0 overrode blocking = 1; NCCL then
-  // requires the enqueue to finish before the next call, so we poll as the parent's set-up does.
+  // ncclInProgress would mean it is not blocking (NCCL_COMM_BLOCKING=0 from an NCCL config file,
+  // which the constructor's check of the environment cannot see): an error, not a poll.
   void finish(ncclResult_t result, const char* what) {
     if (result == ncclInProgress) {
-      wait_until_ready(comm_, what);
-      return;
+      fail(std::string(what) +
+           " returned ncclInProgress: the collectives' communicator is not "
+           "blocking (NCCL_COMM_BLOCKING set in an NCCL config file, e.g. ~/.nccl.conf or "
+           "/etc/nccl.conf?); remove it");
     }
     if (result != ncclSuccess) {
       fail(std::string(what) + " failed: " + ncclGetErrorString(result) + " (" +
@@ -657,8 +733,8 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  // The collectives' communicator reports the asynchronous errors (the proxy thread's, shared
-  // with the parent under splitShare); before the split, the parent does.
+  // The collectives' communicator reports the asynchronous errors (its proxy thread is the
+  // parent's, shared under splitShare); before the split, the parent does.
   void check_async_error(const char* what) {
     const ncclComm_t comm = comm_ != nullptr ? comm_ : control_;
     ncclResult_t state = ncclSuccess;
@@ -678,16 +754,25 @@ class NcclCommunicator final : public Communicator {
   // whatever the split produced. Otherwise the child goes first, since it is the one in use.
   void abort_all() {
     if (split_pending_ && control_ != nullptr) {
-      ncclCommAbort(control_);
+      warn_unless_success(ncclCommAbort(control_), "ncclCommAbort (set-up)");
       control_ = nullptr;
     }
     if (comm_ != nullptr) {
-      ncclCommAbort(comm_);
+      warn_unless_success(ncclCommAbort(comm_), "ncclCommAbort (collectives)");
       comm_ = nullptr;
     }
     if (control_ != nullptr) {
-      ncclCommAbort(control_);
+      warn_unless_success(ncclCommAbort(control_), "ncclCommAbort (set-up)");
       control_ = nullptr;
+    }
+  }
+
+  // Teardown cannot throw; what fails there is reported, with the rank and the device.
+  void warn_unless_success(ncclResult_t result, const char* call) const {
+    if (result != ncclSuccess) {
+      TORCH_WARN("fsdp_muon::Communicator: nccl on rank ", rank(), " of ", size(),
+                 " (cuda:", device_index_, "): ", call, " returned ", ncclGetErrorString(result),
+                 " (", ncclGetLastError(nullptr), ")");
     }
   }
 
@@ -708,6 +793,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;     // blocking, split from control_: the collectives
   bool split_pending_ = false;
   bool failed_ = false;
+  cudaStream_t calling_stream_ = nullptr;  // the current stream of the async call in progress
   std::unique_ptr<detail::CallWatchdog> watchdog_;
   at::Tensor barrier_buffer_;
   // The end of the last collective enqueued (any stream), and the event synchronous ones reuse.
@@ -715,10 +801,8 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<MarkerEvent> last_sync_;
   // Set by fail(), read by the works this communicator handed out.
   std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
-  // The public call errors are reported under: the factory until the first collective; what_
-  // is its short name (a literal), for the watchdog.
+  // The public call errors are reported under: the factory until the first collective.
   std::string api_ = kFactoryApi;
-  const char* what_ = "make_nccl_communicator";
 };
 
 }  // namespace

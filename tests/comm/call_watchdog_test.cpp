@@ -103,10 +103,29 @@ TEST(CallWatchdog, RejectsAZeroTimeoutAndAnEmptyHandler) {
   }
 }
 
-TEST(CallWatchdogDeathTest, TerminateWithPrintsTheMessageAndEndsTheProcess) {
+TEST(CallWatchdogDeathTest, TerminateWithPrintsTheMessageAndExitsWithItsStatus) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_DEATH(terminate_with("fsdp_muon::Communicator::all_gather: nccl on rank 1 of 2"),
-               "fsdp_muon::Communicator::all_gather: nccl on rank 1 of 2");
+  EXPECT_EXIT(terminate_with("fsdp_muon::Communicator::all_gather: nccl on rank 1 of 2"),
+              testing::ExitedWithCode(kWatchdogExitStatus),
+              "fsdp_muon::Communicator::all_gather: nccl on rank 1 of 2");
+}
+
+// The NCCL communicator's expiry message, which only a hung multi-GPU launch would print (the
+// GPU tests run at W=1, where NCCL never blocks: tests/comm/nccl_communicator_test.cpp).
+TEST(CallWatchdog, TheNcclMessageNamesTheCallTheRankTheDeviceAndWhy) {
+  const std::string message =
+      nccl_launch_timeout_message("fsdp_muon::Communicator::all_gather_async", "ncclAllGather", 3,
+                                  8, 2, milliseconds(10250), milliseconds(10000));
+  EXPECT_EQ(message.rfind("fsdp_muon::Communicator::all_gather_async: nccl on rank 3 of 8 "
+                          "(cuda:2): ncclAllGather has not returned after 10250 ms (the limit "
+                          "is 10000 ms, twice the communicator's timeout)",
+                          0),
+            0u)
+      << message;
+  EXPECT_NE(message.find("NCCL cannot abort a call another thread is inside, so the process "
+                         "ends here (exit status 124)"),
+            std::string::npos)
+      << message;
 }
 
 }  // namespace

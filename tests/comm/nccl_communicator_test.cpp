@@ -1,14 +1,19 @@
 // The NCCL communicator in a world of one on cuda:0: Communicator::to_host brings a
-// collective's result to the host in order with the current stream, and a host wait that
-// outlasts the timeout aborts the communicator and throws (docs/DESIGN.md §5). Skips, saying
-// why, where no GPU is usable.
+// collective's result to the host in order with the current stream, a host wait that outlasts
+// the timeout aborts the communicator and throws, and the waits order the caller's stream after
+// the communication stream (docs/DESIGN.md §5). W=1 cannot exercise NCCL's launch path (no
+// connection, no proxy: a copy on the stream), so the blocking launch and its watchdog are
+// tested with two ranks where two GPUs are visible. Skips, saying why, where no GPU is usable.
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -56,6 +61,22 @@ std::string message_of(const std::function<void()>& fn) {
     return e.what_without_backtrace();
   }
   return "(no exception)";
+}
+
+// NCCL_COMM_BLOCKING would override both communicators' modes: refused before anything else
+// (so this runs without a GPU too).
+TEST(NcclCommunicator, RefusesNcclCommBlocking) {
+  for (const char* value : {"0", "1"}) {
+    ASSERT_EQ(::setenv("NCCL_COMM_BLOCKING", value, 1), 0);
+    const std::string message = message_of([] { world_of_one(std::chrono::seconds(10)); });
+    ::unsetenv("NCCL_COMM_BLOCKING");
+    EXPECT_EQ(message.rfind(std::string("fsdp_muon::make_nccl_communicator: NCCL_COMM_BLOCKING=") +
+                                value + " is set;",
+                            0),
+              0u)
+        << message;
+    EXPECT_NE(message.find("unset NCCL_COMM_BLOCKING"), std::string::npos) << message;
+  }
 }
 
 TEST(NcclCommunicator, ToHostReturnsTheResultInOrderWithTheCurrentStream) {
@@ -221,6 +242,43 @@ TEST(NcclCommunicator, WaitsOrderTheCallersStreamAfterABusyCommunicationStream) 
   pending->wait();
   EXPECT_TRUE(at::equal(comm->to_host(second), at::full({1000}, 5.0f)))
       << "the synchronous collective did not wait for the asynchronous one started before it";
+}
+
+// At W=1 NCCL never blocks in a launch (every collective is ncclLaunchOneRank's copy on the
+// stream: no connection, no proxy, no plan), so the blocking launch and its watchdog need two
+// ranks: two threads on cuda:0 and cuda:1 of one process. Rank 1 sets up and then never calls
+// the all_gather. Rank 0's launch blocks while NCCL connects to it lazily, and the watchdog ends
+// the process (exit 124) with the collective and the rank named; where NCCL connected at set-up
+// (no cuMem, NCCL_RUNTIME_CONNECT=0) the launch returns and to_host times out and throws, which
+// names them too. Either way the process ends within the bound.
+TEST(NcclCommunicatorDeathTest, ACollectiveWaitingForAMissingRankEndsNamingItsCallAndRank) {
+  FSDP_MUON_REQUIRE_GPU();
+  if (torch::cuda::device_count() < 2) {
+    std::cout << "[  SKIPPED ] one CUDA device: two ranks need two\n";
+    GTEST_SKIP() << "one CUDA device: two ranks need two";
+  }
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        const auto store = c10::make_intrusive<c10d::HashStore>();
+        const auto timeout = std::chrono::seconds(3);
+        std::shared_ptr<Communicator> peer;
+        std::thread rank1([&] { peer = make_nccl_communicator(store, 1, 2, 1, timeout); });
+        const auto comm = make_nccl_communicator(store, 0, 2, 0, timeout);
+        rank1.join();
+        const auto on = at::TensorOptions().device(at::kCUDA, 0).dtype(at::kFloat);
+        const at::Tensor send = at::ones({1 << 20}, on);
+        const at::Tensor recv = at::empty({2 << 20}, on);
+        try {
+          comm->all_gather(send, recv);
+          comm->to_host(recv);
+          std::fprintf(stderr, "the all_gather completed without rank 1\n");
+        } catch (const c10::Error& e) {
+          std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+        }
+        std::_Exit(2);
+      },
+      "fsdp_muon::Communicator::all_gather: nccl on rank 0 of 2 \\(cuda:0\\)");
 }
 
 #else

@@ -15,10 +15,11 @@ namespace fsdp_muon {
 // Raw NCCL on cuda:<device_index>; the NCCL unique id travels through `store`. Every call is
 // enqueued on the caller's current CUDA stream, launched on the caller's thread. Errors reported
 // by NCCL and collectives that do not finish within `timeout` (checked whenever the host waits:
-// set-up, barrier(), to_host()) abort the communicator and throw. An NCCL launch blocked longer
-// than `timeout` (it can wait for peers while NCCL first connects to them) ends the process with
-// a message naming the collective and the rank (docs/DESIGN.md §5). Throws when this build of
-// fsdp_muon has no CUDA.
+// set-up, barrier(), to_host()) abort the communicator and throw. A call blocked inside NCCL for
+// twice `timeout` (waiting for a missing peer while NCCL connects, or queued behind kernels that
+// wait for one) ends the process with a message naming the collective and the rank
+// (docs/DESIGN.md §5). Throws when NCCL_COMM_BLOCKING is set, and when this build of fsdp_muon
+// has no CUDA.
 std::shared_ptr<Communicator> make_nccl_communicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int size, int device_index,
     std::chrono::milliseconds timeout = std::chrono::minutes(5));
