@@ -7,8 +7,8 @@
 // FsdpParameterGroup::forward, backward, reduce_scatter_grads, AdamW (embeddings, norms,
 // biases, head) and FsdpMuon (the blocks' matrices), then refresh of the groups AdamW alone
 // stepped. Every configuration starts from the same weights and sees the same batches, so their
-// final losses agree (bitwise with one micro-batch, which the library tests assert; printed
-// here as a check that the three ran the same training).
+// final losses agree bitwise (one micro-batch): the run exits 1, after its table, when they
+// do not, so the GPU stage fails on a strategy that changes the numbers.
 
 #include <algorithm>
 #include <chrono>
@@ -74,7 +74,9 @@ struct Measured {
   // one group held.
   int64_t peak_total = 0;
   int64_t peak_group_max = 0;
-  int64_t cuda_peak = 0;  // CUDA caching allocator's peak over the timed steps (everything)
+  // CUDA caching allocator's peak of active bytes over the timed steps: everything live plus
+  // freed blocks still waiting for another stream (which allocated_bytes would not show).
+  int64_t cuda_peak = 0;
   // What stays sharded on this rank after a step: main-weight and gradient shards and the
   // optimizers' state (AdamW's moments, FsdpMuon's momentum), bytes as allocated.
   int64_t sharded_state = 0;
@@ -207,7 +209,7 @@ class Trainer {
     if (device_.is_cuda()) {
       m.cuda_peak =
           c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index())
-              .allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+              .active_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
               .peak;
     }
 #endif
@@ -379,8 +381,29 @@ int run_strategies_worker(Flags& flags) {
   constexpr int kFields = 10;
   at::Tensor maxes = at::tensor(local, at::kDouble).to(device);
   comm->all_reduce(maxes, fsdp_muon::ReduceOp::kMax);
-  maxes = maxes.cpu();
-  if (rank != 0) return 0;
+  maxes = comm->to_host(maxes);
+
+  // Every configuration ran the same training with one micro-batch, so the final losses are
+  // bitwise equal (the strategies and prefetch move bytes, never change sums: docs/DESIGN.md
+  // §2). A difference is a bug in a strategy: the run fails (exit 1) after printing its table.
+  std::string loss_mismatch;
+  for (const auto& m : results) {
+    if (m.final_loss != results.front().final_loss) {
+      loss_mismatch += format(" %s prefetch %s %.17g vs %s prefetch %s %.17g;",
+                              fsdp_muon::to_string(m.strategy), m.prefetch ? "on" : "off",
+                              m.final_loss, fsdp_muon::to_string(results.front().strategy),
+                              results.front().prefetch ? "on" : "off", results.front().final_loss);
+    }
+  }
+  const auto losses_checked = [&]() {
+    if (loss_mismatch.empty()) return 0;
+    std::fprintf(stderr,
+                 "fsdp_strategies_bench: rank %d: the final losses differ between "
+                 "configurations that ran the same training:%s\n",
+                 rank, loss_mismatch.c_str());
+    return 1;
+  };
+  if (rank != 0) return losses_checked();
   auto field = [&](size_t r, int f) { return maxes[r * kFields + f].item<double>(); };
 
   const std::string model_name =
@@ -399,18 +422,25 @@ int run_strategies_worker(Flags& flags) {
       "model weights %.2f MiB (weights + grads %.2f MiB); two groups' worth (2 x the "
       "largest group's weights + grads) %.2f MiB\n\n",
       model_bytes / kMiB, 2 * model_bytes / kMiB, 2 * largest_group / kMiB);
-  std::printf("%-26s %-4s %9s %8s %8s %8s %8s %8s %10s %9s %9s %10s %10s\n", "strategy", "pf",
+  // "peak MiB" is the library's count of unsharded weights and gradients; on a GPU "alloc MiB"
+  // beside it is the CUDA caching allocator's peak of active bytes over the timed steps
+  // (everything the process holds: sharded state, activations, staging, and blocks freed but
+  // still waiting for another stream).
+  const bool cuda = device.is_cuda();
+  std::printf("%-26s %-4s %9s %8s %8s %8s %8s %8s %10s %9s %9s%s %10s %10s\n", "strategy", "pf",
               "step ms", "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp",
-              "state MiB", "loss");
+              cuda ? format(" %10s", "alloc MiB").c_str() : "", "state MiB", "loss");
   for (size_t r = 0; r < results.size(); ++r) {
     const auto& m = results[r];
     const double peak = field(r, 6);
-    std::printf("%-26s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %9.3f %9.3f %10.2f %10.6f\n",
-                format("%s %s", fsdp_muon::to_string(m.strategy), zero_name(m.strategy)).c_str(),
-                m.prefetch ? "on" : "off", field(r, 0) * 1e3, field(r, 1) * 1e3, field(r, 2) * 1e3,
-                field(r, 3) * 1e3, field(r, 4) * 1e3, field(r, 5) * 1e3, peak / kMiB,
-                peak / (2.0 * model_bytes), peak / (2.0 * largest_group), field(r, 9) / kMiB,
-                m.final_loss);
+    std::printf(
+        "%-26s %-4s %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f %9.3f %9.3f%s %10.2f %10.6f\n",
+        format("%s %s", fsdp_muon::to_string(m.strategy), zero_name(m.strategy)).c_str(),
+        m.prefetch ? "on" : "off", field(r, 0) * 1e3, field(r, 1) * 1e3, field(r, 2) * 1e3,
+        field(r, 3) * 1e3, field(r, 4) * 1e3, field(r, 5) * 1e3, peak / kMiB,
+        peak / (2.0 * model_bytes), peak / (2.0 * largest_group),
+        cuda ? format(" %10.2f", field(r, 8) / kMiB).c_str() : "", field(r, 9) / kMiB,
+        m.final_loss);
   }
   std::printf("\n");
   for (size_t r = 0; r < results.size(); ++r) {
@@ -428,7 +458,7 @@ int run_strategies_worker(Flags& flags) {
         static_cast<long long>(field(r, 9)), static_cast<long long>(model_bytes),
         static_cast<long long>(largest_group), static_cast<long long>(num_params), m.final_loss);
     if (device.is_cuda()) {
-      line += format(" cuda_peak_allocated_bytes=%lld", static_cast<long long>(field(r, 8)));
+      line += format(" cuda_peak_active_bytes=%lld", static_cast<long long>(field(r, 8)));
     }
     std::printf("%s\n", line.c_str());
   }
@@ -459,7 +489,7 @@ int run_strategies_worker(Flags& flags) {
   }
   std::printf("%s\n", headline.c_str());
   std::fflush(stdout);
-  return 0;
+  return losses_checked();
 }
 
 }  // namespace fsdp_muon_bench
