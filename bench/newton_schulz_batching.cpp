@@ -8,7 +8,8 @@
 //   2. FsdpMuon's orthogonalize phase at W=1 with batch_newton_schulz kNever and kAlways, as
 //      rates against the GEMM of one expert;
 //   3. (--bits) batched against 2-D bits for small and odd shapes (1x7 .. 256x704, batches 1..8),
-//      the question docs/DESIGN.md §4 "Batching" leaves open for CUDA.
+//      the question docs/DESIGN.md §4 "Batching" leaves open for CUDA;
+//   4. the decision for batch_newton_schulz on CUDA from the bits and the phase's rate.
 // A single process (a world of one; NCCL on a GPU, Gloo on a CPU).
 
 #include <algorithm>
@@ -239,6 +240,7 @@ int run(int argc, char** argv) {
   std::printf("%-12s %5s %5s %10s %10s %10s %9s %14s\n", "", "", "", "", "%GEMM", "%GEMM", "1-by-1",
               "== 2-D call");
   double expert_speedup[2] = {0, 0};
+  int64_t kernel_differing[2] = {0, 0};  // batched matrices whose bits differ, per dtype
   for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
     for (const auto& [shape, count] : classes) {
       if (count < 2) continue;
@@ -256,6 +258,7 @@ int run(int argc, char** argv) {
                                static_cast<long long>(r.count))
                             .c_str());
       std::fflush(stdout);
+      kernel_differing[dtype == at::kFloat] += r.differing;
       if (shape.first == 768 / scale) {  // the experts' gate/up projections
         expert_speedup[dtype == at::kFloat] = r.batched_rate / r.one_by_one_rate;
       }
@@ -297,6 +300,7 @@ int run(int argc, char** argv) {
 
   // 3. Bits of small and odd shapes.
   std::string bits_summary;
+  int64_t bits_differing[2] = {0, 0};
   if (bits) {
     std::printf(
         "\n3. batched vs 2-D call bits, shapes 1x7 .. 256x704, batches 1..8, every "
@@ -304,6 +308,7 @@ int run(int argc, char** argv) {
         device.str().c_str());
     for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
       const auto [compared, differing] = compare_bits(dtype, device);
+      bits_differing[dtype == at::kFloat] = differing;
       const std::string verdict =
           differing == 0 ? "identical"
                          : format("%lld of %lld differ", static_cast<long long>(differing),
@@ -313,6 +318,46 @@ int run(int argc, char** argv) {
       bits_summary += format(", %s bits %s", dtype_name(dtype), verdict.c_str());
     }
   }
+
+  // 4. The decision for FsdpMuonConfig::batch_newton_schulz on CUDA (README, "Batched
+  // Newton-Schulz on CUDA"): where batching keeps every bit (the layer's classes and, with
+  // --bits, the small and odd shapes), kWhereBitwise should batch on CUDA too; where it does not,
+  // a phase at least kWorthIt times faster makes kAlways the CUDA default; otherwise one by one.
+  constexpr double kWorthIt = 1.10;
+  std::string decisions;
+  std::printf("\n4. decision for batch_newton_schulz on %s%s\n", device.str().c_str(),
+              bits ? "" : " (without --bits: the layer's shapes only)");
+  for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    const int i = dtype == at::kFloat;
+    const int64_t differing = kernel_differing[i] + bits_differing[i];
+    std::string decision;
+    if (!device.is_cuda()) {
+      decision =
+          "none: the decision is for CUDA (on the CPU kWhereBitwise already batches "
+          "exactly where the bits are kept)";
+    } else if (differing == 0) {
+      decision = format(
+          "kWhereBitwise: batched bits identical, phase %.2fx; batching on CUDA "
+          "keeps single-device Muon's bits, so kWhereBitwise should batch there",
+          phase_speedup[i]);
+    } else if (phase_speedup[i] >= kWorthIt) {
+      decision = format(
+          "kAlways: %lld batched matrices differ in their last bits, phase %.2fx >= "
+          "%.2fx; the speed is worth the bits on CUDA",
+          static_cast<long long>(differing), phase_speedup[i], kWorthIt);
+    } else {
+      decision = format(
+          "kWhereBitwise (one by one on CUDA): %lld batched matrices differ, phase "
+          "only %.2fx < %.2fx",
+          static_cast<long long>(differing), phase_speedup[i], kWorthIt);
+    }
+    std::printf("decision: %s %s\n", dtype_name(dtype), decision.c_str());
+    if (device.is_cuda()) {
+      decisions += format(", decision %s %s", dtype_name(dtype),
+                          decision.substr(0, decision.find(':')).c_str());
+    }
+  }
+  bits_summary += decisions;
 
   std::printf(
       "\nheadline: %s on %s: batched/one-by-one Newton-Schulz on the %lldx%lld experts "
