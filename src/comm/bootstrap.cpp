@@ -23,6 +23,7 @@
 #include <torch/csrc/api/include/torch/cuda.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "comm/device_choice.h"
 #include "comm/job_identity.h"
 #include "comm/launch_environment.h"
 #include "comm/rendezvous_store.h"
@@ -174,18 +175,15 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
   try {
     switch (backend) {
       case CommBackend::kNccl: {
-        const int devices = torch::cuda::device_count();
-        TORCH_CHECK(e.local_rank < devices, "fsdp_muon::init_from_env: local rank ", e.local_rank,
-                    " has no CUDA device (", devices,
-                    " visible); start at most one process per GPU on each node or check "
-                    "CUDA_VISIBLE_DEVICES");
+        // One visible device is this rank's whatever its local rank (srun --gpus-per-task=1);
+        // otherwise cuda:<local rank> (device_choice.h).
+        const int device = detail::choose_cuda_device(torch::cuda::device_count(), e);
         // The rank's own GPU becomes the current device, so user code that says kCUDA (and
         // LibTorch's default stream) lands there, not on device 0. The guard interface needs
         // no CUDA headers.
         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
-            ->setDevice(
-                c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(e.local_rank)));
-        return make_nccl_communicator(store, e.rank, e.world_size, e.local_rank, timeout);
+            ->setDevice(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+        return make_nccl_communicator(store, e.rank, e.world_size, device, timeout);
       }
       case CommBackend::kGloo: {
         // Without an address every rank is on this node, and loopback always connects there.
