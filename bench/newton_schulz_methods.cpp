@@ -1,5 +1,5 @@
 // newton_schulz_methods: Newton–Schulz time per matrix, standard quintic (5 steps) against Gram
-// against Gram with AOL preconditioning and one step fewer (the aol schedule, 4 steps; and
+// against Gram with AOL preconditioning and one step fewer (Turbo-Muon's 4-step schedule; and
 // standard + AOL, and kAuto + AOL), for the distinct
 // matrix shapes of GPT-2 124M, Llama-3-8B and Qwen3-30B-A3B (attention, MLP and expert shapes),
 // in fp32 and bf16, measured side by side in one run (interleaved, minimum over rounds), each
@@ -71,16 +71,20 @@ struct Method {
 };
 
 std::vector<Method> methods(c10::ScalarType dtype) {
-  const auto base = NewtonSchulzOptions().coefficients(NsCoefficients::kQuintic).compute_dtype(dtype);
+  const auto base =
+      NewtonSchulzOptions().coefficients(NsCoefficients::kQuintic).compute_dtype(dtype);
   const auto aol = NewtonSchulzOptions(base)
-                       .coefficients(NsCoefficients::kAol)
+                       .custom_coefficients({{4.6051, -9.6552, 5.6769},
+                                             {4.7505, -6.0861, 2.1790},
+                                             {2.7763, -2.3190, 0.5523},
+                                             {2.4231, -2.2861, 0.8193}})
                        .steps(4)
                        .preconditioning(NsPreconditioning::kAol);
   return {
       {"standard", NewtonSchulzOptions(base).steps(5)},
       {"gram", NewtonSchulzOptions(base).steps(5).method(NsMethod::kGram)},
-      // AOL with one step fewer, on the aol schedule (Turbo-Muon's 4 steps): the validated pair
-      // whose band lies inside quintic-5's (README, preset table).
+      // AOL with one step fewer on Turbo-Muon's schedule (4 steps, README): the validated pair
+      // whose worst |σ − 1| is below quintic-5's.
       {"gram+aol(4)", NewtonSchulzOptions(aol).method(NsMethod::kGram)},
       {"std+aol(4)", NewtonSchulzOptions(aol)},
       {"auto+aol(4)", NewtonSchulzOptions(aol).method(NsMethod::kAuto)},
@@ -121,9 +125,10 @@ struct Band {
   }
 };
 
+// On the matrices' device (a GPU's solver for full-width shapes), in float64.
 Band band_of(const at::Tensor& u, const at::Tensor& out) {
   const at::Tensor in_sv = at::linalg_svdvals(u.to(at::kDouble)) / u.to(at::kDouble).norm();
-  const at::Tensor out_sv = at::linalg_svdvals(out.cpu().to(at::kDouble));
+  const at::Tensor out_sv = at::linalg_svdvals(out.to(at::kDouble));
   const int64_t guarded = std::max<int64_t>(1, (in_sv >= 0.02).sum().item<int64_t>());
   return {out_sv[guarded - 1].item<double>(), out_sv.max().item<double>()};
 }
@@ -156,15 +161,17 @@ int run(Flags& flags) {
   }
   if (!cuda) at::set_num_threads(threads);
 
-  std::printf("Newton-Schulz per matrix on %s%s, widths / %lld (fp32) and / %lld (bf16), "
-              "quintic; min of %d interleaved rounds; sigma = worst |sigma - 1| over input "
-              "directions >= 2%% of |U|_F\n",
-              cuda ? "CUDA" : "the CPU",
-              cuda ? "" : format(" (%d intra-op thread%s)", threads, threads == 1 ? "" : "s").c_str(),
-              static_cast<long long>(fp32_scale), static_cast<long long>(bf16_scale), rounds);
+  std::printf(
+      "Newton-Schulz per matrix on %s%s, widths / %lld (fp32) and / %lld (bf16), "
+      "quintic; min of %d interleaved rounds; sigma = worst |sigma - 1| over input "
+      "directions >= 2%% of |U|_F\n",
+      cuda ? "CUDA" : "the CPU",
+      cuda ? "" : format(" (%d intra-op thread%s)", threads, threads == 1 ? "" : "s").c_str(),
+      static_cast<long long>(fp32_scale), static_cast<long long>(bf16_scale), rounds);
   std::printf("%-14s %-15s %11s %6s %5s", "model", "matrix", "shape", "aspect", "dtype");
   const auto names = methods(at::kFloat);
-  for (const Method& m : names) std::printf(" %12s %6s", (std::string(m.name) + " ms").c_str(), "sigma");
+  for (const Method& m : names)
+    std::printf(" %12s %6s", (std::string(m.name) + " ms").c_str(), "sigma");
   std::printf("   best/std\n");
 
   // Per dtype and method: sum of log(time / standard) over the MLP shapes, and their bands.
@@ -184,17 +191,19 @@ int run(Flags& flags) {
       const at::Tensor u_cpu = at::randn({rows, cols}, generator);
       const at::Tensor u = u_cpu.to(device);
       std::vector<std::function<void()>> fns;
-      for (const Method& m : ms) fns.push_back([&u, &m] { (void)fsdp_muon::newton_schulz(u, m.options); });
+      for (const Method& m : ms)
+        fns.push_back([&u, &m] { (void)fsdp_muon::newton_schulz(u, m.options); });
       const std::vector<double> t = time_interleaved(fns, device, rounds);
       const double aspect = static_cast<double>(std::max(rows, cols)) / std::min(rows, cols);
-      std::printf("%-14s %-15s %11s %6.2f %5s", s.model, s.name,
-                  format("%lldx%lld", static_cast<long long>(rows), static_cast<long long>(cols)).c_str(),
-                  aspect, dname.c_str());
+      std::printf(
+          "%-14s %-15s %11s %6.2f %5s", s.model, s.name,
+          format("%lldx%lld", static_cast<long long>(rows), static_cast<long long>(cols)).c_str(),
+          aspect, dname.c_str());
       size_t best = 0;
       for (size_t i = 0; i < ms.size(); ++i) {
         if (t[i] < t[best]) best = i;
         Band b;
-        if (sigma) b = band_of(u_cpu, fsdp_muon::newton_schulz(u, ms[i].options));
+        if (sigma) b = band_of(u, fsdp_muon::newton_schulz(u, ms[i].options));
         if (s.mlp) {
           log_ratio[i] += std::log(t[i] / t[0]);
           log_flops[i] += std::log(fsdp_muon::newton_schulz_flops(rows, cols, ms[i].options) /
@@ -209,17 +218,20 @@ int run(Flags& flags) {
     if (mlp_count == 0) continue;
     size_t best = 0;
     for (size_t i = 0; i < ms.size(); ++i) {
-      std::printf("MLP-shaped (aspect >= 3.5), %s, %s: %.2fx standard's time (geometric mean of %d), "
-                  "FLOPs %.2fx, sigma band [%.3f, %.3f]\n",
-                  dname.c_str(), ms[i].name, std::exp(log_ratio[i] / mlp_count), mlp_count,
-                  std::exp(log_flops[i] / mlp_count), sigma ? mlp_band[i].lo : 0.0, sigma ? mlp_band[i].hi : 0.0);
+      std::printf(
+          "MLP-shaped (aspect >= 3.5), %s, %s: %.2fx standard's time (geometric mean of %d), "
+          "FLOPs %.2fx, sigma band [%.3f, %.3f]\n",
+          dname.c_str(), ms[i].name, std::exp(log_ratio[i] / mlp_count), mlp_count,
+          std::exp(log_flops[i] / mlp_count), sigma ? mlp_band[i].lo : 0.0,
+          sigma ? mlp_band[i].hi : 0.0);
       if (log_ratio[i] < log_ratio[best]) best = i;
     }
-    std::printf("headline %s: Newton-Schulz on MLP-shaped matrices, best method %s at %.2fx "
-                "standard quintic's time (goal <= 0.75), sigma band [%.3f, %.3f] vs standard "
-                "[%.3f, %.3f]\n",
-                dname.c_str(), ms[best].name, std::exp(log_ratio[best] / mlp_count),
-                mlp_band[best].lo, mlp_band[best].hi, mlp_band[0].lo, mlp_band[0].hi);
+    std::printf(
+        "headline %s: Newton-Schulz on MLP-shaped matrices, best method %s at %.2fx "
+        "standard quintic's time (goal <= 0.75), sigma band [%.3f, %.3f] vs standard "
+        "[%.3f, %.3f]\n",
+        dname.c_str(), ms[best].name, std::exp(log_ratio[best] / mlp_count), mlp_band[best].lo,
+        mlp_band[best].hi, mlp_band[0].lo, mlp_band[0].hi);
   }
   return 0;
 }

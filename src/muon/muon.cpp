@@ -32,8 +32,8 @@ bool operator==(const MuonParamState& lhs, const MuonParamState& rhs) {
   const bool lhs_v = lhs.normuon_variance().defined();
   const bool rhs_v = rhs.normuon_variance().defined();
   return lhs.step() == rhs.step() && lhs_has == rhs_has &&
-         (!lhs_has || at::equal(lhs.momentum_buffer(), rhs.momentum_buffer())) &&
-         lhs_v == rhs_v && (!lhs_v || at::equal(lhs.normuon_variance(), rhs.normuon_variance()));
+         (!lhs_has || at::equal(lhs.momentum_buffer(), rhs.momentum_buffer())) && lhs_v == rhs_v &&
+         (!lhs_v || at::equal(lhs.normuon_variance(), rhs.normuon_variance()));
 }
 
 namespace {

@@ -183,8 +183,8 @@ bool operator==(const MuonOptions& lhs, const MuonOptions& rhs) {
          lhs.ns_dtype() == rhs.ns_dtype() && lhs.skip_non_matrix() == rhs.skip_non_matrix() &&
          lhs.ns_method() == rhs.ns_method() && lhs.gram_restarts() == rhs.gram_restarts() &&
          lhs.ns_preconditioning() == rhs.ns_preconditioning() &&
-         lhs.normalization() == rhs.normalization() &&
-         lhs.normuon_beta2() == rhs.normuon_beta2() && lhs.normuon_eps() == rhs.normuon_eps();
+         lhs.normalization() == rhs.normalization() && lhs.normuon_beta2() == rhs.normuon_beta2() &&
+         lhs.normuon_eps() == rhs.normuon_eps();
 }
 
 const char* to_string(ScaleMode mode) {

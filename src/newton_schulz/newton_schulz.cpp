@@ -167,8 +167,9 @@ NsMethod resolve_ns_method(int64_t rows, int64_t cols, const NewtonSchulzOptions
 }
 
 double newton_schulz_flops(int64_t rows, int64_t cols, const NewtonSchulzOptions& options) {
-  TORCH_CHECK(rows >= 0 && cols >= 0, "fsdp_muon::newton_schulz_flops: rows and cols must be >= 0, got ",
-              rows, " x ", cols);
+  TORCH_CHECK(rows >= 0 && cols >= 0,
+              "fsdp_muon::newton_schulz_flops: rows and cols must be >= 0, got ", rows, " x ",
+              cols);
   const auto schedule = newton_schulz_schedule(options);
   const auto m = static_cast<double>(std::min(rows, cols));
   const auto n = static_cast<double>(std::max(rows, cols));
@@ -200,19 +201,20 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
   TORCH_CHECK(options.preconditioning() == NsPreconditioning::kNone ||
                   options.preconditioning() == NsPreconditioning::kAol,
               api, ": the Newton-Schulz preconditioning has an unknown value ",
-              static_cast<int>(options.preconditioning()), "; use NsPreconditioning::kNone or kAol");
+              static_cast<int>(options.preconditioning()),
+              "; use NsPreconditioning::kNone or kAol");
   if (options.method() != NsMethod::kStandard) {
     // Restarts only mean something to Gram; a list that cannot apply is an error rather than
     // silently ignored, so a Gram run never differs from what its options say.
     const auto& restarts = options.gram_restarts();
     for (size_t r = 0; r < restarts.size(); ++r) {
-      TORCH_CHECK(restarts[r] >= 1 && restarts[r] < steps, api, ": gram_restarts[", r, "] = ",
-                  restarts[r], " is not an iteration a restart can precede with ", steps_option,
-                  " = ", steps, "; each entry must lie in [1, ", steps_option,
+      TORCH_CHECK(restarts[r] >= 1 && restarts[r] < steps, api, ": gram_restarts[", r,
+                  "] = ", restarts[r], " is not an iteration a restart can precede with ",
+                  steps_option, " = ", steps, "; each entry must lie in [1, ", steps_option,
                   " - 1] (e.g. gram_restarts({2}) for 5 steps, gram_restarts({}) for none)");
       TORCH_CHECK(r == 0 || restarts[r] > restarts[r - 1], api,
-                  ": gram_restarts must be strictly increasing, got ", restarts[r - 1],
-                  " then ", restarts[r]);
+                  ": gram_restarts must be strictly increasing, got ", restarts[r - 1], " then ",
+                  restarts[r]);
     }
   }
   for (size_t t = 0; t < custom.size(); ++t) {
@@ -298,7 +300,8 @@ at::Tensor gram_fp32(const at::Tensor& x) {
 
 std::pair<at::Tensor, at::Tensor> aol_rescale(const at::Tensor& x, const at::Tensor& a,
                                               double eps) {
-  TORCH_CHECK(a.scalar_type() == at::kFloat, "fsdp_muon::newton_schulz: AOL's Gram matrix must be fp32");
+  TORCH_CHECK(a.scalar_type() == at::kFloat,
+              "fsdp_muon::newton_schulz: AOL's Gram matrix must be fp32");
   // The clamp (eps, as Turbo-Muon's) keeps a zero row zero (0·s) instead of 0·inf.
   const at::Tensor s = a.abs().sum(-1).clamp_min(eps).rsqrt();
   const at::Tensor xs = x.to(at::kFloat).mul(s.unsqueeze(-1)).to(x.scalar_type()).contiguous();
@@ -317,8 +320,7 @@ at::Tensor standard_aten(at::Tensor X, at::Tensor A0, const std::vector<Tuple>& 
       X = X.mul(t[0]);
       continue;
     }
-    const at::Tensor A =
-        (i == 0 && A0.defined()) ? A0.to(X.scalar_type()) : at::bmm(X, X.mT());
+    const at::Tensor A = (i == 0 && A0.defined()) ? A0.to(X.scalar_type()) : at::bmm(X, X.mT());
     if (t[2] == 0.0) {
       // Cubic step: X = a·X + b·A·X, one GEMM fewer.
       X = at::baddbmm(X, A, X, /*beta=*/t[0], /*alpha=*/t[1]);

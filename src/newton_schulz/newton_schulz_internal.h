@@ -56,8 +56,7 @@ at::Tensor gram_fp32(const at::Tensor& x);
 // AOL preconditioning of a prepared batch x (docs/DESIGN.md §4, "AOL") given a = x·xᵀ in fp32:
 // returns diag(s)·x in x's dtype and diag(s)·a·diag(s) in fp32, s_i = max(Σ_j |a_ij|, eps)^(-1/2);
 // the second is the first step's A (standard, cast to the compute dtype) or Gram's R_0.
-std::pair<at::Tensor, at::Tensor> aol_rescale(const at::Tensor& x, const at::Tensor& a,
-                                              double eps);
+std::pair<at::Tensor, at::Tensor> aol_rescale(const at::Tensor& x, const at::Tensor& a, double eps);
 
 // The iteration through ATen operators on whatever device x lives on: the CPU path, and the
 // reference a GPU benchmark or test compares the cuBLAS path with. Same contract as

@@ -87,16 +87,18 @@ TEST(MuonOptions, ValidationNamesTheOptionAndTheFix) {
   expect_error([&] { MuonOptions().normuon_eps(nan).validate(); }, {"normuon_eps"});
   expect_error([] { MuonOptions().normalization(static_cast<Normalization>(4)).validate(); },
                {"normalization has an unknown value 4"});
-  expect_error([] { MuonOptions().ns_method(NsMethod::kGram).gram_restarts({5}).validate(); },
-               {"fsdp_muon::MuonOptions: gram_restarts[0] = 5", "ns_steps = 5",
-                "[1, ns_steps - 1]"});
+  expect_error(
+      [] { MuonOptions().ns_method(NsMethod::kGram).gram_restarts({5}).validate(); },
+      {"fsdp_muon::MuonOptions: gram_restarts[0] = 5", "ns_steps = 5", "[1, ns_steps - 1]"});
   expect_error([] { MuonOptions().ns_method(NsMethod::kGram).ns_steps(2).validate(); },
                {"gram_restarts[0] = 2", "gram_restarts({})"});
   expect_error([] { MuonOptions().ns_method(static_cast<NsMethod>(9)).validate(); },
                {"fsdp_muon::MuonOptions: the Newton-Schulz method has an unknown value 9"});
   // Boundaries that are valid.
-  EXPECT_NO_THROW(MuonOptions().normuon_beta2(0.0).normalization(Normalization::kNorMuon).validate());
-  EXPECT_NO_THROW(MuonOptions().ns_method(NsMethod::kGram).ns_steps(2).gram_restarts({}).validate());
+  EXPECT_NO_THROW(
+      MuonOptions().normuon_beta2(0.0).normalization(Normalization::kNorMuon).validate());
+  EXPECT_NO_THROW(
+      MuonOptions().ns_method(NsMethod::kGram).ns_steps(2).gram_restarts({}).validate());
   EXPECT_NO_THROW(MuonOptions(0.0).momentum(0.0).weight_decay(0.0).ns_steps(1).validate());
   EXPECT_NO_THROW(MuonOptions().ns_dtype(at::kFloat).extra_scale_factor(-2.0).validate());
 }
@@ -186,7 +188,8 @@ TEST(MuonOptions, ArchiveWithoutTheNewFieldsKeepsTheirDefaults) {
   out.save_to(bytes);
   torch::serialize::InputArchive in;
   in.load_from(bytes);
-  MuonOptions read = MuonOptions().ns_method(NsMethod::kGram).normalization(Normalization::kNorMuon);
+  MuonOptions read =
+      MuonOptions().ns_method(NsMethod::kGram).normalization(Normalization::kNorMuon);
   read.serialize(in);
   EXPECT_EQ(read.lr(), 0.5);
   EXPECT_EQ(read.ns_method(), NsMethod::kGram);  // untouched, as for every other absent key

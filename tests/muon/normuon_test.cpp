@@ -35,7 +35,8 @@ torch::Tensor reference_normuon(const torch::Tensor& o, torch::Tensor& v, double
 
 TEST(NorMuonNormalize, MatchesTheReferenceOverStepsInFloat64) {
   const MuonOptions options = MuonOptions().normalization(Normalization::kNorMuon);
-  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{3, 5}, {5, 3}, {1, 7}, {7, 1}}) {
+  for (const auto& [rows, cols] :
+       std::vector<std::pair<int64_t, int64_t>>{{3, 5}, {5, 3}, {1, 7}, {7, 1}}) {
     torch::manual_seed(rows * 10 + cols);
     torch::Tensor v_lib = torch::zeros({rows}, torch::kDouble);
     torch::Tensor v_ref = torch::zeros({rows}, torch::kDouble);
@@ -43,7 +44,8 @@ TEST(NorMuonNormalize, MatchesTheReferenceOverStepsInFloat64) {
       const torch::Tensor o = torch::randn({rows, cols}, torch::kDouble);
       const torch::Tensor got = detail::muon_normuon_normalize(o, v_lib, options);
       const torch::Tensor want = reference_normuon(o, v_ref, 0.95, 1e-8);
-      EXPECT_LE((got - want).abs().max().item<double>(), 1e-10) << rows << "x" << cols << " " << step;
+      EXPECT_LE((got - want).abs().max().item<double>(), 1e-10)
+          << rows << "x" << cols << " " << step;
       EXPECT_LE((v_lib - v_ref).abs().max().item<double>(), 1e-10) << rows << "x" << cols;
     }
   }
@@ -55,19 +57,18 @@ TEST(NorMuonNormalize, HandCasesWithClosedFormAnswers) {
   // Rows of different sizes and a zero row. First step: v = 0.5·m, every nonzero row divided by
   // √(0.5·m_i), i.e. brought to one RMS; then all of it rescaled to ‖O‖_F. So each nonzero row
   // ends with RMS ‖O‖_F / √(nonzero rows · cols) and its own direction; the zero row stays zero.
-  const torch::Tensor o = torch::tensor({3.0, 4.0, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 1.0},
-                                        torch::kDouble)
-                              .reshape({3, 3});
+  const torch::Tensor o =
+      torch::tensor({3.0, 4.0, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 1.0}, torch::kDouble).reshape({3, 3});
   torch::Tensor v = torch::zeros({3}, torch::kDouble);
   const torch::Tensor got = detail::muon_normuon_normalize(o, v, options);
   const double norm = std::sqrt(9.0 + 16.0 + 3.0);
   const double rms = norm / std::sqrt(2.0 * 3.0);
   // Row 0 (3, 4, 0) has RMS 5/√3; row 2 (1, -1, 1) has RMS 1.
-  const torch::Tensor want = torch::tensor({3.0 / (5.0 / std::sqrt(3.0)) * rms,
-                                            4.0 / (5.0 / std::sqrt(3.0)) * rms, 0.0, 0.0, 0.0, 0.0,
-                                            rms, -rms, rms},
-                                           torch::kDouble)
-                                 .reshape({3, 3});
+  const torch::Tensor want =
+      torch::tensor({3.0 / (5.0 / std::sqrt(3.0)) * rms, 4.0 / (5.0 / std::sqrt(3.0)) * rms, 0.0,
+                     0.0, 0.0, 0.0, rms, -rms, rms},
+                    torch::kDouble)
+          .reshape({3, 3});
   EXPECT_LE((got - want).abs().max().item<double>(), 1e-12) << got;
   EXPECT_LE(std::abs(v[0].item<double>() - 0.5 * 25.0 / 3.0), 1e-14);
   EXPECT_EQ(v[1].item<double>(), 0.0);
@@ -82,8 +83,9 @@ TEST(NorMuonNormalize, HandCasesWithClosedFormAnswers) {
             1e-12);
   // A zero update stays zero (the ε clamps keep 0/0 out).
   torch::Tensor v0 = torch::zeros({2}, torch::kDouble);
-  const torch::Tensor zero = detail::muon_normuon_normalize(
-      torch::zeros({2, 4}, torch::kDouble), v0, MuonOptions().normalization(Normalization::kNorMuon));
+  const torch::Tensor zero =
+      detail::muon_normuon_normalize(torch::zeros({2, 4}, torch::kDouble), v0,
+                                     MuonOptions().normalization(Normalization::kNorMuon));
   EXPECT_EQ(zero.abs().max().item<double>(), 0.0);
 }
 
@@ -123,8 +125,8 @@ TEST(MuonNorMuon, StepsMatchTheReferenceInFloat64) {
         const torch::Tensor u = g_scaled.add(momentum[i].mul(0.9));
         const torch::Tensor o = newton_schulz(u, options.newton_schulz_options());
         const torch::Tensor n = reference_normuon(o, variance[i], 0.9, 1e-8);
-        const double scale = std::sqrt(std::max(1.0, static_cast<double>(u.size(0)) /
-                                                         static_cast<double>(u.size(1))));
+        const double scale = std::sqrt(
+            std::max(1.0, static_cast<double>(u.size(0)) / static_cast<double>(u.size(1))));
         reference[i] -= 0.05 * scale * n;
       }
       opt.step();
@@ -143,8 +145,9 @@ TEST(MuonNorMuon, VarianceIsLazyPerRowInTheParameterDtypeAndOnlyWithNorMuon) {
   auto w = torch::randn({5, 3}, torch::requires_grad());
   auto plain = torch::randn({5, 3}, torch::requires_grad());
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(std::vector<torch::Tensor>{w},
-                      std::make_unique<MuonOptions>(MuonOptions().normalization(Normalization::kNorMuon)));
+  groups.emplace_back(
+      std::vector<torch::Tensor>{w},
+      std::make_unique<MuonOptions>(MuonOptions().normalization(Normalization::kNorMuon)));
   groups.emplace_back(std::vector<torch::Tensor>{plain});
   Muon opt(groups);
   EXPECT_TRUE(opt.state().empty());

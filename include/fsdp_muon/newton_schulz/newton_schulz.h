@@ -77,7 +77,7 @@ const char* to_string(NsCoefficients coefficients);
 // The preset of that name (as to_string spells it); nullopt for any other string.
 std::optional<NsCoefficients> parse_ns_coefficients(std::string_view name);
 
-const char* to_string(NsMethod method);                 // "standard", "gram", "auto"
+const char* to_string(NsMethod method);                    // "standard", "gram", "auto"
 const char* to_string(NsPreconditioning preconditioning);  // "none", "aol"
 std::optional<NsMethod> parse_ns_method(std::string_view name);
 std::optional<NsPreconditioning> parse_ns_preconditioning(std::string_view name);
