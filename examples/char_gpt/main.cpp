@@ -73,7 +73,6 @@ const char* kUsage =
   --ns-preconditioning P   none|aol (MuonOptions::ns_preconditioning; default none)
   --ns-steps N             Newton-Schulz iterations (default 5; 4 is the validated count with
                            --ns-preconditioning aol)
-  --normalization N        none|normuon (MuonOptions::normalization; default none)
   --eval-every N           validation loss every N steps (default 100; 0: only at the end)
   --log-every N            progress line every N steps when stderr is not a terminal
                            (default steps / 10)
@@ -110,7 +109,6 @@ struct Flags {
   fsdp_muon::NsMethod ns_method = fsdp_muon::NsMethod::kStandard;
   fsdp_muon::NsPreconditioning ns_preconditioning = fsdp_muon::NsPreconditioning::kNone;
   int64_t ns_steps = 5;
-  fsdp_muon::Normalization normalization = fsdp_muon::Normalization::kNone;
   int64_t eval_every = 100;
   int64_t log_every = 0;
   uint64_t seed = 1234;
@@ -199,14 +197,6 @@ Flags parse_flags(int argc, char** argv) {
     f.ns_preconditioning = *parsed;
   }
   take("ns-steps", f.ns_steps);
-  text.clear();
-  take_string("normalization", text);
-  if (!text.empty()) {
-    TORCH_CHECK(text == "none" || text == "normuon",
-                "char_gpt: --normalization must be none or normuon, got '", text, "'");
-    f.normalization =
-        text == "normuon" ? fsdp_muon::Normalization::kNorMuon : fsdp_muon::Normalization::kNone;
-  }
   take("eval-every", f.eval_every);
   take("log-every", f.log_every);
   take("seed", f.seed);
@@ -449,8 +439,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
                          .ns_dtype(flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
                          .ns_method(flags.ns_method)
                          .ns_preconditioning(flags.ns_preconditioning)
-                         .ns_steps(flags.ns_steps)
-                         .normalization(flags.normalization));
+                         .ns_steps(flags.ns_steps));
   }
 
   if (rank0) {
