@@ -198,6 +198,8 @@ Flags parse_flags(int argc, char** argv) {
   TORCH_CHECK(f.stop_at >= 0 && f.stop_at <= f.steps, "char_gpt: --stop-at must be in [0, ",
               "--steps]");
   if (f.stop_at == 0) f.stop_at = f.steps;
+  // Before training, not after it: the save at the end would refuse such a folder.
+  if (!f.checkpoint.empty()) check_checkpoint_root(f.checkpoint);
   if (f.log_every <= 0) f.log_every = std::max<int64_t>(1, f.steps / 10);
   return f;
 }

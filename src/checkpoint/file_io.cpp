@@ -34,6 +34,7 @@ void write_all(int fd, const char* data, size_t size, const std::string& path, c
 void fsync_dir(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (fd < 0) return;  // some file systems refuse; the rename itself is still atomic
+  if (take_injected_folder_sync_failure()) errno = EIO;
   ::fsync(fd);
   ::close(fd);
 }

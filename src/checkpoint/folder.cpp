@@ -15,6 +15,7 @@
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
 
+#include "checkpoint/failure_injection.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/framing.h"
 #include "checkpoint/rank_file.h"
@@ -206,7 +207,9 @@ std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir, const cha
   if (is_complete(dir)) return FoundCheckpoint{dir, read_manifest(dir, api)};
   const std::string latest_path = join_path(dir, kLatestName);
   if (path_exists(latest_path)) {
+    run_latest_read_hook(false);
     const LatestLine latest = read_latest(latest_path, api);
+    run_latest_read_hook(true);
     const std::string folder = join_path(dir, latest.name);
     TORCH_CHECK(is_directory(folder), api, ": ", latest_path, " names '", latest.name, "', but ",
                 folder, " does not exist");

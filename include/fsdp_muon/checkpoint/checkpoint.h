@@ -42,6 +42,11 @@ struct SaveCheckpointOptions {
   TORCH_ARG(int64_t, keep_last) = 2;
   // Stored as rank 0 passes it; load_checkpoint returns it.
   TORCH_ARG(CheckpointUserState, user_state);
+  // Names the training job, with the model and optimizer set-up (parameter names and shapes,
+  // optimizer kinds and param groups): a save into a root whose newest checkpoint is of
+  // another job (another run_id, model or set-up) is refused, and pruning removes only this
+  // job's checkpoints. Pass the same value when a job resumes; "" is a valid run id.
+  TORCH_ARG(std::string, run_id) = "";
 };
 
 struct ImportCheckpointOptions {
