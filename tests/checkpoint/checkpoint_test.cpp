@@ -912,11 +912,13 @@ TEST(CheckpointFailures, EveryRankLoadsTheCheckpointRank0Resolved) {
   const auto keep_all = SaveCheckpointOptions().keep_last(0);
   Sharded s = make_sharded(7);
   train_step(&s, nullptr, 1);
-  save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions(keep_all).user_state(step_state(1)));
+  save_checkpoint(dir, s.groups, s.optimizers(),
+                  SaveCheckpointOptions(keep_all).user_state(step_state(1)));
   const Snapshot first = snapshot(s);
   const std::string first_latest = read_text(dir + "/latest");
   train_step(&s, nullptr, 2);
-  save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions(keep_all).user_state(step_state(2)));
+  save_checkpoint(dir, s.groups, s.optimizers(),
+                  SaveCheckpointOptions(keep_all).user_state(step_state(2)));
   const std::string second_latest = read_text(dir + "/latest");
   world().barrier();
   if (me == 0) write_text(dir + "/latest", first_latest);
@@ -971,8 +973,8 @@ TEST(CheckpointFailures, SaveIntoACheckpointFolderIsAnErrorResumeAndSaveToTheRoo
   const std::string dir = scratch("nested");
   Sharded s = make_sharded(7);
   train_step(&s, nullptr, 1);
-  const std::string first =
-      save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions().user_state(step_state(1)));
+  const std::string first = save_checkpoint(dir, s.groups, s.optimizers(),
+                                            SaveCheckpointOptions().user_state(step_state(1)));
   expect_error([&] { save_checkpoint(first, s.groups, s.optimizers()); },
                {"fsdp_muon::save_checkpoint", first, "is a checkpoint folder",
                 "save into the folder that holds it"},
@@ -985,8 +987,8 @@ TEST(CheckpointFailures, SaveIntoACheckpointFolderIsAnErrorResumeAndSaveToTheRoo
   Sharded t = make_sharded(99);
   EXPECT_EQ(load_checkpoint(dir, t.groups, t.optimizers()).ints["step"], 1);
   train_step(&t, nullptr, 2);
-  const std::string second =
-      save_checkpoint(dir, t.groups, t.optimizers(), SaveCheckpointOptions().user_state(step_state(2)));
+  const std::string second = save_checkpoint(dir, t.groups, t.optimizers(),
+                                             SaveCheckpointOptions().user_state(step_state(2)));
   EXPECT_EQ(second, dir + "/ckpt-000002");
   const Snapshot saved = snapshot(t);
   Sharded u = make_sharded(98);
@@ -1035,10 +1037,12 @@ TEST(CheckpointFailures, AnotherJobsCheckpointsAreRefusedAndNeverPruned) {
   train_step(&s, nullptr, 1);
   const std::string first = save_checkpoint(dir, s.groups, s.optimizers(), job_a);
   const std::string latest = read_text(dir + "/latest");
-  expect_error([&] {
-    save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions().run_id("job-b"));
-  }, {"fsdp_muon::save_checkpoint", first, "of another job", "run id 'job-a'", "'job-b'"},
-               "another run id");
+  expect_error(
+      [&] {
+        save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions().run_id("job-b"));
+      },
+      {"fsdp_muon::save_checkpoint", first, "of another job", "run id 'job-a'", "'job-b'"},
+      "another run id");
   {
     Sharded other = make_sharded(7, /*renamed=*/true);
     train_step(&other, nullptr, 1);
@@ -1057,7 +1061,8 @@ TEST(CheckpointFailures, AnotherJobsCheckpointsAreRefusedAndNeverPruned) {
   world().barrier();
   std::vector<std::string> names = list_directory(dir);
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"ckpt-000000", next.substr(dir.size() + 1), "latest"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"ckpt-000000", next.substr(dir.size() + 1), "latest"}));
 }
 
 // An EIO from a folder's fsync (the rename may not be durable) fails the save on every rank.
@@ -1078,13 +1083,13 @@ TEST(CheckpointFailures, FolderFsyncFailureFailsTheSave) {
   for (const Failure& f : {Failure{last, 0, dir + "/ckpt-"}, Failure{0, 0, dir},
                            Failure{0, 2, dir + "/ckpt-"}, Failure{0, 3, dir}}) {
     if (me == f.rank) detail::set_checkpoint_folder_sync_failure(f.after);
-    expect_error([&] { save_checkpoint(dir, s.groups, s.optimizers()); },
-                 {me == f.rank ? "fsdp_muon::save_checkpoint: fsync of folder "
-                               : "fsdp_muon::save_checkpoint failed on rank " +
-                                     std::to_string(f.rank),
-                  f.folder, "Input/output error"},
-                 "a failed fsync of a folder (rank " + std::to_string(f.rank) + ", after " +
-                     std::to_string(f.after) + ")");
+    expect_error(
+        [&] { save_checkpoint(dir, s.groups, s.optimizers()); },
+        {me == f.rank ? "fsdp_muon::save_checkpoint: fsync of folder "
+                      : "fsdp_muon::save_checkpoint failed on rank " + std::to_string(f.rank),
+         f.folder, "Input/output error"},
+        "a failed fsync of a folder (rank " + std::to_string(f.rank) + ", after " +
+            std::to_string(f.after) + ")");
     detail::set_checkpoint_folder_sync_failure(-1);
     world().barrier();
   }
