@@ -1,5 +1,4 @@
 list(APPEND FSDP_MUON_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/muon_options.cpp
   ${CMAKE_CURRENT_LIST_DIR}/muon_math.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/option_agreement.cpp
   ${CMAKE_CURRENT_LIST_DIR}/muon.cpp)
