@@ -14,8 +14,9 @@
 // Pass, one backward of this group (kOptimGrads, kOptimGradsParams; always kIdle under kOptim)
 //   kIdle --pre_backward: full gradients allocated, one count per parameter that requires
 //   grad--> kAccumulating (kReduced at once when none does)
-//   kAccumulating --last gradient accumulated, or the end of backward: reduce-scatter
-//   issued, full gradients released to it--> kReduced
+//   kAccumulating --the post-backward hook of every forward() call of the pass (the same point
+//   of the backward on every rank, whichever parameters got gradients), or the end of
+//   backward: reduce-scatter issued, full gradients released to it--> kReduced
 //   kReduced --end_backward--> kIdle
 //   kAccumulating/kReduced --zero_grad() after a backward that threw--> kIdle
 // Independent of Pass, at most one reduce-scatter in flight per group (`reduction_`):
