@@ -15,7 +15,15 @@
 namespace fsdp_muon {
 namespace {
 
-using namespace detail;
+using detail::assign_window;
+using detail::assign_within_bytes;
+using detail::bytes_per_rank;
+using detail::finish_plan;
+using detail::finish_rounds;
+using detail::pack_rounds;
+using detail::rebalance;
+using detail::rounds_from_windows;
+using detail::window_peak_bytes;
 
 void validate_matrix(const PlanMatrix& m, size_t g, size_t i, int world_size) {
   TORCH_CHECK(m.rows >= 0 && m.cols >= 0, "fsdp_muon::plan_owners: matrix '", m.name, "' (group ",
