@@ -30,6 +30,13 @@ enum class WeightDecayMethod {
   kPalm,         // W <- W - lr^2 * wd * W
 };
 
+// A per-row normalization of the orthogonalized update (docs/DESIGN.md §4, "NorMuon").
+//   kNone     the update is NS(U).
+//   kNorMuon  NorMuon (Li et al., 2025): with O = NS(U) (rows × cols), per-row second moment
+//             v ← β2·v + (1 − β2)·mean_j(O_ij²) kept in the optimizer state, O_ij ← O_ij /
+//             (√v_i + ε), then rescaled to O's Frobenius norm (‖O‖_F / max(‖·‖_F, ε)).
+enum class Normalization { kNone, kNorMuon };
+
 struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
   explicit MuonOptions(double lr = 0.02);
   TORCH_ARG(double, lr) = 0.02;
@@ -45,6 +52,13 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   TORCH_ARG(double, eps) = 1e-7;
   TORCH_ARG(c10::ScalarType, ns_dtype) = at::kBFloat16;
   TORCH_ARG(bool, skip_non_matrix) = false;
+  // Newton–Schulz evaluation (NewtonSchulzOptions::method, gram_restarts, preconditioning).
+  TORCH_ARG(NsMethod, ns_method) = NsMethod::kStandard;
+  TORCH_ARG(NsRestartList, gram_restarts) = NsRestartList{2};
+  TORCH_ARG(NsPreconditioning, ns_preconditioning) = NsPreconditioning::kNone;
+  TORCH_ARG(Normalization, normalization) = Normalization::kNone;
+  TORCH_ARG(double, normuon_beta2) = 0.95;
+  TORCH_ARG(double, normuon_eps) = 1e-8;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -60,5 +74,6 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
 
 const char* to_string(ScaleMode mode);
 const char* to_string(WeightDecayMethod method);
+const char* to_string(Normalization normalization);  // "none", "normuon"
 
 }  // namespace fsdp_muon
