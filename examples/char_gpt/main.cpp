@@ -71,8 +71,9 @@ const char* kUsage =
   --ns-dtype bf16|fp32     Newton-Schulz compute dtype (default bf16)
   --ns-method M            standard|gram|auto (MuonOptions::ns_method; default standard)
   --ns-preconditioning P   none|aol (MuonOptions::ns_preconditioning; default none)
-  --ns-steps N             Newton-Schulz iterations (default 5; 4 is the validated count with
-                           --ns-preconditioning aol)
+  --ns-steps N             Newton-Schulz iterations (default 5; keep 5 with
+                           --ns-preconditioning aol: quintic at 4 steps with AOL is not a
+                           validated pair, README "Gram, AOL and NorMuon")
   --eval-every N           validation loss every N steps (default 100; 0: only at the end)
   --log-every N            progress line every N steps when stderr is not a terminal
                            (default steps / 10)
@@ -222,6 +223,8 @@ Flags parse_flags(int argc, char** argv) {
   TORCH_CHECK(f.stop_at >= 0 && f.stop_at <= f.steps, "char_gpt: --stop-at must be in [0, ",
               "--steps]");
   if (f.stop_at == 0) f.stop_at = f.steps;
+  // Before training, not after it: the save at the end would refuse such a folder.
+  if (!f.checkpoint.empty()) check_checkpoint_root(f.checkpoint);
   if (f.log_every <= 0) f.log_every = std::max<int64_t>(1, f.steps / 10);
   return f;
 }

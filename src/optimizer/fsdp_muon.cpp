@@ -1,41 +1,21 @@
+// FsdpMuon's construction: every parameter checked, the matrices planned, the ranks agreed on
+// what they built (docs/DESIGN.md §3, §5). The step is in fsdp_muon_step.cpp.
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
 #include <algorithm>
-#include <map>
 #include <sstream>
-#include <tuple>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
-#include <fsdp_muon/comm/communicator.h>
-#include <fsdp_muon/fsdp/parameter_group.h>
-
 #include "comm/agreement.h"
-#include "muon/muon_math.h"
-#include "newton_schulz/newton_schulz_internal.h"
-#include "optimizer/exchange_layout.h"
-#include "optimizer/phase_timer.h"
+#include "optimizer/fsdp_muon_impl.h"
 
 namespace fsdp_muon {
-namespace {
-
-using detail::ExchangeLayout;
-using detail::MatrixPlacement;
-using Stats = FsdpMuonStepStats;
-
-// Runs `collective` and adds the bytes it sent (one CommStats counter) to `bytes`.
-template <typename Collective>
-void count_sent(Communicator& comm, int64_t CommStats::*counter, int64_t& bytes,
-                Collective&& collective) {
-  const int64_t before = comm.stats().*counter;
-  collective();
-  bytes += comm.stats().*counter - before;
-}
+namespace detail {
 
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
   auto* options = dynamic_cast<MuonOptions*>(&group.options());
@@ -43,6 +23,14 @@ MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t in
               " has options of another optimizer; give it fsdp_muon::MuonOptions");
   return *options;
 }
+
+}  // namespace detail
+namespace {
+
+using detail::AcceptedMatrix;
+using detail::ExchangeLayout;
+using detail::MatrixPlacement;
+using detail::muon_options_of;
 
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::ostringstream out;
@@ -77,27 +65,6 @@ std::shared_ptr<Communicator> communicator_of(
   }
   return nullptr;
 }
-
-// A 2-D parameter accepted by build(), before matrices are put in plan order.
-struct AcceptedMatrix {
-  size_t group_ordinal;
-  size_t index;
-  size_t param_group;
-  at::Tensor param;
-};
-
-// One round (or window) as it moves through the step's phases: its matrices are
-// round_matrices[round], position j in every vector below.
-struct RoundInFlight {
-  size_t round = 0;
-  std::vector<bool> active;        // [j] has a gradient this step
-  std::vector<at::Tensor> own;     // [j] this rank's momentum input, owned matrices
-  std::vector<at::Tensor> full;    // [j] full matrix (input, then update) on owners
-  at::Tensor send;                 // gather send = scatter receive
-  at::Tensor recv;                 // gather receive = scatter send
-  std::unique_ptr<CommWork> work;  // the gather or scatter in flight on send/recv
-  int64_t full_bytes = 0;          // of `full`
-};
 
 }  // namespace
 
@@ -135,57 +102,6 @@ OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
       .prefetch_budget_bytes(prefetch_budget_bytes())
       .overlap(overlap_communication());
 }
-
-struct FsdpMuon::Impl {
-  FsdpMuonConfig config;
-  std::shared_ptr<Communicator> comm;
-  std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
-  std::vector<FsdpMuonMatrix> matrices;
-  std::vector<std::vector<size_t>> group_matrices;  // [group] -> indices into matrices
-  // [round] -> indices into matrices, and their placements, in the plan's round order.
-  std::vector<std::vector<size_t>> round_matrices;
-  std::vector<std::vector<MatrixPlacement>> round_placement;
-  std::unordered_map<const c10::TensorImpl*, size_t> matrix_of;
-  OwnerPlan plan;
-  // Parameter identities per optimizer group as constructed: step() compares against them.
-  std::vector<std::vector<const c10::TensorImpl*>> frozen;
-  std::vector<ExchangeLayout> exchanges;  // [round], laid out again when the active set changes
-  FsdpMuonStepStats stats;
-  // The last step's phase times, added to `stats` when they are first read (on CUDA that waits
-  // for the step's work, so a step nobody profiles never waits).
-  std::unique_ptr<detail::PhaseTimer> timer;
-  int64_t skipped_steps = 0;
-
-  int rank() const { return comm->rank(); }
-  int world() const { return comm->size(); }
-
-  const ExchangeLayout& exchange(size_t round, const std::vector<bool>& active) {
-    ExchangeLayout& x = exchanges[round];
-    if (x.active != active || x.send_counts.empty()) {
-      x = detail::layout_exchange(round_placement[round], active, rank(), world());
-    }
-    return x;
-  }
-
-  // ---- construction ----
-  std::vector<AcceptedMatrix> accept_parameters(FsdpMuon& self);
-  void plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> accepted);
-  std::string describe_parameters(const FsdpMuon& self) const;
-
-  // ---- step() phases, in order (docs/DESIGN.md §3) ----
-  std::vector<bool> agree_on_gradients(FsdpMuon& self, FsdpMuonStepStats& stats);
-  void reject_non_finite(const std::vector<int64_t>& sums, std::vector<bool>& active,
-                         FsdpMuonStepStats& stats);
-  RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const std::vector<bool>& active);
-  void start_gather(RoundInFlight& f, FsdpMuonStepStats& stats);
-  void assemble_owned(RoundInFlight& f, FsdpMuonStepStats& stats);
-  void orthogonalize_owned(FsdpMuon& self, RoundInFlight& f, FsdpMuonStepStats& stats);
-  void start_scatter(RoundInFlight& f, FsdpMuonStepStats& stats);
-  void apply_updates(FsdpMuon& self, RoundInFlight& f);
-  void refresh(size_t group, FsdpMuonStepStats& stats);
-  // Full-matrix bytes alive now on this rank, for FsdpMuonStepStats::max_transient_bytes.
-  int64_t live_full_bytes = 0;
-};
 
 FsdpMuon::FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults,
                    FsdpMuonConfig config)
@@ -417,383 +333,6 @@ std::string FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
     desc << " }";
   }
   return desc.str();
-}
-
-at::Tensor FsdpMuon::step(LossClosure closure) {
-  at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  Impl& d = *impl_;
-  FsdpMuonStepStats stats;
-  d.timer->reset();
-  try {
-    const std::vector<bool> active = d.agree_on_gradients(*this, stats);
-    d.live_full_bytes = 0;
-    const size_t rounds = d.plan.rounds.size();
-    stats.windows = static_cast<int64_t>(rounds);
-    if (!d.config.overlap_communication()) {
-      for (size_t t = 0; t < rounds; ++t) {
-        RoundInFlight f = d.momentum_inputs(*this, t, active);
-        d.start_gather(f, stats);
-        d.assemble_owned(f, stats);
-        d.orthogonalize_owned(*this, f, stats);
-        d.start_scatter(f, stats);
-        d.apply_updates(*this, f);
-        for (size_t g = 0; g < d.groups.size(); ++g) {
-          if (d.plan.refresh_after_round[g] == t) d.refresh(g, stats);
-        }
-      }
-    } else if (rounds > 0) {
-      // docs/DESIGN.md §3: round t+1 is gathered while round t is orthogonalized, and round t's
-      // scatter runs while round t+1 is orthogonalized. Every rank starts the collectives in
-      // the same order: gather 0, then per round gather t+1, scatter t. The refreshes come last:
-      // a synchronous collective would wait for the ones in flight.
-      // Where two consecutive rounds do not fit the budget together
-      // (OwnerPlan::overlap_with_next), round t is applied before round t+1 is gathered.
-      RoundInFlight current = d.momentum_inputs(*this, 0, active);
-      d.start_gather(current, stats);
-      RoundInFlight previous;  // scattered while `current` is orthogonalized, not yet applied
-      bool scattering = false;
-      for (size_t t = 0; t < rounds; ++t) {
-        const bool pipelined = t + 1 < rounds && d.plan.overlap_with_next[t];
-        d.assemble_owned(current, stats);
-        RoundInFlight next;
-        if (pipelined) {
-          next = d.momentum_inputs(*this, t + 1, active);
-          d.start_gather(next, stats);
-        }
-        d.orthogonalize_owned(*this, current, stats);
-        d.start_scatter(current, stats);
-        if (scattering) d.apply_updates(*this, previous);
-        previous = std::move(current);
-        scattering = true;
-        if (!pipelined && t + 1 < rounds) {
-          d.apply_updates(*this, previous);
-          scattering = false;
-          next = d.momentum_inputs(*this, t + 1, active);
-          d.start_gather(next, stats);
-        }
-        current = std::move(next);
-      }
-      if (scattering) d.apply_updates(*this, previous);
-    }
-    if (d.config.overlap_communication()) {
-      for (size_t g = 0; g < d.groups.size(); ++g) d.refresh(g, stats);
-    }
-  } catch (...) {
-    // A failed step's phase times must not be added to the last completed step's stats.
-    d.timer->reset();
-    throw;
-  }
-  d.stats = stats;
-  return loss;
-}
-
-// One all-reduce before anything changes: every rank learns whether any rank's parameter groups
-// were edited, whether any failed its checks, and which matrices have gradients everywhere.
-std::vector<bool> FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self, FsdpMuonStepStats& stats) {
-  const auto phase = timer->measure(&Stats::check_seconds);
-  const size_t n = matrices.size();
-  bool changed = self.param_groups_.size() != frozen.size();
-  for (size_t gi = 0; !changed && gi < self.param_groups_.size(); ++gi) {
-    const auto& params = self.param_groups_[gi].params();
-    changed = params.size() != frozen[gi].size();
-    for (size_t i = 0; !changed && i < params.size(); ++i) {
-      changed = params[i].unsafeGetTensorImpl() != frozen[gi][i];
-    }
-  }
-  const NonFiniteGradients non_finite = config.non_finite_gradients();
-  const bool check_finite = non_finite != NonFiniteGradients::kIgnore;
-  // [changed, has a gradient per matrix, (checked:) non-finite gradient per matrix]: this
-  // rank's view, summed over the ranks unless the loop guarantees agreement.
-  const size_t size = check_finite ? 2 * n + 1 : n + 1;
-  const auto local_checks = [&](std::vector<int64_t>& mine) {
-    mine[0] = changed ? 1 : 0;
-    if (changed) return;  // the checks below assume the constructed groups
-    for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
-      muon_options_of(self.param_groups_[gi], gi).validate();  // may have been edited
-    }
-    std::vector<size_t> checked;
-    std::vector<at::Tensor> not_finite;
-    for (size_t m = 0; m < n; ++m) {
-      const at::Tensor& p = matrices[m].sharded_parameter;
-      const at::Tensor& g = p.grad();
-      if (!g.defined()) continue;
-      TORCH_CHECK(!g.is_sparse() && g.sizes() == p.sizes() && g.dtype() == p.dtype(),
-                  "fsdp_muon::FsdpMuon: the gradient of '", matrices[m].name, "' has shape ",
-                  g.sizes(), " and dtype ", g.dtype(), " but its shard is ", p.sizes(), " ",
-                  p.dtype(),
-                  "; FsdpMuon expects the group's gradient-shard slice "
-                  "(FsdpParameterGroup::reduce_scatter_grads())");
-      mine[m + 1] = 1;
-      if (check_finite) {
-        checked.push_back(m);
-        not_finite.push_back(at::logical_not(at::isfinite(g)).any());
-      }
-    }
-    if (checked.empty()) return;
-    // One device-to-host copy for all matrices. The shards are the reduce-scatter's result, so
-    // the wait is bounded by the communicator's timeout (docs/DESIGN.md §5).
-    const at::Tensor flags = comm->to_host(at::stack(not_finite).to(at::kLong));
-    for (size_t k = 0; k < checked.size(); ++k) {
-      mine[n + 1 + checked[k]] = flags.data_ptr<int64_t>()[k];
-    }
-  };
-  std::vector<int64_t> sums(size, 0);
-  if (config.check_gradient_agreement()) {
-    count_sent(*comm, &CommStats::all_reduce_bytes, stats.check_bytes, [&] {
-      sums = detail::agree_on_sum(*comm, "fsdp_muon::FsdpMuon::step", size, local_checks);
-    });
-  } else {
-    // Every rank is taken to see what this one sees.
-    local_checks(sums);
-    for (int64_t& count : sums) count *= world();
-  }
-  const int w = world();
-  TORCH_CHECK(sums[0] == 0,
-              "fsdp_muon::FsdpMuon: the parameter groups were changed after construction on ",
-              sums[0], " of ", w, " rank(s)", changed ? " (this one included)" : "",
-              " — by add_param_group or add_parameters through the Optimizer base class, or by "
-              "editing param_groups(). The owner plan covers the parameters given to the "
-              "constructor; construct a new FsdpMuon instead");
-  std::ostringstream disagree;
-  int64_t disagreements = 0;
-  std::vector<bool> active(n, false);
-  for (size_t m = 0; m < n; ++m) {
-    const int64_t holders = sums[m + 1];
-    active[m] = holders == w;
-    if (holders == 0 || holders == w || disagreements++ >= 8) continue;
-    const bool here = matrices[m].sharded_parameter.grad().defined();
-    disagree << (disagreements > 1 ? ", " : "") << "'" << matrices[m].name << "' on " << holders
-             << " of " << w << " ranks (this rank: " << (here ? "yes" : "no") << ")";
-  }
-  TORCH_CHECK(disagreements == 0,
-              "fsdp_muon::FsdpMuon: ranks disagree on which parameters have gradients (",
-              disagreements, " parameter(s)): ", disagree.str(),
-              ". Every rank must produce the same set of gradients (run backward on every rank, "
-              "then FsdpParameterGroup::reduce_scatter_grads() on every rank)");
-  stats.active_parameters = std::count(active.begin(), active.end(), true);
-  if (check_finite) reject_non_finite(sums, active, stats);
-  return active;
-}
-
-// Applies NonFiniteGradients to the agreed counts of ranks that saw NaN or Inf per matrix.
-void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& sums, std::vector<bool>& active,
-                                       FsdpMuonStepStats& stats) {
-  const size_t n = matrices.size();
-  std::ostringstream names;
-  for (size_t m = 0; m < n; ++m) {
-    const int64_t ranks = sums[n + 1 + m];
-    if (ranks == 0) continue;
-    if (stats.non_finite_parameters++ < 8) {
-      names << (stats.non_finite_parameters > 1 ? ", " : "") << "'" << matrices[m].name << "' on "
-            << ranks << " of " << world() << " rank(s)";
-    }
-  }
-  if (stats.non_finite_parameters == 0) return;
-  TORCH_CHECK(config.non_finite_gradients() != NonFiniteGradients::kThrow,
-              "fsdp_muon::FsdpMuon: non-finite gradients (NaN or Inf) in ",
-              stats.non_finite_parameters, " parameter(s): ", names.str(),
-              ". FsdpMuonConfig().non_finite_gradients(NonFiniteGradients::kSkipStep) skips such "
-              "steps instead");
-  // kSkipStep: no matrix is active, so nothing moves or changes; the groups are still refreshed.
-  active.assign(n, false);
-  stats.skipped = true;
-  ++skipped_steps;
-}
-
-// Weight decay, momentum and the Nesterov input on each local shard of the round's matrices;
-// owners keep theirs, the rest is packed into the gather's send buffer.
-RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round,
-                                              const std::vector<bool>& active) {
-  const auto phase = timer->measure(&Stats::elementwise_seconds);
-  const int me = rank();
-  const auto& mine = round_matrices[round];
-  RoundInFlight f;
-  f.round = round;
-  f.active.resize(mine.size());
-  for (size_t j = 0; j < mine.size(); ++j) f.active[j] = active[mine[j]];
-  const ExchangeLayout& x = exchange(round, f.active);
-  f.own.resize(mine.size());
-  f.full.resize(mine.size());
-  const size_t group = mine.empty() ? 0 : matrices[mine.front()].group_ordinal;
-  f.send = at::empty({x.send_numel}, groups[group]->main_weight_shard().options());
-  for (size_t j = 0; j < mine.size(); ++j) {
-    if (!f.active[j]) continue;
-    const FsdpMuonMatrix& mat = matrices[mine[j]];
-    const at::Tensor& p = mat.sharded_parameter;
-    MuonParamState& state = detail::advance_muon_state(self.state_, p);
-    if (p.numel() == 0) continue;  // this rank holds none of it
-    const MuonOptions& options =
-        muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
-    at::Tensor buffer = state.momentum_buffer();
-    at::Tensor u = detail::muon_momentum_input(p, p.grad(), buffer, options);
-    if (mat.owner == me) {
-      f.own[j] = std::move(u);
-    } else {
-      f.send.narrow(0, x.send_offset[j], u.numel()).copy_(u);
-    }
-  }
-  return f;
-}
-
-// One all-to-all-v for the round (skipped when nothing moves), started without waiting.
-void FsdpMuon::Impl::start_gather(RoundInFlight& f, FsdpMuonStepStats& stats) {
-  const auto phase = timer->measure(&Stats::gather_seconds);
-  const ExchangeLayout& x = exchange(f.round, f.active);
-  f.recv = at::empty({x.recv_numel}, f.send.options());
-  if (x.moves) {
-    count_sent(*comm, &CommStats::all_to_all_v_bytes, stats.gather_bytes, [&] {
-      f.work = comm->all_to_all_v_async(f.send, x.send_counts, f.recv, x.recv_counts);
-    });
-  }
-}
-
-// Waits for the round's gather, then each owner assembles its full matrices.
-void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, FsdpMuonStepStats& stats) {
-  const auto phase = timer->measure(&Stats::gather_seconds);
-  if (f.work) {
-    f.work->wait();
-    f.work.reset();
-  }
-  const int me = rank();
-  const ExchangeLayout& x = exchange(f.round, f.active);
-  const auto& where_all = round_placement[f.round];
-  for (size_t j = 0; j < where_all.size(); ++j) {
-    const MatrixPlacement& where = where_all[j];
-    if (!f.active[j] || where.owner != me) continue;
-    // One allocation per matrix: fresh, aligned storage, as single-device Muon's U has.
-    at::Tensor full = at::empty({where.numel()}, f.send.options());
-    f.full_bytes += full.nbytes();
-    for (int s = 0; s < world(); ++s) {
-      const int64_t len = where.held_numel(s);
-      if (len == 0) continue;
-      full.narrow(0, where.held[s].first, len)
-          .copy_(s == me ? f.own[j] : f.recv.narrow(0, x.recv_offset[j][s], len));
-    }
-    f.own[j] = at::Tensor();
-    f.full[j] = std::move(full);
-  }
-  live_full_bytes += f.full_bytes;
-  stats.max_transient_bytes = std::max(stats.max_transient_bytes, live_full_bytes);
-}
-
-// Newton–Schulz and the scale on each full matrix this rank owns in the round, in place.
-// Same-shape matrices of one optimizer group go through one batched call where
-// FsdpMuonConfig::batch_newton_schulz allows it (docs/DESIGN.md §4, "Batching").
-void FsdpMuon::Impl::orthogonalize_owned(FsdpMuon& self, RoundInFlight& f,
-                                         FsdpMuonStepStats& stats) {
-  const auto phase = timer->measure(&Stats::orthogonalize_seconds);
-  // Bounds the batch's stacked copy and Newton–Schulz workspace (2^25 elements: 128 MiB fp32).
-  constexpr int64_t kMaxBatchElements = int64_t{1} << 25;
-  struct Owned {
-    at::Tensor u;  // the full matrix as rows x cols, a view of its storage
-    const MuonOptions* options;
-  };
-  // Batches in order of their first matrix; the key keeps apart what one call cannot share.
-  using Key = std::tuple<int64_t, int64_t, c10::ScalarType, size_t>;  // rows, cols, dtype, group
-  std::vector<std::vector<Owned>> batches;
-  std::map<Key, size_t> open_batch;  // key -> index in batches of the batch still filling
-  const auto& mine = round_matrices[f.round];
-  for (size_t j = 0; j < mine.size(); ++j) {
-    at::Tensor& full = f.full[j];
-    if (!full.defined()) continue;
-    const FsdpMuonMatrix& mat = matrices[mine[j]];
-    const MuonOptions& options =
-        muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
-    Owned owned{full.view({mat.rows, mat.cols}), &options};
-    const NewtonSchulzBatching mode = config.batch_newton_schulz();
-    const bool batch =
-        mode == NewtonSchulzBatching::kAlways ||
-        (mode == NewtonSchulzBatching::kWhereBitwise &&
-         detail::batched_newton_schulz_is_bitwise(full.device(), options.ns_dtype()));
-    const Key key{mat.rows, mat.cols, full.scalar_type(), mat.param_group};
-    auto open = batch ? open_batch.find(key) : open_batch.end();
-    if (open != open_batch.end() &&
-        static_cast<int64_t>(batches[open->second].size() + 1) * mat.rows * mat.cols <=
-            kMaxBatchElements) {
-      batches[open->second].push_back(std::move(owned));
-      continue;
-    }
-    if (batch) open_batch[key] = batches.size();
-    batches.push_back({std::move(owned)});
-  }
-  for (const std::vector<Owned>& batch : batches) {
-    const MuonOptions& options = *batch.front().options;
-    stats.orthogonalized_matrices += static_cast<int64_t>(batch.size());
-    ++stats.newton_schulz_calls;
-    if (batch.size() == 1) {
-      const at::Tensor& u = batch.front().u;
-      u.copy_(detail::muon_orthogonalized_update(u, options));
-      continue;
-    }
-    std::vector<at::Tensor> inputs;
-    inputs.reserve(batch.size());
-    for (const Owned& owned : batch) inputs.push_back(owned.u);
-    const at::Tensor updates = detail::muon_orthogonalized_update(at::stack(inputs), options);
-    for (size_t b = 0; b < batch.size(); ++b) batch[b].u.copy_(updates[static_cast<int64_t>(b)]);
-  }
-}
-
-// Each owner packs every holder's slice of the update and the reverse all-to-all-v starts: the
-// gather's buffers, roles swapped.
-void FsdpMuon::Impl::start_scatter(RoundInFlight& f, FsdpMuonStepStats& stats) {
-  const auto phase = timer->measure(&Stats::scatter_seconds);
-  const int me = rank();
-  const ExchangeLayout& x = exchange(f.round, f.active);
-  const auto& where_all = round_placement[f.round];
-  for (size_t j = 0; j < where_all.size(); ++j) {
-    if (!f.full[j].defined()) continue;
-    const MatrixPlacement& where = where_all[j];
-    for (int h = 0; h < world(); ++h) {
-      const int64_t len = where.held_numel(h);
-      if (h == me || len == 0) continue;
-      f.recv.narrow(0, x.recv_offset[j][h], len)
-          .copy_(f.full[j].narrow(0, where.held[h].first, len));
-    }
-  }
-  if (x.moves) {
-    count_sent(*comm, &CommStats::all_to_all_v_bytes, stats.scatter_bytes, [&] {
-      f.work = comm->all_to_all_v_async(f.recv, x.recv_counts, f.send, x.send_counts);
-    });
-  }
-}
-
-// Waits for the round's scatter, then param <- param - lr * update on each local shard.
-void FsdpMuon::Impl::apply_updates(FsdpMuon& self, RoundInFlight& f) {
-  if (f.work) {
-    const auto phase = timer->measure(&Stats::scatter_seconds);
-    f.work->wait();
-    f.work.reset();
-  }
-  const auto phase = timer->measure(&Stats::apply_seconds);
-  const int me = rank();
-  const ExchangeLayout& x = exchange(f.round, f.active);
-  const auto& mine = round_matrices[f.round];
-  for (size_t j = 0; j < mine.size(); ++j) {
-    const FsdpMuonMatrix& mat = matrices[mine[j]];
-    const at::Tensor& p = mat.sharded_parameter;
-    if (!f.active[j] || p.numel() == 0) continue;
-    const MuonOptions& options =
-        muon_options_of(self.param_groups_[mat.param_group], mat.param_group);
-    const at::Tensor update =
-        mat.owner == me ? f.full[j].narrow(0, round_placement[f.round][j].held[me].first, p.numel())
-                        : f.send.narrow(0, x.send_offset[j], p.numel());
-    detail::muon_apply_update(p, update, options);
-  }
-  live_full_bytes -= f.full_bytes;
-  f = RoundInFlight{};
-}
-
-// The group's model weights are refreshed every step, whether or not its matrices had
-// gradients, since another optimizer may just have stepped the group's other parameters.
-void FsdpMuon::Impl::refresh(size_t group, FsdpMuonStepStats& stats) {
-  const auto phase = timer->measure(&Stats::refresh_seconds);
-  count_sent(*comm, &CommStats::all_gather_bytes, stats.refresh_bytes,
-             [&] { groups[group]->refresh_model_weights(); });
 }
 
 void FsdpMuon::save(torch::serialize::OutputArchive& archive) const {

@@ -1,0 +1,105 @@
+#pragma once
+// FsdpMuon's state, shared by its construction (fsdp_muon.cpp) and its step (fsdp_muon_step.cpp).
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
+#include <fsdp_muon/optimizer/fsdp_muon.h>
+
+#include "optimizer/exchange_layout.h"
+#include "optimizer/phase_timer.h"
+
+namespace fsdp_muon {
+namespace detail {
+
+// The MuonOptions of parameter group `index`; a clear error for another optimizer's options.
+MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index);
+
+// A 2-D parameter accepted at construction, before matrices are put in plan order.
+struct AcceptedMatrix {
+  size_t group_ordinal;
+  size_t index;
+  size_t param_group;
+  at::Tensor param;
+};
+
+// What one step() learned from its agreement, and the statistics it fills.
+struct StepRun {
+  std::vector<bool> active;                 // [matrix] has a gradient on every rank
+  std::vector<const MuonOptions*> options;  // [optimizer group], validated once per step
+  FsdpMuonStepStats stats;
+
+  const MuonOptions& options_of(const FsdpMuonMatrix& m) const { return *options[m.param_group]; }
+};
+
+// One round as it moves through the step's phases: its matrices are round_matrices[round],
+// position j in every vector below.
+struct RoundInFlight {
+  size_t round = 0;
+  std::vector<bool> active;        // [j] has a gradient this step
+  std::vector<at::Tensor> own;     // [j] this rank's momentum input, owned matrices
+  std::vector<at::Tensor> full;    // [j] full matrix (input, then update) on owners
+  at::Tensor send;                 // gather send = scatter receive
+  at::Tensor recv;                 // gather receive = scatter send
+  std::unique_ptr<CommWork> work;  // the gather or scatter in flight on send/recv
+  int64_t full_bytes = 0;          // of `full`
+};
+
+}  // namespace detail
+
+struct FsdpMuon::Impl {
+  FsdpMuonConfig config;
+  std::shared_ptr<Communicator> comm;
+  std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
+  std::vector<FsdpMuonMatrix> matrices;
+  std::vector<std::vector<size_t>> group_matrices;  // [group] -> indices into matrices
+  // [round] -> indices into matrices, and their placements, in the plan's round order.
+  std::vector<std::vector<size_t>> round_matrices;
+  std::vector<std::vector<detail::MatrixPlacement>> round_placement;
+  std::unordered_map<const c10::TensorImpl*, size_t> matrix_of;
+  OwnerPlan plan;
+  // Parameter identities per optimizer group as constructed: step() compares against them.
+  std::vector<std::vector<const c10::TensorImpl*>> frozen;
+  // [round], laid out again when the active set changes
+  std::vector<detail::ExchangeLayout> exchanges;
+  FsdpMuonStepStats stats;
+  // The last step's phase times, added to `stats` when they are first read (on CUDA that waits
+  // for the step's work, so a step nobody profiles never waits).
+  std::unique_ptr<detail::PhaseTimer> timer;
+  int64_t skipped_steps = 0;
+  // Full-matrix bytes alive now on this rank, for FsdpMuonStepStats::max_transient_bytes.
+  int64_t live_full_bytes = 0;
+
+  int rank() const { return comm->rank(); }
+  int world() const { return comm->size(); }
+
+  const detail::ExchangeLayout& exchange(size_t round, const std::vector<bool>& active);
+
+  // ---- construction (fsdp_muon.cpp) ----
+  std::vector<detail::AcceptedMatrix> accept_parameters(FsdpMuon& self);
+  void plan_matrices(FsdpMuon& self, std::vector<detail::AcceptedMatrix> accepted);
+  std::string describe_parameters(const FsdpMuon& self) const;
+
+  // ---- the step (fsdp_muon_step.cpp): its two schedules (docs/DESIGN.md §3) ----
+  void run_sequential(FsdpMuon& self, detail::StepRun& s);
+  void run_pipelined(FsdpMuon& self, detail::StepRun& s);
+
+  // ---- the step's phases, in order ----
+  detail::StepRun agree_on_gradients(FsdpMuon& self);
+  void reject_non_finite(const std::vector<int64_t>& sums, detail::StepRun& s);
+  detail::RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const detail::StepRun& s);
+  void start_gather(detail::RoundInFlight& f, detail::StepRun& s);
+  void assemble_owned(detail::RoundInFlight& f, detail::StepRun& s);
+  void orthogonalize_owned(detail::RoundInFlight& f, detail::StepRun& s);
+  void start_scatter(detail::RoundInFlight& f, detail::StepRun& s);
+  void apply_updates(detail::RoundInFlight& f, const detail::StepRun& s);
+  void refresh(size_t group, detail::StepRun& s);
+};
+
+}  // namespace fsdp_muon

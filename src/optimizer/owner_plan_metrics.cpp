@@ -1,0 +1,133 @@
+// What a finished plan costs: critical paths, bytes and the summary the benchmarks print.
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+#include "optimizer/owner_plan_internal.h"
+
+namespace fsdp_muon {
+
+using detail::ratio;
+
+double OwnerPlan::estimated_seconds(double flops_per_second, double bytes_per_second) const {
+  return static_cast<double>(critical_path_planned()) / flops_per_second +
+         static_cast<double>(max_bytes_per_rank()) / bytes_per_second;
+}
+
+int64_t OwnerPlan::total_cost() const {
+  return std::accumulate(cost_per_rank.begin(), cost_per_rank.end(), int64_t{0});
+}
+
+int64_t OwnerPlan::largest_matrix_cost() const {
+  int64_t largest = 0;
+  for (const auto& costs : cost) {
+    for (int64_t c : costs) largest = std::max(largest, c);
+  }
+  return largest;
+}
+
+double OwnerPlan::ideal_cost() const { return static_cast<double>(total_cost()) / world_size; }
+
+int64_t OwnerPlan::critical_path(const std::vector<std::pair<size_t, size_t>>& windows) const {
+  int64_t path = 0;
+  for (const auto& [first, last] : windows) {
+    TORCH_CHECK(first <= last && last <= group_cost_per_rank.size(),
+                "fsdp_muon::OwnerPlan::critical_path_ratio: window [", first, ", ", last,
+                ") outside the ", group_cost_per_rank.size(), " groups");
+    int64_t slowest = 0;
+    for (int r = 0; r < world_size; ++r) {
+      int64_t load = 0;
+      for (size_t g = first; g < last; ++g) load += group_cost_per_rank[g][r];
+      slowest = std::max(slowest, load);
+    }
+    path += slowest;
+  }
+  return path;
+}
+
+int64_t OwnerPlan::critical_path_planned() const {
+  int64_t path = 0;
+  for (const auto& per_rank : round_cost_per_rank) {
+    path += per_rank.empty() ? 0 : *std::max_element(per_rank.begin(), per_rank.end());
+  }
+  return path;
+}
+
+int64_t OwnerPlan::max_held_full_bytes() const {
+  int64_t most = 0;
+  for (size_t t = 0; t < round_full_bytes_per_rank.size(); ++t) {
+    for (int r = 0; r < world_size; ++r) {
+      const bool pair = t < overlap_with_next.size() && overlap_with_next[t];
+      most = std::max(
+          most, round_full_bytes_per_rank[t][r] + (pair ? round_full_bytes_per_rank[t + 1][r] : 0));
+    }
+  }
+  return most;
+}
+
+int64_t OwnerPlan::max_round_full_bytes() const {
+  int64_t most = 0;
+  for (const auto& per_rank : round_full_bytes_per_rank) {
+    for (int64_t b : per_rank) most = std::max(most, b);
+  }
+  return most;
+}
+
+double OwnerPlan::critical_path_ratio_planned() const {
+  return ratio(static_cast<double>(critical_path_planned()), ideal_cost());
+}
+
+int64_t OwnerPlan::critical_path_budget0() const {
+  return critical_path(prefetch_windows(*this, 0));
+}
+
+int64_t OwnerPlan::critical_path_unlimited() const {
+  return critical_path({{0, group_cost_per_rank.size()}});
+}
+
+double OwnerPlan::critical_path_ratio(const std::vector<std::pair<size_t, size_t>>& windows) const {
+  return ratio(static_cast<double>(critical_path(windows)), ideal_cost());
+}
+
+double OwnerPlan::critical_path_ratio_budget0() const {
+  return ratio(static_cast<double>(critical_path_budget0()), ideal_cost());
+}
+
+double OwnerPlan::critical_path_ratio_unlimited() const {
+  return ratio(static_cast<double>(critical_path_unlimited()), ideal_cost());
+}
+
+double OwnerPlan::floor_ratio() const {
+  const double ideal = ideal_cost();
+  return ratio(std::max(ideal, static_cast<double>(largest_matrix_cost())), ideal);
+}
+
+int64_t OwnerPlan::max_bytes_per_rank() const {
+  int64_t most = 0;
+  for (int r = 0; r < world_size; ++r) {
+    most = std::max(most, gather_bytes_per_rank[r] + scatter_bytes_per_rank[r]);
+  }
+  return most;
+}
+
+std::string OwnerPlan::summary() const {
+  std::ostringstream out;
+  out << "owner plan: policy " << to_string(policy) << ", schedule " << to_string(schedule)
+      << ", world size " << world_size << ", " << owner.size() << " groups, total "
+      << static_cast<double>(total_cost()) << " NS FLOPs\n"
+      << "  critical path / ideal: planned (" << rounds.size() << " exchanges) "
+      << critical_path_ratio_planned() << ", one group at a time " << critical_path_ratio_budget0()
+      << ", all at once " << critical_path_ratio_unlimited() << ", floor " << floor_ratio() << "\n"
+      << "  gather + scatter bytes per rank:";
+  for (int r = 0; r < world_size; ++r) {
+    out << " " << gather_bytes_per_rank[r] + scatter_bytes_per_rank[r];
+  }
+  out << "\n  cost per rank:";
+  for (int r = 0; r < world_size; ++r) out << " " << static_cast<double>(cost_per_rank[r]);
+  out << "\n";
+  return out.str();
+}
+
+}  // namespace fsdp_muon
