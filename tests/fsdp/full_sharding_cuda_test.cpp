@@ -179,9 +179,11 @@ TEST(FullShardingCuda, PrefetchOffGivesTheSameBits) {
 // Bytes the CUDA caching allocator holds for live tensors and for freed blocks still waiting
 // for another stream (active_bytes): what a record_stream'd block keeps from reuse shows here.
 int64_t active_bytes(bool peak) {
+  // getDeviceStats returns by value: keep the copy alive while reading from it.
+  const c10::CachingDeviceAllocator::DeviceStats stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(0);
   const auto& stat =
-      c10::cuda::CUDACachingAllocator::getDeviceStats(0)
-          .active_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+      stats.active_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
   return peak ? stat.peak : stat.current;
 }
 #endif
