@@ -43,6 +43,7 @@
 #include "checkpoint/failure_injection.h"
 #include "checkpoint/file_io.h"
 #include "common/distributed_main.h"
+#include "common/test_util.h"
 
 namespace fsdp_muon {
 namespace {
@@ -72,6 +73,7 @@ void copy_tree(const std::string& from, const std::string& to) {
     }
   }
 }
+using testing::expect_error;
 using testing::world;
 using testing::world_ptr;
 
@@ -287,22 +289,6 @@ std::string env_dir(const char* var) {
     return "";
   }
   return v;
-}
-
-// Runs `fn`, which must throw a c10::Error whose message contains every needle.
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles,
-                  const std::string& what) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      EXPECT_NE(msg.find(needle), std::string::npos)
-          << what << ": message lacks '" << needle << "' on rank " << world().rank() << ": " << msg;
-    }
-    return;
-  }
-  ADD_FAILURE() << what << ": no error on rank " << world().rank();
 }
 
 // ---- the fixture: save at world size 4 ----

@@ -28,10 +28,12 @@
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "common/distributed_main.h"
+#include "common/test_util.h"
 
 namespace fsdp_muon {
 namespace {
 
+using testing::expect_error;
 using testing::world;
 using testing::world_ptr;
 
@@ -737,21 +739,6 @@ TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW) {
 }
 
 // ---- errors: a clear message on every rank, no hang ----
-
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      EXPECT_NE(message.find(needle), std::string::npos)
-          << "rank " << world().rank() << ": message lacks '" << needle << "': " << message;
-    }
-    return;
-  }
-  ADD_FAILURE() << "rank " << world().rank() << ": expected an error mentioning '"
-                << (needles.empty() ? "" : needles[0]) << "'";
-}
 
 TEST(FsdpMuonErrors, NotAShardedParameter) {
   Model model = make_model(31);
