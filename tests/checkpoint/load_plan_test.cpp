@@ -36,19 +36,40 @@ ModelIndex live_model(int rank, std::shared_ptr<FsdpParameterGroup>& group) {
 // A save at world size 4 whose layout differs from the live one: 'a' at [0, 5), 'b' at [5, 11),
 // padded to 12, shards of 3. Saved rank r held [3r, 3r + 3): 'a' [0, 3) on rank 0 and [3, 5) on
 // rank 1; 'b' [0, 1) on rank 1, [1, 4) on rank 2, [4, 6) on rank 3.
-SavedMeta saved_at_four() {
+SavedMeta saved_meta(int world_size, int64_t padded, std::vector<SavedParam> params) {
   SavedMeta saved;
   saved.path = "/nowhere/manifest";
   saved.version = 2;
-  saved.world_size = 4;
+  saved.world_size = world_size;
   SavedGroup group;
   group.name = "g";
-  group.padded_numel = 12;
-  group.shard_numel = 3;
-  group.params = {{"a", {5}, 5, 0}, {"b", {2, 3}, 6, 5}};
-  saved.groups.push_back(group);
-  saved.by_name = {{"a", {0, 0}}, {"b", {0, 1}}};
+  group.padded_numel = padded;
+  group.shard_numel = padded / world_size;
+  for (size_t i = 0; i < params.size(); ++i) saved.by_name[params[i].name] = {0, i};
+  group.params = std::move(params);
+  saved.groups.push_back(std::move(group));
   return saved;
+}
+
+SavedMeta saved_at_four() { return saved_meta(4, 12, {{"a", {5}, 5, 0}, {"b", {2, 3}, 6, 5}}); }
+
+// An AdamW save of 'a' and 'b' with state `keys` for 'b' (at step 3) and none for 'a', and the
+// live AdamW over the same parameters.
+SavedMeta saved_with_adamw(const std::vector<std::string>& keys) {
+  SavedMeta saved = saved_at_four();
+  SavedOptimizer adamw;
+  adamw.kind = kind_name(OptimizerKind::kAdamW);
+  adamw.param_groups = {{"a", "b"}};
+  adamw.state["b"] = SavedState{3, keys};
+  saved.optimizers.push_back(adamw);
+  return saved;
+}
+
+OptimizerEntry live_adamw() {
+  OptimizerEntry entry;
+  entry.kind = OptimizerKind::kAdamW;
+  entry.param_groups = {{ParamRef{0, 0}, ParamRef{0, 1}}};
+  return entry;
 }
 
 struct Expected {
@@ -116,18 +137,7 @@ TEST(LoadPlan, ASavedRankHoldingTheMiddleOfAParameterIsReadFromItsOffset) {
   // Saved at world size 2 with shards of 4 and 'b' alone at [2, 8): saved rank 0 held 'b'
   // [0, 2), rank 1 held 'b' [2, 6). Live with 4-byte alignment: 'b' at [0, 6), shards of 3, so
   // rank 1 holds 'b' [3, 6): all of it lies on saved rank 1, whose entry starts at 'b' element 2.
-  SavedMeta saved;
-  saved.path = "/nowhere/manifest";
-  saved.version = 2;
-  saved.world_size = 2;
-  SavedGroup g;
-  g.name = "g";
-  g.padded_numel = 8;
-  g.shard_numel = 4;
-  g.params = {{"b", {2, 3}, 6, 2}};
-  saved.groups.push_back(g);
-  saved.by_name = {{"b", {0, 0}}};
-
+  const SavedMeta saved = saved_meta(2, 8, {{"b", {2, 3}, 6, 2}});
   auto comm = std::make_shared<testing::LocalCommunicator>(1, 2);
   auto group = std::make_shared<FsdpParameterGroup>(
       std::vector<std::pair<std::string, at::Tensor>>{{"b", torch::zeros({2, 3})}}, comm,
@@ -144,17 +154,8 @@ TEST(LoadPlan, ASavedRankHoldingTheMiddleOfAParameterIsReadFromItsOffset) {
 TEST(LoadPlan, OptimizerStateIsPlannedLikeTheWeightsAndAbsentStateStaysEngaged) {
   std::shared_ptr<FsdpParameterGroup> group;
   const ModelIndex model = live_model(/*rank=*/1, group);
-  SavedMeta saved = saved_at_four();
-  SavedOptimizer adamw;
-  adamw.kind = kind_name(OptimizerKind::kAdamW);
-  adamw.param_groups = {{"a", "b"}};
-  adamw.state["b"] = SavedState{3, {"exp_avg", "exp_avg_sq"}};
-  saved.optimizers.push_back(adamw);
-  OptimizerEntry entry;
-  entry.kind = OptimizerKind::kAdamW;
-  entry.param_groups = {{ParamRef{0, 0}, ParamRef{0, 1}}};
-
-  const LoadPlan plan = plan_load(saved, model, {entry}, kApi);
+  const LoadPlan plan =
+      plan_load(saved_with_adamw({"exp_avg", "exp_avg_sq"}), model, {live_adamw()}, kApi);
   ASSERT_EQ(plan.states.size(), 1u);
   ASSERT_EQ(plan.states[0].size(), 2u);
   // 'a' has no saved state: engaged and absent, so loading removes any the optimizer made.
@@ -179,18 +180,10 @@ TEST(LoadPlan, OptimizerStateIsPlannedLikeTheWeightsAndAbsentStateStaysEngaged) 
 TEST(LoadPlan, RefusesStateTheOptimizerDoesNotKeep) {
   std::shared_ptr<FsdpParameterGroup> group;
   const ModelIndex model = live_model(/*rank=*/1, group);
-  SavedMeta saved = saved_at_four();
-  SavedOptimizer adamw;
-  adamw.kind = kind_name(OptimizerKind::kAdamW);
-  adamw.param_groups = {{"a", "b"}};
-  adamw.state["b"] = SavedState{1, {"momentum_buffer"}};
-  saved.optimizers.push_back(adamw);
-  OptimizerEntry entry;
-  entry.kind = OptimizerKind::kAdamW;
-  entry.param_groups = {{ParamRef{0, 0}, ParamRef{0, 1}}};
-  testing::expect_error([&] { plan_load(saved, model, {entry}, kApi); },
-                        {"fsdp_muon::test: /nowhere/manifest has optimizer state 'momentum_buffer' "
-                         "for 'b', which a adamw optimizer does not keep"});
+  testing::expect_error(
+      [&] { plan_load(saved_with_adamw({"momentum_buffer"}), model, {live_adamw()}, kApi); },
+      {"fsdp_muon::test: /nowhere/manifest has optimizer state 'momentum_buffer' "
+       "for 'b', which a adamw optimizer does not keep"});
 }
 
 }  // namespace

@@ -51,6 +51,15 @@ void backward_calling(const std::function<void()>& inside) {
   y.sum().backward();
 }
 
+// A backward pass in which `group` began and then something threw.
+void pass_that_throws(ShardingSchedule& schedule, ScheduledGroup& group) {
+  EXPECT_THROW(backward_calling([&] {
+                 schedule.began_backward(&group);
+                 throw std::runtime_error("user error inside backward");
+               }),
+               std::exception);
+}
+
 TEST(ForwardOrder, RecordsFirstRunsAndAnswersNeighbours) {
   std::vector<std::string> log;
   FakeGroup a("a", log), b("b", log), c("c", log), stranger("x", log);
@@ -130,11 +139,7 @@ TEST(ShardingSchedule, APassThatThrewIsForgottenOnlyWhenAbandoned) {
   auto schedule = ShardingSchedule::of(*comm);
   std::vector<std::string> log;
   FakeGroup a("a", log), b("b", log);
-  EXPECT_THROW(backward_calling([&] {
-                 schedule->began_backward(&a);
-                 throw std::runtime_error("user error inside backward");
-               }),
-               std::exception);
+  pass_that_throws(*schedule, a);
   EXPECT_TRUE(log.empty());  // the engine dropped the callback with the pass
   schedule->abandon_backward();
   backward_calling([&] { schedule->began_backward(&b); });
@@ -149,11 +154,7 @@ TEST(ShardingSchedule, WithoutAbandoningAThrownPassNoCallbackIsQueuedAgain) {
   auto schedule = ShardingSchedule::of(*comm);
   std::vector<std::string> log;
   FakeGroup a("a", log), b("b", log);
-  EXPECT_THROW(backward_calling([&] {
-                 schedule->began_backward(&a);
-                 throw std::runtime_error("user error inside backward");
-               }),
-               std::exception);
+  pass_that_throws(*schedule, a);
   backward_calling([&] { schedule->began_backward(&b); });
   EXPECT_TRUE(log.empty());
   schedule->abandon_backward();
