@@ -43,6 +43,7 @@
 #include "checkpoint/failure_injection.h"
 #include "checkpoint/file_io.h"
 #include "common/distributed_main.h"
+#include "common/model_specs.h"
 #include "common/test_util.h"
 
 namespace fsdp_muon {
@@ -74,13 +75,9 @@ void copy_tree(const std::string& from, const std::string& to) {
   }
 }
 using testing::expect_error;
+using testing::Spec;
 using testing::world;
 using testing::world_ptr;
-
-struct Spec {
-  std::string name;
-  std::vector<int64_t> shape;
-};
 
 // Awkward shapes: sizes no world size up to 4 divides, a row and a column of 1, 1-D parameters
 // between matrices, a matrix trained by AdamW, ranks that hold nothing of some parameters.
@@ -131,10 +128,7 @@ Sharded make_sharded(uint64_t seed, bool renamed = false, bool reshaped = false)
   const auto all = specs(renamed, reshaped);
   std::vector<at::Tensor> matrices, others;
   for (size_t g = 0; g < all.size(); ++g) {
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    for (const Spec& spec : all[g]) {
-      named.emplace_back(spec.name, at::randn(spec.shape).mul_(0.5).requires_grad_(true));
-    }
+    std::vector<std::pair<std::string, at::Tensor>> named = testing::random_parameters(all[g]);
     auto options =
         FsdpParameterGroupOptions().broadcast_from_rank0(false).name("g" + std::to_string(g));
     // A bf16 compute group: its model weights are the rounded main weights.

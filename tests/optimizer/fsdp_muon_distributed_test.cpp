@@ -28,19 +28,16 @@
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "common/distributed_main.h"
+#include "common/model_specs.h"
 #include "common/test_util.h"
 
 namespace fsdp_muon {
 namespace {
 
 using testing::expect_error;
+using testing::Spec;
 using testing::world;
 using testing::world_ptr;
-
-struct Spec {
-  std::string name;
-  std::vector<int64_t> shape;
-};
 
 // Boundaries in awkward places at every world size up to 4: a row of 1, a column of 1, sizes
 // that no world size divides, 1-D parameters between matrices, and (for W >= 3) ranks that hold
@@ -61,13 +58,10 @@ Model make_model(uint64_t seed, const std::vector<std::vector<Spec>>& specs = mo
   at::manual_seed(seed);
   Model model;
   for (size_t g = 0; g < specs.size(); ++g) {
-    std::vector<std::pair<std::string, at::Tensor>> named;
+    std::vector<std::pair<std::string, at::Tensor>> named = testing::random_parameters(specs[g]);
     std::vector<at::Tensor> reference;
-    for (const Spec& s : specs[g]) {
-      at::Tensor t = at::randn(s.shape).mul_(0.5).requires_grad_(true);
+    for (const auto& [name, t] : named)
       reference.push_back(t.detach().clone().requires_grad_(true));
-      named.emplace_back(s.name, t);
-    }
     model.groups.push_back(std::make_shared<FsdpParameterGroup>(
         std::move(named), comm,
         FsdpParameterGroupOptions().broadcast_from_rank0(false).name("g" + std::to_string(g))));
