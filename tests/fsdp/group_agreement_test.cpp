@@ -95,7 +95,7 @@ TEST(GroupAgreement, FirstDifferenceOfBadDescriptions) {
 TEST(GroupAgreement, AgreeingRanksPassAndAnAgreedErrorIsThrown) {
   testing::LocalCommunicator one;
   testing::LocalCommunicator two_of_four(/*rank=*/2, /*size=*/4);  // every rank as this one
-  for (Communicator* comm : {static_cast<Communicator*>(&one), &two_of_four}) {
+  for (Communicator* comm : std::vector<Communicator*>{&one, &two_of_four}) {
     SCOPED_TRACE(comm->size());
     EXPECT_NO_THROW(fsdp::agree_on_group(*comm, {"ok", kOptions, "'a' [4] Float"}, "who: "));
     // Every rank failed alike: each throws its own message, as it is.
