@@ -32,6 +32,7 @@ namespace fsdp_muon {
 namespace {
 
 using detail::env_variable;
+using detail::LaunchEnvironment;
 
 // Every CommBackend and its name.
 constexpr detail::EnumName<CommBackend> kBackendNames[] = {
