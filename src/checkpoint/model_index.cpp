@@ -10,21 +10,24 @@
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
+#include "common/enum_names.h"
+
 namespace fsdp_muon::checkpoint {
 
-const char* kind_name(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::kFsdpMuon:
-      return "fsdp_muon";
-    case OptimizerKind::kAdamW:
-      return "adamw";
-    case OptimizerKind::kAdam:
-      return "adam";
-    case OptimizerKind::kSgd:
-      return "sgd";
-  }
-  return "?";
-}
+namespace {
+
+// Part of the file format: never rename a row.
+constexpr detail::EnumName<OptimizerKind> kKindNames[] = {
+    {OptimizerKind::kFsdpMuon, "fsdp_muon"},
+    {OptimizerKind::kAdamW, "adamw"},
+    {OptimizerKind::kAdam, "adam"},
+    {OptimizerKind::kSgd, "sgd"},
+};
+static_assert(detail::rows_in_enumerator_order(kKindNames));
+
+}  // namespace
+
+const char* kind_name(OptimizerKind kind) { return detail::name_of(kKindNames, kind); }
 
 const std::vector<std::string>& state_keys(OptimizerKind kind) {
   static const std::vector<std::string> momentum = {"momentum_buffer"};

@@ -27,32 +27,21 @@
 #include "comm/job_identity.h"
 #include "comm/launch_environment.h"
 #include "comm/rendezvous_store.h"
+#include "common/enum_names.h"
 
 namespace fsdp_muon {
 namespace {
 
 using detail::env_variable;
+using detail::LaunchEnvironment;
 
-struct BackendName {
-  CommBackend backend;
-  const char* name;
-};
-
-// Every CommBackend and its name, in enumerator order.
-constexpr BackendName kBackendNames[] = {
+// Every CommBackend and its name.
+constexpr detail::EnumName<CommBackend> kBackendNames[] = {
     {CommBackend::kAuto, "auto"},
     {CommBackend::kNccl, "nccl"},
     {CommBackend::kGloo, "gloo"},
 };
-
-// "auto, nccl, gloo", for error messages.
-std::string backend_names() {
-  std::string names;
-  for (const auto& entry : kBackendNames) {
-    names += (names.empty() ? "" : ", ") + std::string(entry.name);
-  }
-  return names;
-}
+static_assert(detail::rows_in_enumerator_order(kBackendNames));
 
 // NCCL drives cuda:<local rank>. Without the local rank every rank of a node would share device
 // 0 (and NCCL fails, or worse, runs slowly); checked before CUDA itself so the launch mistake is
@@ -78,7 +67,7 @@ CommBackend choose_backend(const InitOptions& options, const LaunchEnvironment& 
   }
   const std::optional<CommBackend> parsed = parse_comm_backend(name);
   TORCH_CHECK(parsed, "fsdp_muon::init_from_env: ", source, "='", name, "' is not one of ",
-              backend_names());
+              detail::all_names(kBackendNames));
   const bool cuda = FSDP_MUON_WITH_CUDA && torch::cuda::is_available();
   CommBackend backend = *parsed;
   if (backend == CommBackend::kAuto) {
@@ -109,18 +98,10 @@ CommBackend choose_backend(const InitOptions& options, const LaunchEnvironment& 
 
 }  // namespace
 
-const char* to_string(CommBackend backend) {
-  for (const auto& entry : kBackendNames) {
-    if (entry.backend == backend) return entry.name;
-  }
-  return "unknown";
-}
+const char* to_string(CommBackend backend) { return detail::name_of(kBackendNames, backend); }
 
 std::optional<CommBackend> parse_comm_backend(std::string_view name) {
-  for (const auto& entry : kBackendNames) {
-    if (name == entry.name) return entry.backend;
-  }
-  return std::nullopt;
+  return detail::value_named(kBackendNames, name);
 }
 
 namespace {

@@ -260,10 +260,10 @@ LaunchEnvironment read_launch_environment_for(const char* api) {
   return e;
 }
 
-}  // namespace detail
-
 LaunchEnvironment read_launch_environment() {
-  return detail::read_launch_environment_for("fsdp_muon::read_launch_environment");
+  return read_launch_environment_for("fsdp_muon::read_launch_environment");
 }
+
+}  // namespace detail
 
 }  // namespace fsdp_muon

@@ -1,13 +1,39 @@
 #pragma once
-// Reading the launcher's variables (docs/DESIGN.md §5, Launch). Internal header: the public
-// read_launch_environment() and init_from_env() are built on these.
+// Reading the launcher's variables (docs/DESIGN.md §5, Launch). Internal header: init_from_env()
+// is built on it, and the tests read the environment through it.
 
 #include <optional>
 #include <string>
 
-#include <fsdp_muon/comm/communicator.h>
-
 namespace fsdp_muon::detail {
+
+// Which launcher environment a process was started from, as read by init_from_env().
+struct LaunchEnvironment {
+  // "torchrun" (also RANK/WORLD_SIZE set by hand), "mpirun" (Open MPI), "srun", "pmi", or
+  // "single" (no launcher: a world of one).
+  std::string launcher;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  // The variable local_rank came from (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or
+  // MPI_LOCALRANKID); empty when the launcher gave none, and local_rank is then 0.
+  std::string local_rank_variable;
+  std::string master_addr;  // empty when the launcher gives none
+  int master_port = 0;
+  // torchrun's agent hosts the TCPStore on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
+  // every rank connects as a client. Otherwise rank 0 hosts it.
+  bool use_agent_store = false;
+  // Names this job on this node (from the launcher's job id), for the FileStore rendezvous.
+  std::string job_id;
+};
+
+// Reads the launcher's variables (torchrun, Open MPI, Slurm, PMI). Missing or contradictory
+// variables throw with a message naming the variable. A launcher nested in another wins:
+// torchrun (TORCHELASTIC_RUN_ID set) over the rest, mpirun and PMI over Slurm (whose variables
+// then describe the daemon mpirun started, not this rank); any other pair must agree.
+// Errors are prefixed "fsdp_muon::read_launch_environment" (the tests' name for this call);
+// init_from_env() reads through read_launch_environment_for() with its own name.
+LaunchEnvironment read_launch_environment();
 
 // The variable's value; an empty variable counts as unset (`export RANK=` is how shells clear
 // one).

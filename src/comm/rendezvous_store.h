@@ -7,7 +7,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <fsdp_muon/comm/communicator.h>
+#include "comm/launch_environment.h"
 
 namespace fsdp_muon::detail {
 

@@ -1,25 +1,25 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 
+#include "common/enum_names.h"
+
 namespace fsdp_muon {
+namespace {
+
+constexpr detail::EnumName<ShardingStrategy> kStrategyNames[] = {
+    {ShardingStrategy::kOptim, "optim"},
+    {ShardingStrategy::kOptimGrads, "optim_grads"},
+    {ShardingStrategy::kOptimGradsParams, "optim_grads_params"},
+};
+static_assert(detail::rows_in_enumerator_order(kStrategyNames));
+
+}  // namespace
 
 const char* to_string(ShardingStrategy strategy) {
-  switch (strategy) {
-    case ShardingStrategy::kOptim:
-      return "optim";
-    case ShardingStrategy::kOptimGrads:
-      return "optim_grads";
-    case ShardingStrategy::kOptimGradsParams:
-      return "optim_grads_params";
-  }
-  return "unknown";
+  return detail::name_of(kStrategyNames, strategy);
 }
 
 std::optional<ShardingStrategy> parse_sharding_strategy(std::string_view text) {
-  for (const ShardingStrategy s : {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
-                                   ShardingStrategy::kOptimGradsParams}) {
-    if (text == to_string(s)) return s;
-  }
-  return std::nullopt;
+  return detail::value_named(kStrategyNames, text);
 }
 
 }  // namespace fsdp_muon

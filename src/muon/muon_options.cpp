@@ -8,6 +8,7 @@
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
+#include "common/enum_names.h"
 #include "newton_schulz/newton_schulz_internal.h"
 
 namespace fsdp_muon {
@@ -187,34 +188,31 @@ bool operator==(const MuonOptions& lhs, const MuonOptions& rhs) {
          lhs.normuon_eps() == rhs.normuon_eps();
 }
 
-const char* to_string(ScaleMode mode) {
-  switch (mode) {
-    case ScaleMode::kSpectral:
-      return "spectral";
-    case ScaleMode::kShapeScaling:
-      return "shape_scaling";
-    case ScaleMode::kUnitRmsNorm:
-      return "unit_rms_norm";
-    case ScaleMode::kMatchRmsAdamW:
-      return "match_rms_adamw";
-    case ScaleMode::kNone:
-      return "none";
-  }
-  return "unknown";
-}
+namespace {
+
+constexpr detail::EnumName<ScaleMode> kScaleModeNames[] = {
+    {ScaleMode::kSpectral, "spectral"},
+    {ScaleMode::kShapeScaling, "shape_scaling"},
+    {ScaleMode::kUnitRmsNorm, "unit_rms_norm"},
+    {ScaleMode::kMatchRmsAdamW, "match_rms_adamw"},
+    {ScaleMode::kNone, "none"},
+};
+static_assert(detail::rows_in_enumerator_order(kScaleModeNames));
+
+constexpr detail::EnumName<WeightDecayMethod> kWeightDecayNames[] = {
+    {WeightDecayMethod::kDecoupled, "decoupled"},
+    {WeightDecayMethod::kIndependent, "independent"},
+    {WeightDecayMethod::kL2, "l2"},
+    {WeightDecayMethod::kPalm, "palm"},
+};
+static_assert(detail::rows_in_enumerator_order(kWeightDecayNames));
+
+}  // namespace
+
+const char* to_string(ScaleMode mode) { return detail::name_of(kScaleModeNames, mode); }
 
 const char* to_string(WeightDecayMethod method) {
-  switch (method) {
-    case WeightDecayMethod::kDecoupled:
-      return "decoupled";
-    case WeightDecayMethod::kIndependent:
-      return "independent";
-    case WeightDecayMethod::kL2:
-      return "l2";
-    case WeightDecayMethod::kPalm:
-      return "palm";
-  }
-  return "unknown";
+  return detail::name_of(kWeightDecayNames, method);
 }
 
 const char* to_string(Normalization normalization) {

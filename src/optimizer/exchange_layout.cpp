@@ -1,10 +1,23 @@
 #include "optimizer/exchange_layout.h"
 
+#include <c10/util/Exception.h>
+
 namespace fsdp_muon::detail {
 
 ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
                                const std::vector<bool>& active, int rank, int world) {
   const std::size_t n = matrices.size();
+  // Internal callers build these from one plan; a mismatch is a bug there, caught here before
+  // it becomes an out-of-range index.
+  const char* api = "fsdp_muon::detail::layout_exchange: ";
+  TORCH_CHECK(active.size() == n, api, active.size(), " active flags for ", n, " matrices");
+  TORCH_CHECK(rank >= 0 && rank < world, api, "rank ", rank, " is outside the world of ", world);
+  for (std::size_t j = 0; j < n; ++j) {
+    TORCH_CHECK(matrices[j].held.size() == static_cast<std::size_t>(world), api, "matrix ", j,
+                " has held ranges for ", matrices[j].held.size(), " ranks in a world of ", world);
+    TORCH_CHECK(matrices[j].owner >= 0 && matrices[j].owner < world, api, "matrix ", j,
+                " has owner ", matrices[j].owner, " outside the world of ", world);
+  }
   ExchangeLayout x;
   x.active = active;
   x.send_counts.assign(world, 0);

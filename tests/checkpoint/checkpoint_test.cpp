@@ -45,6 +45,8 @@
 #include "checkpoint/failure_injection.h"
 #include "checkpoint/file_io.h"
 #include "common/distributed_main.h"
+#include "common/model_specs.h"
+#include "common/test_util.h"
 
 namespace fsdp_muon {
 namespace {
@@ -74,13 +76,10 @@ void copy_tree(const std::string& from, const std::string& to) {
     }
   }
 }
+using testing::expect_error;
+using testing::Spec;
 using testing::world;
 using testing::world_ptr;
-
-struct Spec {
-  std::string name;
-  std::vector<int64_t> shape;
-};
 
 // Awkward shapes: sizes no world size up to 4 divides, a row and a column of 1, 1-D parameters
 // between matrices, a matrix trained by AdamW, ranks that hold nothing of some parameters.
@@ -131,10 +130,7 @@ Sharded make_sharded(uint64_t seed, bool renamed = false, bool reshaped = false)
   const auto all = specs(renamed, reshaped);
   std::vector<at::Tensor> matrices, others;
   for (size_t g = 0; g < all.size(); ++g) {
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    for (const Spec& spec : all[g]) {
-      named.emplace_back(spec.name, at::randn(spec.shape).mul_(0.5).requires_grad_(true));
-    }
+    std::vector<std::pair<std::string, at::Tensor>> named = testing::random_parameters(all[g]);
     auto options =
         FsdpParameterGroupOptions().broadcast_from_rank0(false).name("g" + std::to_string(g));
     // A bf16 compute group: its model weights are the rounded main weights.
@@ -289,22 +285,6 @@ std::string env_dir(const char* var) {
     return "";
   }
   return v;
-}
-
-// Runs `fn`, which must throw a c10::Error whose message contains every needle.
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles,
-                  const std::string& what) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      EXPECT_NE(msg.find(needle), std::string::npos)
-          << what << ": message lacks '" << needle << "' on rank " << world().rank() << ": " << msg;
-    }
-    return;
-  }
-  ADD_FAILURE() << what << ": no error on rank " << world().rank();
 }
 
 // ---- the fixture: save at world size 4 ----

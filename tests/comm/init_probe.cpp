@@ -17,6 +17,8 @@
 
 #include <fsdp_muon/comm/communicator.h>
 
+#include "comm/launch_environment.h"
+
 int main(int argc, char** argv) {
   at::set_num_threads(1);
   fsdp_muon::InitOptions options;
@@ -35,7 +37,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    const auto env = fsdp_muon::read_launch_environment();
+    const auto env = fsdp_muon::detail::read_launch_environment();
     auto comm = fsdp_muon::init_from_env(options);
     if (comm->rank() == absent_rank) {
       std::this_thread::sleep_for(std::chrono::duration<double>(options.timeout_seconds + 3));

@@ -18,8 +18,13 @@
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/config.h>
 
+#include "comm/launch_environment.h"
+
 namespace fsdp_muon {
 namespace {
+
+using detail::LaunchEnvironment;
+using detail::read_launch_environment;
 
 const char* const kVariables[] = {"RANK",
                                   "WORLD_SIZE",

@@ -24,6 +24,8 @@
 #include <fsdp_muon/comm/nccl_communicator.h>
 #include <fsdp_muon/config.h>
 
+#include "common/test_util.h"
+
 #if FSDP_MUON_WITH_CUDA
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -39,15 +41,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 #if FSDP_MUON_WITH_CUDA
-
-bool skip_without_gpu() {
-  if (torch::cuda::is_available()) return false;
-  std::cout << "[  SKIPPED ] no CUDA device: NCCL is checked on a GPU machine\n";
-  return true;
-}
-
-#define FSDP_MUON_REQUIRE_GPU() \
-  if (skip_without_gpu()) GTEST_SKIP() << "no CUDA device visible"
 
 std::shared_ptr<Communicator> world_of_one(std::chrono::milliseconds timeout) {
   return make_nccl_communicator(c10::make_intrusive<c10d::HashStore>(), /*rank=*/0, /*size=*/1,
@@ -80,7 +73,7 @@ TEST(NcclCommunicator, RefusesNcclCommBlocking) {
 }
 
 TEST(NcclCommunicator, ToHostReturnsTheResultInOrderWithTheCurrentStream) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
   const auto comm = world_of_one(std::chrono::seconds(120));
   const auto on = at::TensorOptions().device(comm->device());
   // A non-default stream: to_host must wait for that stream's work, not the default stream's.
@@ -122,7 +115,7 @@ double sleep_cycles_per_second() {
 }
 
 TEST(NcclCommunicator, ToHostPastTheTimeoutAbortsAndThrows) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
   // A first communicator, with time to spare, pays NCCL's one-time start-up (plugins,
   // topology), so that the second one's set-up fits its short timeout.
   world_of_one(std::chrono::seconds(120)).reset();
@@ -157,7 +150,7 @@ TEST(NcclCommunicator, ToHostPastTheTimeoutAbortsAndThrows) {
 }
 
 TEST(NcclCommunicator, ToHostRejectsATensorOnAnotherDevice) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
   if (torch::cuda::device_count() < 2) {
     GTEST_SKIP() << "one CUDA device: no other device to put a tensor on";
   }
@@ -173,7 +166,7 @@ TEST(NcclCommunicator, ToHostRejectsATensorOnAnotherDevice) {
 // stream wrote before they started (even behind a long kernel), wait() orders the caller's stream
 // after them, and a synchronous collective started later runs after them.
 TEST(NcclCommunicator, AsyncCollectivesOrderWithTheCallersStream) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
   const auto comm = world_of_one(std::chrono::seconds(120));
   const auto on = at::TensorOptions().device(comm->device()).dtype(at::kFloat);
   const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);

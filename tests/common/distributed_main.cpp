@@ -1,11 +1,15 @@
 #include "common/distributed_main.h"
 
+#include <string>
+
 #include <cstdio>
 #include <exception>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+
+#include "common/test_util.h"
 
 namespace fsdp_muon::testing {
 namespace {
@@ -36,6 +40,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto& comm = fsdp_muon::testing::world();
+  fsdp_muon::testing::failure_prefix() = "rank " + std::to_string(comm.rank()) + ": ";
   std::printf("rank %d of %d, backend %s\n", comm.rank(), comm.size(), comm.backend_name().c_str());
   if (comm.rank() != 0) {
     GTEST_FLAG_SET(brief, true);  // rank 0 reports in full; the others only their failures

@@ -10,7 +10,8 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>
 
-#include "fsdp/local_communicator.h"
+#include "common/local_communicator.h"
+#include "common/test_util.h"
 
 namespace fsdp_muon {
 namespace {
@@ -353,60 +354,59 @@ TEST(FsdpParameterGroup, FindShardedParameter) {
   EXPECT_FALSE(find_sharded_parameter(on_stack.sharded_parameter(0)).has_value());
 }
 
-void expect_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << fragment;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
-
 TEST(FsdpParameterGroup, RejectsBadParameters) {
   using Named = std::vector<std::pair<std::string, at::Tensor>>;
   auto f32 = torch::randn({3}, torch::requires_grad());
   auto f64 = torch::randn({3}, torch::dtype(torch::kDouble).requires_grad(true));
-  expect_error(
+  testing::expect_error(
       [&] {
         FsdpParameterGroup({{"a", f32}, {"b", f64}}, local());
       },
-      "must share one dtype");
-  expect_error(
+      {"must share one dtype"});
+  testing::expect_error(
       [&] {
         FsdpParameterGroup({{"a", f32}, {"a", torch::randn({2})}}, local());
       },
-      "parameter name 'a' appears twice");
-  expect_error([&] { FsdpParameterGroup({{"", f32}}, local()); }, "empty name");
+      {"parameter name 'a' appears twice"});
+  testing::expect_error([&] { FsdpParameterGroup({{"", f32}}, local()); }, {"empty name"});
   // Every message starts with the class, then the group's name when it has one.
-  expect_error(
+  testing::expect_error(
       [&] {
         FsdpParameterGroup({{"", f32}}, local());
       },
-      "fsdp_muon::FsdpParameterGroup: a parameter has an empty name");
-  expect_error(
+      {"fsdp_muon::FsdpParameterGroup: a parameter has an empty name"});
+  testing::expect_error(
       [&] {
         FsdpParameterGroup({{"", f32}}, local(), FsdpParameterGroupOptions().name("g"));
       },
-      "fsdp_muon::FsdpParameterGroup: group 'g': a parameter has an empty name");
-  expect_error([&] { FsdpParameterGroup({{"a", f32}, {"b", f32}}, local()); }, "tied weights");
-  expect_error([&] { FsdpParameterGroup(Named{}, local()); }, "no parameters");
-  expect_error(
+      {"fsdp_muon::FsdpParameterGroup: group 'g': a parameter has an empty name"});
+  testing::expect_error(
+      [&] {
+        FsdpParameterGroup({{"a", f32}, {"b", f32}}, local());
+      },
+      {"tied weights"});
+  testing::expect_error([&] { FsdpParameterGroup(Named{}, local()); }, {"no parameters"});
+  testing::expect_error(
       [&] {
         FsdpParameterGroup({{"i", torch::ones({3}, torch::kLong)}}, local());
       },
-      "only floating-point");
-  expect_error(
+      {"only floating-point"});
+  testing::expect_error(
       [&] {
         FsdpParameterGroup({{"s", torch::eye(3).to_sparse()}}, local());
       },
-      "not a dense strided tensor");
-  expect_error([&] { FsdpParameterGroup({{"x", f32 * 2}}, local()); }, "not a leaf");
-  expect_error([&] { FsdpParameterGroup({{"a", f32}}, nullptr); }, "communicator is null");
-  expect_error(
+      {"not a dense strided tensor"});
+  testing::expect_error([&] { FsdpParameterGroup({{"x", f32 * 2}}, local()); }, {"not a leaf"});
+  testing::expect_error(
+      [&] {
+        FsdpParameterGroup({{"a", f32}}, nullptr);
+      },
+      {"communicator is null"});
+  testing::expect_error(
       [&] {
         FsdpParameterGroup({{"a", f32}}, local(), FsdpParameterGroupOptions().alignment_bytes(6));
       },
-      "alignment_bytes");
+      {"alignment_bytes"});
   // Nothing was re-pointed by the failed constructions.
   EXPECT_EQ(f32.grad().defined(), false);
 }
@@ -507,7 +507,8 @@ TEST(ShardModule, RejectsTiedWeights) {
     }
     torch::nn::Linear a{nullptr};
   } tied;
-  expect_error([&] { shard_module(tied, local()); }, "'tied' and 'a.weight' are the same tensor");
+  testing::expect_error([&] { shard_module(tied, local()); },
+                        {"'tied' and 'a.weight' are the same tensor"});
 }
 
 }  // namespace

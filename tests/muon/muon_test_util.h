@@ -8,22 +8,11 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include "common/test_util.h"
+
 namespace fsdp_muon::test {
 
-// Runs fn, expects a c10::Error whose message contains every one of `needles`.
-inline void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      EXPECT_NE(message.find(needle), std::string::npos)
-          << "error message lacks '" << needle << "': " << message;
-    }
-    return;
-  }
-  ADD_FAILURE() << "expected an error mentioning '" << (needles.empty() ? "" : needles[0]) << "'";
-}
+using testing::expect_error;
 
 // Collects TORCH_WARN messages while alive.
 class WarningCollector : public c10::WarningHandler {

@@ -22,6 +22,7 @@
 #include <fsdp_muon/config.h>
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
 
+#include "common/test_util.h"
 #include "newton_schulz/newton_schulz_internal.h"
 
 #if FSDP_MUON_WITH_CUDA
@@ -233,36 +234,51 @@ TEST(NewtonSchulzSchedule, PresetNames) {
 // ---------------------------------------------------------------------------------------------
 // Input and option errors.
 
-void expect_error(const at::Tensor& x, const NewtonSchulzOptions& options,
-                  const std::string& fragment) {
-  try {
-    newton_schulz(x, options);
-    ADD_FAILURE() << "no error; expected one mentioning '" << fragment << "'";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
-
 TEST(NewtonSchulzErrors, RejectsBadInput) {
   const NewtonSchulzOptions options;
-  expect_error(at::Tensor(), options, "fsdp_muon::newton_schulz: the input tensor is undefined");
-  expect_error(at::randn({8}), options, "2-D matrix or a 3-D batch");
-  expect_error(at::randn({2, 2, 4, 4}), options, "2-D matrix or a 3-D batch");
-  expect_error(at::ones({4, 4}, at::kInt), options, "real floating-point");
-  expect_error(at::randn({4, 4}, at::kComplexFloat), options, "real floating-point");
+  testing::expect_error([&] { newton_schulz(at::Tensor(), options); },
+                        {"fsdp_muon::newton_schulz: the input tensor is undefined"});
+  testing::expect_error([&] { newton_schulz(at::randn({8}), options); },
+                        {"2-D matrix or a 3-D batch"});
+  testing::expect_error(
+      [&] {
+        newton_schulz(at::randn({2, 2, 4, 4}), options);
+      },
+      {"2-D matrix or a 3-D batch"});
+  testing::expect_error(
+      [&] {
+        newton_schulz(at::ones({4, 4}, at::kInt), options);
+      },
+      {"real floating-point"});
+  testing::expect_error(
+      [&] {
+        newton_schulz(at::randn({4, 4}, at::kComplexFloat), options);
+      },
+      {"real floating-point"});
 }
 
 TEST(NewtonSchulzErrors, RejectsBadOptions) {
   const at::Tensor x = at::randn({4, 6});
-  expect_error(x, NewtonSchulzOptions().compute_dtype(at::kHalf), "compute_dtype");
-  expect_error(x, NewtonSchulzOptions().compute_dtype(at::kDouble), "compute_dtype");
-  expect_error(x, NewtonSchulzOptions().eps(0.0), "eps must be a positive");
-  expect_error(x, NewtonSchulzOptions().eps(-1e-7), "eps must be a positive");
-  expect_error(x, NewtonSchulzOptions().eps(std::numeric_limits<double>::quiet_NaN()),
-               "eps must be a positive");
-  expect_error(x, NewtonSchulzOptions().steps(0),
-               "fsdp_muon::NewtonSchulzOptions: steps must be at least 1");
-  expect_error(x, NewtonSchulzOptions().coefficients(NsCoefficients::kCubic5).steps(4), "cubic5");
+  testing::expect_error([&] { newton_schulz(x, NewtonSchulzOptions().compute_dtype(at::kHalf)); },
+                        {"compute_dtype"});
+  testing::expect_error([&] { newton_schulz(x, NewtonSchulzOptions().compute_dtype(at::kDouble)); },
+                        {"compute_dtype"});
+  testing::expect_error([&] { newton_schulz(x, NewtonSchulzOptions().eps(0.0)); },
+                        {"eps must be a positive"});
+  testing::expect_error([&] { newton_schulz(x, NewtonSchulzOptions().eps(-1e-7)); },
+                        {"eps must be a positive"});
+  testing::expect_error(
+      [&] {
+        newton_schulz(x, NewtonSchulzOptions().eps(std::numeric_limits<double>::quiet_NaN()));
+      },
+      {"eps must be a positive"});
+  testing::expect_error([&] { newton_schulz(x, NewtonSchulzOptions().steps(0)); },
+                        {"fsdp_muon::NewtonSchulzOptions: steps must be at least 1"});
+  testing::expect_error(
+      [&] {
+        newton_schulz(x, NewtonSchulzOptions().coefficients(NsCoefficients::kCubic5).steps(4));
+      },
+      {"cubic5"});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -623,17 +639,8 @@ TEST(NewtonSchulzReference, Bf16CustomZeroCubicTermMatchesFp32) {
 
 #if FSDP_MUON_WITH_CUDA
 
-bool skip_without_gpu() {
-  if (torch::cuda::is_available()) return false;
-  std::cout << "[  SKIPPED ] no CUDA device: the cuBLAS path is checked on a GPU machine\n";
-  return true;
-}
-
-#define FSDP_MUON_REQUIRE_GPU() \
-  if (skip_without_gpu()) GTEST_SKIP() << "no CUDA device visible"
-
 TEST(NewtonSchulzCuda, CublasMatchesAtenReferenceAndCpu) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("the cuBLAS path is checked on a GPU machine");
   const std::vector<NewtonSchulzOptions> all{
       NewtonSchulzOptions(),
       options_for(NsCoefficients::kSimple, 5, at::kFloat),
@@ -674,7 +681,7 @@ TEST(NewtonSchulzCuda, CublasMatchesAtenReferenceAndCpu) {
 // for bit is printed (batched_newton_schulz_is_bitwise stays false on CUDA until this, and
 // bench/newton_schulz_batching --bits in scripts/gpu-check, show identical bits).
 TEST(NewtonSchulzCuda, BatchedMatchesOneByOneAndReportsBits) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("the cuBLAS path is checked on a GPU machine");
   const std::vector<std::pair<int64_t, int64_t>> shapes{{1, 7},    {7, 1},    {3, 5},    {16, 24},
                                                         {64, 176}, {176, 64}, {256, 704}};
   for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
@@ -700,14 +707,14 @@ TEST(NewtonSchulzCuda, BatchedMatchesOneByOneAndReportsBits) {
 }
 
 TEST(NewtonSchulzCuda, BandsHoldOnGpu) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("the cuBLAS path is checked on a GPU machine");
   check_bands([](const at::Tensor& u,
                  const NewtonSchulzOptions& o) { return newton_schulz(u.cuda(), o).cpu(); },
               /*seeds=*/2, /*print=*/false);
 }
 
 TEST(NewtonSchulzCuda, RunsOnTheCurrentNonDefaultStream) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("the cuBLAS path is checked on a GPU machine");
   const at::Tensor u = seeded_randn({6, 256, 512}, 23);
   // The reference is finished (its host copy waits for the default stream) before the side
   // stream starts: the two results are compared as bits, with nothing else in flight.
@@ -727,7 +734,7 @@ TEST(NewtonSchulzCuda, RunsOnTheCurrentNonDefaultStream) {
 }
 
 TEST(NewtonSchulzCuda, ZeroEmptyAndDeterministic) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("the cuBLAS path is checked on a GPU machine");
   for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
     const NewtonSchulzOptions options = NewtonSchulzOptions().compute_dtype(dtype);
     const at::Tensor zero = newton_schulz(at::zeros({2, 8, 12}, at::kCUDA), options);

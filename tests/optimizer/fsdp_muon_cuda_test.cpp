@@ -17,6 +17,8 @@
 #include <fsdp_muon/config.h>
 #include <fsdp_muon/fsdp_muon.h>
 
+#include "common/test_util.h"
+
 namespace fsdp_muon {
 namespace {
 
@@ -35,8 +37,6 @@ std::shared_ptr<Communicator> nccl_world_of_one() {
   return init_from_env(options);
 }
 
-bool gpu_usable() { return FSDP_MUON_WITH_CUDA && torch::cuda::is_available(); }
-
 // Shapes with a row of 1, a column of 1 and a tall matrix, in two groups.
 std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> shapes() {
   return {{{"a.w", {48, 96}}, {"a.row", {1, 33}}, {"a.tall", {80, 24}}},
@@ -44,7 +44,7 @@ std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> shapes() 
 }
 
 TEST(FsdpMuonCuda, MatchesSingleDeviceMuonBitwiseAndTimesPhasesWithEvents) {
-  if (!gpu_usable()) GTEST_SKIP() << "no CUDA device: FsdpMuon over NCCL is checked on a GPU";
+  FSDP_MUON_REQUIRE_GPU("FsdpMuon over NCCL is checked on a GPU");
   auto comm = nccl_world_of_one();
   ASSERT_EQ(comm->device(), c10::Device(c10::kCUDA, 0));
   const auto on_gpu = at::TensorOptions().device(comm->device());

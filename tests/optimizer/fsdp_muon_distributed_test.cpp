@@ -28,17 +28,16 @@
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "common/distributed_main.h"
+#include "common/model_specs.h"
+#include "common/test_util.h"
 
 namespace fsdp_muon {
 namespace {
 
+using testing::expect_error;
+using testing::Spec;
 using testing::world;
 using testing::world_ptr;
-
-struct Spec {
-  std::string name;
-  std::vector<int64_t> shape;
-};
 
 // Boundaries in awkward places at every world size up to 4: a row of 1, a column of 1, sizes
 // that no world size divides, 1-D parameters between matrices, and (for W >= 3) ranks that hold
@@ -59,13 +58,10 @@ Model make_model(uint64_t seed, const std::vector<std::vector<Spec>>& specs = mo
   at::manual_seed(seed);
   Model model;
   for (size_t g = 0; g < specs.size(); ++g) {
-    std::vector<std::pair<std::string, at::Tensor>> named;
+    std::vector<std::pair<std::string, at::Tensor>> named = testing::random_parameters(specs[g]);
     std::vector<at::Tensor> reference;
-    for (const Spec& s : specs[g]) {
-      at::Tensor t = at::randn(s.shape).mul_(0.5).requires_grad_(true);
+    for (const auto& [name, t] : named)
       reference.push_back(t.detach().clone().requires_grad_(true));
-      named.emplace_back(s.name, t);
-    }
     model.groups.push_back(std::make_shared<FsdpParameterGroup>(
         std::move(named), comm,
         FsdpParameterGroupOptions().broadcast_from_rank0(false).name("g" + std::to_string(g))));
@@ -754,21 +750,6 @@ TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW) {
 }
 
 // ---- errors: a clear message on every rank, no hang ----
-
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      EXPECT_NE(message.find(needle), std::string::npos)
-          << "rank " << world().rank() << ": message lacks '" << needle << "': " << message;
-    }
-    return;
-  }
-  ADD_FAILURE() << "rank " << world().rank() << ": expected an error mentioning '"
-                << (needles.empty() ? "" : needles[0]) << "'";
-}
 
 TEST(FsdpMuonErrors, NotAShardedParameter) {
   Model model = make_model(31);
