@@ -30,11 +30,15 @@ enum class NsCoefficients {
 using NsCoefficientList = std::vector<std::array<double, 3>>;
 
 struct NewtonSchulzOptions {
+  // Iterations (>= 1; cubic5 takes exactly 5).
   TORCH_ARG(int64_t, steps) = 5;
+  // The (a, b, c) schedule, a named preset (see NsCoefficients and the README).
   TORCH_ARG(NsCoefficients, coefficients) = NsCoefficients::kQuintic;
   // Non-empty overrides the preset; past its end the last tuple repeats.
   TORCH_ARG(NsCoefficientList, custom_coefficients) = {};
+  // The input is divided by max(Frobenius norm, eps) (finite, > 0), in fp32.
   TORCH_ARG(double, eps) = 1e-7;
+  // The dtype the iterations compute in: bf16 or fp32.
   TORCH_ARG(c10::ScalarType, compute_dtype) = at::kBFloat16;
 };
 
