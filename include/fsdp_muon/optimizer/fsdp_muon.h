@@ -96,7 +96,8 @@ struct FsdpMuonConfig {
   TORCH_ARG(NonFiniteGradients, non_finite_gradients) = NonFiniteGradients::kIgnore;
   // Each step starts with one small all-reduce that makes a rank mismatch (different gradients
   // present, edited parameter groups, a local error) the same error on every rank instead of a
-  // hang, at the price of a host synchronization. false skips it for loops that guarantee
+  // hang, at the price of a host synchronization (a second one with the non-finite check, whose
+  // flags are copied to the host first). false skips it for loops that guarantee
   // agreement: step() then never waits on the host (on CUDA), and a mismatch hangs or fails
   // on some ranks only. The non-finite check needs it.
   TORCH_ARG(bool, check_gradient_agreement) = true;
