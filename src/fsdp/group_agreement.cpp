@@ -4,6 +4,9 @@
 #include <sstream>
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "comm/agreement.h"
 
 namespace fsdp_muon::fsdp {
 
@@ -98,6 +101,27 @@ std::string first_difference(const std::vector<std::string>& zero,
     }
   }
   return "the descriptions differ only in their hash";
+}
+
+void agree_on_group(Communicator& comm, const std::vector<std::string>& description,
+                    const std::string& who) {
+  const std::string text = join_lines(description);
+  const std::vector<int> differ = detail::ranks_that_differ(comm, text);
+  if (!differ.empty()) {
+    const std::vector<std::string> texts = gather_descriptions(comm, text);
+    std::string ranks;
+    for (const int r : differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    const int r = differ.front();
+    TORCH_CHECK(false, who, "the ranks built different groups (rank",
+                differ.size() > 1 ? "s " : " ", ranks, " differ", differ.size() > 1 ? "" : "s",
+                " from rank 0; this is rank ", comm.rank(), " of ", comm.size(),
+                "); first difference, ",
+                first_difference(split_lines(texts[0]), split_lines(texts[r]), r),
+                ". Every rank must build the same group: the same parameters, names, shapes and "
+                "dtypes in the same order, and the same options");
+  }
+  // Every rank failed alike (or this is a world of one): the local message is the error.
+  TORCH_CHECK(description[0] == "ok", description[1]);
 }
 
 }  // namespace fsdp_muon::fsdp

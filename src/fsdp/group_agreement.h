@@ -29,4 +29,11 @@ std::vector<std::string> gather_descriptions(Communicator& comm, const std::stri
 std::string first_difference(const std::vector<std::string>& zero,
                              const std::vector<std::string>& other, int r);
 
+// Every rank calls this with its description (describe_group's, or {"error", its own
+// validation message}) before the group's first collective. When some rank differs from rank
+// 0, every rank throws, naming the ranks that differ and the first difference; when all agree
+// on an error (or the world is one rank), that error is thrown. `who` starts the messages.
+void agree_on_group(Communicator& comm, const std::vector<std::string>& description,
+                    const std::string& who);
+
 }  // namespace fsdp_muon::fsdp

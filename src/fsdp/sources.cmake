@@ -2,8 +2,11 @@ list(APPEND FSDP_MUON_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/backward_hooks.cpp
   ${CMAKE_CURRENT_LIST_DIR}/flat_layout.cpp
   ${CMAKE_CURRENT_LIST_DIR}/group_agreement.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/group_storage.cpp
   ${CMAKE_CURRENT_LIST_DIR}/parameter_group.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/sharded_parameter_registry.cpp
   ${CMAKE_CURRENT_LIST_DIR}/shard_module.cpp
   ${CMAKE_CURRENT_LIST_DIR}/sharding_schedule.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/sharding_state_machine.cpp
   ${CMAKE_CURRENT_LIST_DIR}/sharding_strategy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/storage_bytes.cpp)

@@ -1,0 +1,269 @@
+// Reading the launcher's variables (docs/DESIGN.md §5, Launch): who this process is (rank,
+// world size, local rank), where the ranks meet (MASTER_ADDR/MASTER_PORT) and the launcher's job
+// id. Every inconsistency is reported here, naming the variable, rather than surfacing later as
+// a hang.
+
+#include "comm/launch_environment.h"
+
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+namespace fsdp_muon {
+namespace detail {
+
+std::optional<std::string> env_variable(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') {
+    return std::nullopt;
+  }
+  return std::string(value);
+}
+
+const char* world_size_variable(const std::string& launcher) {
+  if (launcher == "mpirun") return "OMPI_COMM_WORLD_SIZE";
+  if (launcher == "srun") return "SLURM_NTASKS";
+  if (launcher == "pmi") return "PMI_SIZE";
+  return "WORLD_SIZE";
+}
+
+// The job id the launcher gives its ranks (the same on every rank of one job, different for
+// another job), or nullopt when it gives none.
+std::optional<std::string> launcher_job_id(const std::string& launcher) {
+  std::optional<std::string> id;
+  if (launcher == "torchrun") {
+    id = env_variable("TORCHELASTIC_RUN_ID");
+  } else if (launcher == "mpirun") {
+    id = env_variable("OMPI_MCA_ess_base_jobid");
+    if (!id) {
+      id = env_variable("PMIX_NAMESPACE");
+    }
+  } else if (launcher == "srun") {
+    if ((id = env_variable("SLURM_JOB_ID"))) {
+      if (const auto step = env_variable("SLURM_STEP_ID")) {
+        *id += "." + *step;
+      }
+    }
+  } else if (launcher == "pmi") {
+    id = env_variable("PMIX_NAMESPACE");
+  }
+  return id;
+}
+
+namespace {
+
+// Errors name the public call that read the environment: `api` is "fsdp_muon::init_from_env" or
+// "fsdp_muon::read_launch_environment".
+int parse_int(const char* api, const char* name, const std::string& value) {
+  errno = 0;
+  char* end = nullptr;
+  const long parsed = std::strtol(value.c_str(), &end, 10);
+  TORCH_CHECK(end != value.c_str() && *end == '\0' && errno == 0 && parsed >= INT_MIN &&
+                  parsed <= INT_MAX && !std::isspace(static_cast<unsigned char>(value[0])),
+              api, ": ", name, "='", value, "' is not an integer");
+  return static_cast<int>(parsed);
+}
+
+// What one launcher's variables say about this process.
+struct Reading {
+  const char* launcher = "";
+  const char* rank_var = "";
+  const char* size_var = "";
+  const char* local_var = "";
+  int rank = 0;
+  int size = 1;
+  std::optional<int> local_rank;
+};
+
+// nullopt when the launcher's variables are absent. `rank_marks_presence`: only the rank
+// variable shows the launcher started us (Slurm sets SLURM_NTASKS in a plain allocation too).
+std::optional<Reading> read_launcher(const char* api, const char* launcher, const char* rank_var,
+                                     const char* size_var, const char* local_var,
+                                     bool rank_marks_presence) {
+  const auto rank = env_variable(rank_var);
+  const auto size = env_variable(size_var);
+  if (!rank && (rank_marks_presence || !size)) {
+    return std::nullopt;
+  }
+  TORCH_CHECK(rank, api, ": ", size_var, " is set but ", rank_var, " is not; a ", launcher,
+              " launch sets both");
+  TORCH_CHECK(size, api, ": ", rank_var, " is set but ", size_var, " is not; a ", launcher,
+              " launch sets both");
+  Reading r;
+  r.launcher = launcher;
+  r.rank_var = rank_var;
+  r.size_var = size_var;
+  r.local_var = local_var;
+  r.size = parse_int(api, size_var, *size);
+  r.rank = parse_int(api, rank_var, *rank);
+  TORCH_CHECK(r.size >= 1, api, ": ", size_var, "=", r.size, " must be at least 1");
+  TORCH_CHECK(r.rank >= 0 && r.rank < r.size, api, ": ", rank_var, "=", r.rank,
+              " is outside the world of ", size_var, "=", r.size, " ranks [0, ", r.size, ")");
+  if (const auto local = env_variable(local_var)) {
+    r.local_rank = parse_int(api, local_var, *local);
+    TORCH_CHECK(*r.local_rank >= 0 && *r.local_rank < r.size, api, ": ", local_var, "=",
+                *r.local_rank, " is outside [0, ", size_var, "=", r.size, ")");
+  }
+  return r;
+}
+
+void check_agree(const char* api, const Reading& a, const Reading& b) {
+  const char* fix = "; unset the variables of the launcher that did not start this process";
+  TORCH_CHECK(a.size == b.size, api, ": contradictory world sizes: ", a.size_var, "=", a.size, " (",
+              a.launcher, ") but ", b.size_var, "=", b.size, " (", b.launcher, ")", fix);
+  TORCH_CHECK(a.rank == b.rank, api, ": contradictory ranks: ", a.rank_var, "=", a.rank, " (",
+              a.launcher, ") but ", b.rank_var, "=", b.rank, " (", b.launcher, ")", fix);
+  if (a.local_rank && b.local_rank) {
+    TORCH_CHECK(*a.local_rank == *b.local_rank, api, ": contradictory local ranks: ", a.local_var,
+                "=", *a.local_rank, " (", a.launcher, ") but ", b.local_var, "=", *b.local_rank,
+                " (", b.launcher, ")", fix);
+  }
+}
+
+// The parent's pid and start time: the same for every rank a launcher forks on this node, and
+// never reused by a later job (a pid alone may be).
+std::string parent_process_key() {
+  const pid_t parent = getppid();
+  std::string start = "0";
+  std::ifstream stat("/proc/" + std::to_string(parent) + "/stat");
+  std::string line;
+  if (std::getline(stat, line)) {
+    const auto paren = line.rfind(')');
+    if (paren != std::string::npos) {
+      std::istringstream fields(line.substr(paren + 2));
+      std::string field;
+      // Field 22 (starttime); fields 3.. follow the command name.
+      for (int i = 3; i <= 22 && (fields >> field); ++i) {
+        if (i == 22) {
+          start = field;
+        }
+      }
+    }
+  }
+  return "ppid" + std::to_string(parent) + "-" + start;
+}
+
+std::string job_id_for(const std::string& launcher) {
+  const auto id = launcher_job_id(launcher);
+  return launcher + "-" + (id ? *id : parent_process_key());
+}
+
+// With no address the rendezvous is a file every rank can see, which only works on one node.
+void check_single_node(const char* api, const LaunchEnvironment& e) {
+  auto spans_nodes = [&](const char* local_size_var) {
+    const auto local_size = env_variable(local_size_var);
+    return local_size && parse_int(api, local_size_var, *local_size) != e.world_size;
+  };
+  const char* fix =
+      " but MASTER_ADDR is not set; export MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free "
+      "port> to every rank";
+  if (e.launcher == "torchrun") {
+    TORCH_CHECK(false, api, ": RANK/WORLD_SIZE describe a world of ", e.world_size, " ranks", fix,
+                " (torchrun sets them itself)");
+  } else if (e.launcher == "mpirun") {
+    TORCH_CHECK(!spans_nodes("OMPI_COMM_WORLD_LOCAL_SIZE"), api, ": this mpirun job ",
+                "spans several nodes (OMPI_COMM_WORLD_LOCAL_SIZE differs from ",
+                "OMPI_COMM_WORLD_SIZE)", fix, " (mpirun -x MASTER_ADDR -x MASTER_PORT)");
+  } else if (e.launcher == "srun") {
+    const char* nodes_var =
+        env_variable("SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
+    const auto nodes = env_variable(nodes_var);
+    TORCH_CHECK(!nodes || parse_int(api, nodes_var, *nodes) <= 1, api, ": this srun step ",
+                "spans ", nodes_var, "=", nodes.value_or("?"), " nodes", fix);
+  } else if (e.launcher == "pmi") {
+    TORCH_CHECK(!spans_nodes("MPI_LOCALNRANKS"), api, ": this PMI job spans several ",
+                "nodes (MPI_LOCALNRANKS differs from PMI_SIZE)", fix);
+  }
+}
+
+}  // namespace
+
+LaunchEnvironment read_launch_environment_for(const char* api) {
+  const auto torch = read_launcher(api, "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", false);
+  const auto ompi = read_launcher(api, "mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                  "OMPI_COMM_WORLD_LOCAL_RANK", false);
+  const auto slurm =
+      read_launcher(api, "srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", true);
+  const auto pmi = read_launcher(api, "pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", true);
+
+  std::vector<Reading> active;
+  if (torch && env_variable("TORCHELASTIC_RUN_ID")) {
+    active.push_back(*torch);  // torchrun's workers; an outer launcher started the agent
+  } else {
+    // The launcher named is the first present; RANK/WORLD_SIZE set by hand come last, since a
+    // job script often copies them from the launcher's own.
+    for (const auto* r : {&ompi, &pmi}) {
+      if (*r) {
+        active.push_back(**r);
+      }
+    }
+    // mpirun and PMI launchers start their daemons with srun inside an allocation; the Slurm
+    // variables then describe the daemon, not this rank.
+    if (slurm && !ompi && !pmi) {
+      active.push_back(*slurm);
+    }
+    if (torch) {
+      active.push_back(*torch);
+    }
+  }
+  for (size_t i = 1; i < active.size(); ++i) {
+    check_agree(api, active[0], active[i]);
+  }
+
+  LaunchEnvironment e;
+  e.launcher = "single";
+  if (!active.empty()) {
+    const Reading& r = active[0];
+    e.launcher = r.launcher;
+    e.rank = r.rank;
+    e.world_size = r.size;
+    for (const auto& a : active) {
+      if (a.local_rank) {
+        e.local_rank = *a.local_rank;
+        e.local_rank_variable = a.local_var;
+        break;
+      }
+    }
+  }
+
+  const auto addr = env_variable("MASTER_ADDR");
+  const auto port = env_variable("MASTER_PORT");
+  TORCH_CHECK(!addr || port, api, ": MASTER_ADDR=", addr.value_or(""),
+              " is set but MASTER_PORT is not; set both or neither");
+  TORCH_CHECK(addr || !port, api, ": MASTER_PORT=", port.value_or(""),
+              " is set but MASTER_ADDR is not; set both or neither");
+  e.use_agent_store =
+      e.launcher == "torchrun" && env_variable("TORCHELASTIC_USE_AGENT_STORE") == "True";
+  if (addr) {
+    e.master_addr = *addr;
+    e.master_port = parse_int(api, "MASTER_PORT", *port);
+    TORCH_CHECK(e.master_port >= 0 && e.master_port <= 65535, api, ": MASTER_PORT=", e.master_port,
+                " is not a TCP port (0-65535)");
+    // Port 0 lets the OS choose, which only a world of one can use: nobody else could find it.
+    TORCH_CHECK(e.master_port != 0 || (e.world_size == 1 && !e.use_agent_store), api,
+                ": MASTER_PORT=0 only works for a single process; give the "
+                "port rank 0 listens on");
+  } else if (e.world_size > 1) {
+    check_single_node(api, e);
+  }
+  e.job_id = job_id_for(e.launcher);
+  return e;
+}
+
+}  // namespace detail
+
+LaunchEnvironment read_launch_environment() {
+  return detail::read_launch_environment_for("fsdp_muon::read_launch_environment");
+}
+
+}  // namespace fsdp_muon
