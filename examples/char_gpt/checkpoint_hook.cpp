@@ -23,6 +23,12 @@ std::vector<torch::optim::Optimizer*> optimizers_of(const TrainingState& state) 
 
 }  // namespace
 
+void check_checkpoint_root(const std::string& directory) {
+  TORCH_CHECK(!std::ifstream(directory + "/manifest.pt").good(), "char_gpt: --checkpoint ",
+              directory, " is one checkpoint folder (it holds manifest.pt); pass the folder that ",
+              "holds it (--resume X --checkpoint X continues a run and saves beside it)");
+}
+
 std::string save_checkpoint(const std::string& directory, const TrainingState& state) {
   fsdp_muon::CheckpointUserState user;
   user.ints[kStepKey] = state.step;
@@ -31,16 +37,16 @@ std::string save_checkpoint(const std::string& directory, const TrainingState& s
 }
 
 void load_checkpoint(const std::string& directory, TrainingState& state) {
-  // An unusable checkpoint under `directory` throws here, naming the file; a folder that holds
-  // no checkpoint at all gets the library's explanation from load_checkpoint.
-  const auto latest = fsdp_muon::latest_checkpoint(directory);
-  const std::string folder = latest ? *latest : directory;
+  // The library resolves `directory` once, on rank 0, and every rank loads that checkpoint; an
+  // unusable one throws, naming the file.
   const fsdp_muon::CheckpointUserState user =
-      fsdp_muon::load_checkpoint(folder, state.groups, optimizers_of(state));
+      fsdp_muon::load_checkpoint(directory, state.groups, optimizers_of(state));
   auto it = user.ints.find(kStepKey);
   int64_t step = it != user.ints.end() ? it->second : -1;
+  std::string folder = directory;
   if (it == user.ints.end()) {
     // Checkpoints of earlier char_gpt versions kept the step in a file beside the manifest.
+    folder = fsdp_muon::latest_checkpoint(directory).value_or(directory);
     std::ifstream in(folder + "/" + kLegacyStepFile);
     if (!(in >> step)) step = -1;
   }

@@ -24,6 +24,11 @@ struct TrainingState {
   int64_t step = 0;  // steps completed
 };
 
+// Throws when `directory` is itself one checkpoint folder (it holds a manifest.pt), which
+// save_checkpoint refuses: --checkpoint names a root, and --resume X --checkpoint X resumes from
+// the newest checkpoint under X and saves the next one beside it.
+void check_checkpoint_root(const std::string& directory);
+
 // Collective: a new checkpoint under `directory` (older ones beyond the last two removed).
 // Returns its folder.
 std::string save_checkpoint(const std::string& directory, const TrainingState& state);

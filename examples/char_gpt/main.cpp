@@ -69,6 +69,11 @@ const char* kUsage =
   --warmup N               linear warm-up steps (default 20)
   --cooldown F             fraction of steps over which lr decays linearly to 0 (default 0.4)
   --ns-dtype bf16|fp32     Newton-Schulz compute dtype (default bf16)
+  --ns-method M            standard|gram|auto (MuonOptions::ns_method; default standard)
+  --ns-preconditioning P   none|aol (MuonOptions::ns_preconditioning; default none)
+  --ns-steps N             Newton-Schulz iterations (default 5; keep 5 with
+                           --ns-preconditioning aol: quintic at 4 steps with AOL is not a
+                           validated pair, README "Gram, AOL and NorMuon")
   --eval-every N           validation loss every N steps (default 100; 0: only at the end)
   --log-every N            progress line every N steps when stderr is not a terminal
                            (default steps / 10)
@@ -102,6 +107,9 @@ struct Flags {
   int64_t warmup = 20;
   double cooldown = 0.4;
   std::string ns_dtype = "bf16";
+  fsdp_muon::NsMethod ns_method = fsdp_muon::NsMethod::kStandard;
+  fsdp_muon::NsPreconditioning ns_preconditioning = fsdp_muon::NsPreconditioning::kNone;
+  int64_t ns_steps = 5;
   int64_t eval_every = 100;
   int64_t log_every = 0;
   uint64_t seed = 1234;
@@ -173,6 +181,23 @@ Flags parse_flags(int argc, char** argv) {
   take("warmup", f.warmup);
   take("cooldown", f.cooldown);
   take_string("ns-dtype", f.ns_dtype);
+  std::string text;
+  take_string("ns-method", text);
+  if (!text.empty()) {
+    const auto parsed = fsdp_muon::parse_ns_method(text);
+    TORCH_CHECK(parsed.has_value(), "char_gpt: --ns-method must be standard, gram or auto, got '",
+                text, "'");
+    f.ns_method = *parsed;
+  }
+  text.clear();
+  take_string("ns-preconditioning", text);
+  if (!text.empty()) {
+    const auto parsed = fsdp_muon::parse_ns_preconditioning(text);
+    TORCH_CHECK(parsed.has_value(), "char_gpt: --ns-preconditioning must be none or aol, got '",
+                text, "'");
+    f.ns_preconditioning = *parsed;
+  }
+  take("ns-steps", f.ns_steps);
   take("eval-every", f.eval_every);
   take("log-every", f.log_every);
   take("seed", f.seed);
@@ -198,6 +223,8 @@ Flags parse_flags(int argc, char** argv) {
   TORCH_CHECK(f.stop_at >= 0 && f.stop_at <= f.steps, "char_gpt: --stop-at must be in [0, ",
               "--steps]");
   if (f.stop_at == 0) f.stop_at = f.steps;
+  // Before training, not after it: the save at the end would refuse such a folder.
+  if (!f.checkpoint.empty()) check_checkpoint_root(f.checkpoint);
   if (f.log_every <= 0) f.log_every = std::max<int64_t>(1, f.steps / 10);
   return f;
 }
@@ -411,8 +438,11 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   std::unique_ptr<fsdp_muon::FsdpMuon> muon;
   if (use_muon) {
     muon = std::make_unique<fsdp_muon::FsdpMuon>(
-        muon_params, fsdp_muon::MuonOptions(flags.lr).ns_dtype(
-                         flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat));
+        muon_params, fsdp_muon::MuonOptions(flags.lr)
+                         .ns_dtype(flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
+                         .ns_method(flags.ns_method)
+                         .ns_preconditioning(flags.ns_preconditioning)
+                         .ns_steps(flags.ns_steps));
   }
 
   if (rank0) {

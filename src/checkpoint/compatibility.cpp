@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "checkpoint/optimizer_state.h"
+
 namespace fsdp_muon::checkpoint {
 namespace {
 
@@ -85,6 +87,62 @@ void check_same_optimizers(const SavedMeta& saved, const ModelIndex& model,
                   first_names(s.param_groups[j]), ", here ", first_names(live));
     }
   }
+}
+
+std::string other_job_reason(const SavedMeta& saved, const ModelIndex& model,
+                             const std::vector<OptimizerEntry>& opts, const std::string& run_id) {
+  if (saved.run_id && *saved.run_id != run_id) {
+    return "run id '" + *saved.run_id + "' there, '" + run_id + "' here";
+  }
+  try {
+    check_same_model(saved, model, "");
+    check_same_optimizers(saved, model, opts, "");
+  } catch (const c10::Error& e) {
+    std::string msg = e.what_without_backtrace();
+    if (msg.rfind(": ", 0) == 0) msg = msg.substr(2);  // the empty api's separator
+    return msg;
+  }
+  return "";
+}
+
+std::vector<std::string> describe_for_save(const ModelIndex& model,
+                                           const std::vector<OptimizerEntry>& opts) {
+  std::vector<std::string> lines;
+  lines.push_back("groups: " + std::to_string(model.groups.size()));
+  for (size_t g = 0; g < model.groups.size(); ++g) {
+    const auto& group = model.groups[g];
+    std::ostringstream line;
+    line << "group " << g << ": '" << group->name() << "', " << group->num_parameters()
+         << " parameter(s), " << group->padded_numel() << " elements, main "
+         << c10::toString(group->main_dtype());
+    lines.push_back(line.str());
+  }
+  lines.push_back("optimizers: " + std::to_string(opts.size()));
+  for (size_t o = 0; o < opts.size(); ++o) {
+    const std::string which = "optimizer " + std::to_string(o);
+    lines.push_back(which + ": " + kind_name(opts[o].kind) + ", " +
+                    std::to_string(opts[o].param_groups.size()) + " param group(s)");
+    for (size_t j = 0; j < opts[o].param_groups.size(); ++j) {
+      std::string names;
+      for (const ParamRef& ref : opts[o].param_groups[j]) {
+        names += (names.empty() ? "" : ", ") + model.slot(ref).name;
+      }
+      lines.push_back(which + ", param group " + std::to_string(j) + ": [" + names + "]");
+      for (const ParamRef& ref : opts[o].param_groups[j]) {
+        const ParamState st = read_state(opts[o], model.shard(ref));
+        std::string state = "none";
+        if (st.present) {
+          state = "step " + std::to_string(st.step) + ", [";
+          for (size_t k = 0; k < st.tensors.size(); ++k) {
+            state += (k ? ", " : "") + st.tensors[k].first;
+          }
+          state += "]";
+        }
+        lines.push_back(which + ", state of '" + model.slot(ref).name + "': " + state);
+      }
+    }
+  }
+  return lines;
 }
 
 }  // namespace fsdp_muon::checkpoint

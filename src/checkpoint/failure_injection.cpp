@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <utility>
 
 #include <c10/util/Exception.h>
 
@@ -14,6 +15,8 @@ InjectedFailure g_kind = InjectedFailure::kCrash;
 bool g_env_read = false;
 constexpr int64_t kDefaultChunkBytes = int64_t{1} << 20;
 int64_t g_chunk_bytes = kDefaultChunkBytes;
+int64_t g_sync_fail_after = -1;  // folder fsyncs to let through first; negative: disarmed
+std::function<void(bool)> g_latest_hook;
 
 }  // namespace
 
@@ -43,6 +46,26 @@ InjectedFailure take_injected_failure(const char* api) {
   return InjectedFailure::kNone;
 }
 
+bool take_injected_folder_sync_failure() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_sync_fail_after < 0) return false;
+  if (g_sync_fail_after == 0) {
+    g_sync_fail_after = -1;
+    return true;
+  }
+  --g_sync_fail_after;
+  return false;
+}
+
+void run_latest_read_hook(bool after) {
+  std::function<void(bool)> hook;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    hook = g_latest_hook;
+  }
+  if (hook) hook(after);
+}
+
 int64_t checkpoint_chunk_bytes() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_chunk_bytes;
@@ -55,6 +78,16 @@ namespace detail {
 void set_checkpoint_chunk_bytes(int64_t bytes) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_chunk_bytes = bytes > 0 ? bytes : kDefaultChunkBytes;
+}
+
+void set_checkpoint_folder_sync_failure(int64_t syncs) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_sync_fail_after = syncs;
+}
+
+void set_checkpoint_latest_read_hook(std::function<void(bool after)> hook) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_latest_hook = std::move(hook);
 }
 
 void set_checkpoint_failure_injection(int64_t files, InjectedFailure kind) {

@@ -31,13 +31,6 @@ void write_all(int fd, const char* data, size_t size, const std::string& path, c
   }
 }
 
-void fsync_dir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return;  // some file systems refuse; the rename itself is still atomic
-  ::fsync(fd);
-  ::close(fd);
-}
-
 std::array<uint32_t, 256> make_crc_table() {
   std::array<uint32_t, 256> table{};
   for (uint32_t i = 0; i < 256; ++i) {
@@ -141,7 +134,23 @@ void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks
     ::unlink(tmp.c_str());
     TORCH_CHECK(false, api, ": renaming ", tmp, " to ", path, " failed: ", err);
   }
-  fsync_dir(dir);
+  sync_folder(dir, api);
+}
+
+void sync_folder(const std::string& dir, const char* api) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, api, ": cannot open folder ", dir, " to fsync it: ", errno_text());
+  int rc = ::fsync(fd);
+  if (take_injected_folder_sync_failure()) {
+    rc = -1;
+    errno = EIO;
+  }
+  const int err = errno;
+  ::close(fd);
+  // EINVAL: this file system cannot sync folders at all (the rename is still atomic); anything
+  // else (EIO above all) means the new name may not survive a crash, so the save fails.
+  TORCH_CHECK(rc == 0 || err == EINVAL, api, ": fsync of folder ", dir,
+              " failed: ", std::strerror(err));
 }
 
 std::vector<char> pickle_save_plain(const c10::IValue& value) {

@@ -22,6 +22,10 @@ struct Chunk {
 // is there. Throws naming the path and errno on failure.
 void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks, const char* api);
 
+// fsync of a folder, so that the names created, renamed or removed in it are durable; throws
+// naming the folder and errno when it fails (EINVAL, a file system that cannot, is accepted).
+void sync_folder(const std::string& dir, const char* api);
+
 // torch::pickle_save without the type tags (torch.jit._pickle.restore_type_tag) it wraps
 // dicts and lists in: Python's torch.load refuses those under weights_only=True (its default
 // since 2.6), and torch::pickle_load does not need them.

@@ -1,5 +1,7 @@
 #include "checkpoint/folder.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <chrono>
@@ -15,6 +17,8 @@
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
 
+#include "checkpoint/compatibility.h"
+#include "checkpoint/failure_injection.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/framing.h"
 #include "checkpoint/rank_file.h"
@@ -41,7 +45,8 @@ int64_t folder_sequence(const std::string& name) {
 std::vector<char> encode_manifest(int64_t sequence, const std::string& save_id,
                                   const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
                                   const std::vector<int64_t>& rank_file_bytes,
-                                  const CheckpointUserState& user_state, const char* api) {
+                                  const CheckpointUserState& user_state, const std::string& run_id,
+                                  const char* api) {
   c10::impl::GenericList files(c10::AnyType::get());
   c10::impl::GenericList file_bytes(c10::AnyType::get());
   const int world = model.comm->size();
@@ -63,6 +68,7 @@ std::vector<char> encode_manifest(int64_t sequence, const std::string& save_id,
   manifest.insert("rank_files", files);
   manifest.insert("rank_file_bytes", file_bytes);
   manifest.insert("user_state", user);
+  manifest.insert("run_id", run_id);
   const std::vector<char> header = pickle_save_plain(manifest);
   const auto prefix = encode_frame_prefix(header, kFormatVersion);
   std::vector<char> bytes(prefix.begin(), prefix.end());
@@ -114,10 +120,6 @@ std::vector<std::pair<int64_t, std::string>> checkpoint_folders(const std::strin
   return folders;
 }
 
-bool is_complete(const std::string& folder) {
-  return path_exists(join_path(folder, kManifestName));
-}
-
 // Before a save writes anything: the leftovers of earlier saves that failed or crashed. Never
 // a complete checkpoint, nor the folder `latest` names.
 void remove_leftovers(const std::string& dir) {
@@ -135,19 +137,34 @@ void remove_leftovers(const std::string& dir) {
   }
 }
 
+// The manifest of a complete checkpoint, or nullopt when it does not read.
+std::optional<SavedMeta> try_read_manifest(const std::string& folder) {
+  try {
+    return read_manifest(folder, "");
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
 // Best effort: the new checkpoint is already complete and named by `latest`, so nothing here
-// may fail the save. Only complete checkpoints older than `current` go, the newest first kept.
-void prune(const std::string& dir, int64_t current, int64_t keep_last) {
+// may fail the save. Only this job's complete checkpoints older than `current` go, the newest
+// first kept; another job's, and any whose manifest does not read, are not this save's to
+// remove (docs/DESIGN.md §6).
+void prune(const std::string& dir, int64_t current, int64_t keep_last, const ModelIndex& model,
+           const std::vector<OptimizerEntry>& opts, const std::string& run_id) {
   if (keep_last <= 0) return;
-  std::vector<std::string> complete;  // newest first
+  std::vector<std::string> ours;  // newest first
   const auto folders = checkpoint_folders(dir);
   for (auto it = folders.rbegin(); it != folders.rend(); ++it) {
     const std::string folder = join_path(dir, it->second);
-    if (it->first <= current && is_complete(folder)) complete.push_back(folder);
+    if (it->first > current || !is_complete(folder)) continue;
+    if (it->first != current) {
+      const std::optional<SavedMeta> saved = try_read_manifest(folder);
+      if (!saved || !other_job_reason(*saved, model, opts, run_id).empty()) continue;
+    }
+    ours.push_back(folder);
   }
-  for (size_t i = static_cast<size_t>(keep_last); i < complete.size(); ++i) {
-    remove_tree(complete[i]);
-  }
+  for (size_t i = static_cast<size_t>(keep_last); i < ours.size(); ++i) remove_tree(ours[i]);
 }
 
 // Why `dir` holds no checkpoint (find_checkpoint found none).
@@ -176,37 +193,78 @@ std::string new_save_id() {
   return buf;
 }
 
-int64_t create_checkpoint_folder(const std::string& dir, const char* api) {
+bool is_complete(const std::string& folder) {
+  return path_exists(join_path(folder, kManifestName));
+}
+
+int64_t create_checkpoint_folder(const std::string& dir, const ModelIndex& model,
+                                 const std::vector<OptimizerEntry>& opts, const std::string& run_id,
+                                 const char* api) {
+  // A checkpoint nested in a checkpoint folder is one no load of that folder would see.
+  TORCH_CHECK(!is_complete(dir), api, ": ", dir, " is a checkpoint folder (it holds ",
+              kManifestName, "); save into the folder that holds it instead: resuming from a ",
+              "root and saving into the same root continues its sequence");
   make_directories(dir, api);
   int64_t last = 0;
   for (const std::string& name : list_directory(dir)) {
     last = std::max(last, folder_sequence(name));
+  }
+  // One root holds one job's checkpoints: another job's save would prune them and move
+  // `latest`. The newest complete checkpoint decides (one whose manifest does not read cannot
+  // be attributed, and does not block the save).
+  const auto folders = checkpoint_folders(dir);
+  for (auto it = folders.rbegin(); it != folders.rend(); ++it) {
+    const std::string folder = join_path(dir, it->second);
+    if (!is_complete(folder)) continue;
+    if (const std::optional<SavedMeta> saved = try_read_manifest(folder)) {
+      const std::string reason = other_job_reason(*saved, model, opts, run_id);
+      TORCH_CHECK(reason.empty(), api, ": ", folder, " is a checkpoint of another job (", reason,
+                  "); one folder holds the checkpoints of one job: save into another folder, or,",
+                  " if this job is that one resuming, pass its run_id, model and optimizers");
+    }
+    break;
   }
   // After `last` is known: a sequence number is never used twice, even when its folder goes.
   remove_leftovers(dir);
   const int64_t sequence = last + 1;
   const std::string folder = join_path(dir, folder_name(sequence));
   TORCH_CHECK(make_directory(folder, api), api, ": cannot create ", folder, " (it exists)");
+  sync_folder(dir, api);
   return sequence;
 }
 
 void publish_checkpoint(const std::string& dir, int64_t sequence, const std::string& save_id,
                         const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
                         const std::vector<int64_t>& rank_file_bytes,
-                        const CheckpointUserState& user_state, int64_t keep_last, const char* api) {
+                        const CheckpointUserState& user_state, const std::string& run_id,
+                        int64_t keep_last, const char* api) {
   const std::string folder = join_path(dir, folder_name(sequence));
   const std::vector<char> manifest =
-      encode_manifest(sequence, save_id, model, opts, rank_file_bytes, user_state, api);
-  write_file_atomic(join_path(folder, kManifestName), {{manifest.data(), manifest.size()}}, api);
+      encode_manifest(sequence, save_id, model, opts, rank_file_bytes, user_state, run_id, api);
+  const std::string manifest_path = join_path(folder, kManifestName);
+  try {
+    write_file_atomic(manifest_path, {{manifest.data(), manifest.size()}}, api);
+    // What a load checks first: a checkpoint that fails it must not become `latest`, nor let
+    // pruning remove the previous one.
+    const SavedMeta back = read_manifest(folder, api);
+    check_same_model(back, model, api);
+    check_same_optimizers(back, model, opts, api);
+  } catch (...) {
+    // A failed save leaves no complete checkpoint (the folder is removed by the next save).
+    ::unlink(manifest_path.c_str());
+    throw;
+  }
   write_text_atomic(join_path(dir, kLatestName), folder_name(sequence) + " " + save_id + "\n", api);
-  prune(dir, sequence, keep_last);
+  prune(dir, sequence, keep_last, model, opts, run_id);
 }
 
 std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir, const char* api) {
-  if (is_complete(dir)) return FoundCheckpoint{dir, read_manifest(dir, api)};
+  if (is_complete(dir)) return FoundCheckpoint{dir, "", read_manifest(dir, api)};
   const std::string latest_path = join_path(dir, kLatestName);
   if (path_exists(latest_path)) {
+    run_latest_read_hook(false);
     const LatestLine latest = read_latest(latest_path, api);
+    run_latest_read_hook(true);
     const std::string folder = join_path(dir, latest.name);
     TORCH_CHECK(is_directory(folder), api, ": ", latest_path, " names '", latest.name, "', but ",
                 folder, " does not exist");
@@ -224,7 +282,7 @@ std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir, const cha
                   " is of save ", manifest.save_id.empty() ? "(none: version 1)" : manifest.save_id,
                   ": ", latest_path, " is corrupt or the folder was replaced");
     }
-    return FoundCheckpoint{folder, std::move(manifest)};
+    return FoundCheckpoint{folder, latest.name, std::move(manifest)};
   }
   if (!path_exists(dir)) return std::nullopt;
   TORCH_CHECK(is_directory(dir), api, ": ", dir, " is a file, not a checkpoint folder");
@@ -237,7 +295,7 @@ std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir, const cha
   const auto folders = checkpoint_folders(dir);
   for (auto it = folders.rbegin(); it != folders.rend(); ++it) {
     const std::string folder = join_path(dir, it->second);
-    if (is_complete(folder)) return FoundCheckpoint{folder, read_manifest(folder, api)};
+    if (is_complete(folder)) return FoundCheckpoint{folder, it->second, read_manifest(folder, api)};
   }
   return std::nullopt;
 }

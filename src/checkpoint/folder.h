@@ -7,7 +7,8 @@
 //
 // The manifest (format version 2) is a frame (checkpoint/framing.h) and nothing else: describe()
 // plus "type" = "manifest", "save_id", "sequence", "rank_files", "rank_file_bytes",
-// "user_state". Version 1 wrote the dict with pickle_save_plain alone, unchecked.
+// "user_state", "run_id" (the last since the job identity; older manifests lack it). Version 1
+// wrote the dict with pickle_save_plain alone, unchecked.
 // `latest` is one line, "ckpt-000007 <save id>\n" (version 1: "ckpt-000007\n"): the save id
 // ties it to the manifest it names, so a garbled `latest` is an error, never another checkpoint.
 
@@ -27,25 +28,36 @@ constexpr const char* kLatestName = "latest";
 // "ckpt-000007"
 std::string folder_name(int64_t sequence);
 
+// Whether `folder` holds a manifest (a complete checkpoint).
+bool is_complete(const std::string& folder);
+
 // A new random save id: 32 hex digits.
 std::string new_save_id();
 
-// Rank 0: creates `dir` when needed, removes what earlier saves that failed or crashed left
-// (folders without a manifest, temporary `latest` files) so that they cannot fill the disk
-// again, and creates the folder that follows the highest sequence number present; returns its
+// Rank 0: refuses a `dir` that is itself a checkpoint folder and a `dir` whose newest complete
+// checkpoint is of another job (compatibility.h: other_job_reason), creates `dir` when needed,
+// removes what earlier saves that failed or crashed left (folders without a manifest,
+// temporary `latest` files) so that they cannot fill the disk again, and creates the folder
+// that follows the highest sequence number present, durably (the root is fsynced); returns its
 // sequence number.
-int64_t create_checkpoint_folder(const std::string& dir, const char* api);
+int64_t create_checkpoint_folder(const std::string& dir, const ModelIndex& model,
+                                 const std::vector<OptimizerEntry>& opts, const std::string& run_id,
+                                 const char* api);
 
 // Rank 0, once every rank's file of checkpoint `sequence` is in place (`rank_file_bytes` are
-// their sizes): writes its manifest, which makes it complete, points `latest` at it, then
-// prunes to the newest `keep_last` complete checkpoints (0 keeps all).
+// their sizes): writes its manifest, which makes it complete, reads it back and checks it as a
+// load would (a failure removes it again), points `latest` at it, then prunes this job's
+// complete checkpoints to the newest `keep_last` (0 keeps all); another job's are never
+// removed.
 void publish_checkpoint(const std::string& dir, int64_t sequence, const std::string& save_id,
                         const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
                         const std::vector<int64_t>& rank_file_bytes,
-                        const CheckpointUserState& user_state, int64_t keep_last, const char* api);
+                        const CheckpointUserState& user_state, const std::string& run_id,
+                        int64_t keep_last, const char* api);
 
 struct FoundCheckpoint {
   std::string folder;
+  std::string name;    // the folder's name in the root; "" when the root itself is the folder
   SavedMeta manifest;  // read and checked
 };
 

@@ -235,6 +235,8 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
       corrupt(path, "it does not list one rank file per saved rank", api);
     }
     if (version >= 2) {
+      // Written since the job identity (docs/DESIGN.md §6); older version 2 manifests lack it.
+      if (top.has("run_id")) meta.run_id = top.str("run_id");
       const Fields user = top.dict("user_state");
       for (const auto& item : user.raw()) {
         if (!item.key().isString()) corrupt(path, "a user_state key is not a string", api);

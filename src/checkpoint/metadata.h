@@ -4,6 +4,7 @@
 // name the file when a field is missing or of the wrong type).
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -66,6 +67,8 @@ struct SavedMeta {
   std::vector<std::string> rank_files;
   std::vector<int64_t> rank_file_bytes;
   CheckpointUserState user_state;
+  // SaveCheckpointOptions::run_id; none in manifests older than it (they match any run id).
+  std::optional<std::string> run_id;
 };
 
 // Parses the fields describe() writes; `manifest` also requires the manifest-only ones.

@@ -4,6 +4,8 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -280,6 +282,22 @@ RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, in
   RankFile rf;
   rf.file = ReadFile(p, api);
   const int64_t expected = manifest.rank_file_bytes[rank];
+  if (rf.file.size() != expected) {
+    // Another rank's intact file (swapped or renamed) has another size too: say so, rather than
+    // "truncated", when its own header says whose it is.
+    std::optional<std::pair<int64_t, int64_t>> writer;
+    try {
+      const Frame frame = read_frame(rf.file, api);
+      const Fields top(frame.header, p, api);
+      writer.emplace(top.integer("rank"), top.integer("world_size"));
+    } catch (const c10::Error&) {
+      // Not a readable rank file: the size checks below say what it is.
+    }
+    TORCH_CHECK(!writer || (writer->first == rank && writer->second == manifest.world_size), api,
+                ": ", p, " was written by rank ", writer->first, " of ", writer->second,
+                ", not rank ", rank, " of ", manifest.world_size,
+                ": the rank files were swapped or renamed");
+  }
   TORCH_CHECK(rf.file.size() >= expected, api, ": ", p, " is truncated: it has ", rf.file.size(),
               " bytes, the manifest says ", expected);
   TORCH_CHECK(rf.file.size() == expected, api, ": ", p, " has ", rf.file.size(),
@@ -306,7 +324,8 @@ RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, in
     }
     TORCH_CHECK(top.integer("rank") == rank && top.integer("world_size") == manifest.world_size,
                 api, ": ", p, " was written by rank ", top.integer("rank"), " of ",
-                top.integer("world_size"), ", not rank ", rank, " of ", manifest.world_size);
+                top.integer("world_size"), ", not rank ", rank, " of ", manifest.world_size,
+                ": the rank files were swapped or renamed");
     rf.data_start = data_start_after(frame.header_bytes);
     rf.data_bytes = top.integer("data_bytes");
     if (rf.data_bytes < 0) corrupt(p, "negative data_bytes", api);

@@ -4,6 +4,8 @@
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -21,6 +23,7 @@
 #include "checkpoint/rank_file.h"
 #include "checkpoint/staged_restore.h"
 #include "comm/agreement.h"
+#include "fsdp/group_agreement.h"
 
 namespace fsdp_muon {
 namespace {
@@ -54,6 +57,115 @@ std::vector<std::vector<std::vector<char>>> checked_saved_options(
   return options;
 }
 
+// Every rank describes what it is about to save (checkpoint/compatibility.h: describe_for_save);
+// when some rank's description differs from rank 0's, every rank throws naming the first
+// difference, before anything is written: rank 0's manifest would describe the other ranks'
+// files wrongly, and the checkpoint would not load (docs/DESIGN.md §6).
+void agree_on_what_to_save(Communicator& comm, const std::vector<std::string>& lines) {
+  const std::string text = fsdp::join_lines(lines);
+  const std::vector<int> differ = detail::ranks_that_differ(comm, text);
+  if (differ.empty()) return;
+  const std::vector<std::string> texts = fsdp::gather_descriptions(comm, text);
+  const int r = differ.front();
+  const std::vector<std::string> zero = fsdp::split_lines(texts[0]);
+  const std::vector<std::string> other = fsdp::split_lines(texts[r]);
+  std::string difference = "the descriptions differ only in their hash";
+  for (size_t k = 0; k < std::max(zero.size(), other.size()); ++k) {
+    const std::string a = k < zero.size() ? zero[k] : "(nothing)";
+    const std::string b = k < other.size() ? other[k] : "(nothing)";
+    if (a == b) continue;
+    const size_t colon = a.find(": ");
+    const bool same_label =
+        colon != std::string::npos && b.compare(0, colon + 2, a, 0, colon + 2) == 0;
+    difference = same_label
+                     ? a.substr(0, colon) + ": rank 0 has " + a.substr(colon + 2) + "; rank " +
+                           std::to_string(r) + " has " + b.substr(colon + 2)
+                     : "rank 0 has '" + a + "'; rank " + std::to_string(r) + " has '" + b + "'";
+    break;
+  }
+  TORCH_CHECK(false, kSaveApi, ": the ranks disagree on what to save (every rank must pass the ",
+              "same groups and optimizers, in the same order): ", difference, " (", differ.size(),
+              " rank(s) differ from rank 0); nothing was written");
+}
+
+// A save id as two non-negative 63-bit halves (new_save_id's values fit, see save_checkpoint),
+// so that rank 0 can send it through a sum; {-1, -1} for a version 1 checkpoint, which has none.
+std::pair<int64_t, int64_t> save_id_halves(const checkpoint::SavedMeta& saved) {
+  if (saved.save_id.empty()) return {-1, -1};
+  bool ok = saved.save_id.size() == 32;
+  for (char ch : saved.save_id) ok = ok && std::isxdigit(static_cast<unsigned char>(ch)) != 0;
+  uint64_t hi = 0, lo = 0;
+  if (ok) {
+    hi = std::stoull(saved.save_id.substr(0, 16), nullptr, 16);
+    lo = std::stoull(saved.save_id.substr(16), nullptr, 16);
+  }
+  if (!ok || hi >> 63 || lo >> 63) {
+    checkpoint::corrupt(
+        saved.path, "its save id '" + saved.save_id + "' is not one fsdp_muon writes", kLoadApi);
+  }
+  return {static_cast<int64_t>(hi), static_cast<int64_t>(lo)};
+}
+
+std::string save_id_text(int64_t hi, int64_t lo) {
+  if (hi < 0) return "";
+  char id[40];
+  std::snprintf(id, sizeof(id), "%016llx%016llx", static_cast<unsigned long long>(hi),
+                static_cast<unsigned long long>(lo));
+  return id;
+}
+
+// "ckpt-000007" from its sequence number and its number of digits (as rank 0 found it).
+std::string folder_name_with_digits(int64_t sequence, int64_t digits) {
+  std::string number = std::to_string(sequence);
+  if (static_cast<int64_t>(number.size()) < digits) {
+    number.insert(0, static_cast<size_t>(digits) - number.size(), '0');
+  }
+  return "ckpt-" + number;
+}
+
+// Rank 0 resolves `dir` (the folder itself, or the checkpoint `latest` names) and every rank
+// loads exactly that checkpoint, checked by its save id: a save that moves `latest` between
+// two ranks' reads, or ranks given different folders (each its own latest_checkpoint()), must
+// not make them load shards of different saves (docs/DESIGN.md §6).
+checkpoint::FoundCheckpoint resolve_on_rank0(Communicator& comm, const std::string& dir) {
+  checkpoint::FoundCheckpoint found;
+  const std::vector<int64_t> agreed =
+      detail::agree_on_sum(comm, kLoadApi, 5, [&](std::vector<int64_t>& mine) {
+        if (comm.rank() != 0) return;
+        found = checkpoint::resolve_checkpoint(dir, kLoadApi);
+        const auto [hi, lo] = save_id_halves(found.manifest);
+        mine[0] = found.name.empty() ? 1 : 2;
+        if (!found.name.empty()) {  // "ckpt-<digits>", as find_checkpoint checked
+          mine[1] = std::stoll(found.name.substr(5));
+          mine[2] = static_cast<int64_t>(found.name.size()) - 5;
+        }
+        mine[3] = hi;
+        mine[4] = lo;
+      });
+  const std::string id = save_id_text(agreed[3], agreed[4]);
+  detail::run_agreed(comm, kLoadApi, [&] {
+    if (comm.rank() == 0) return;
+    const bool itself = agreed[0] == 1;
+    found.name = itself ? "" : folder_name_with_digits(agreed[1], agreed[2]);
+    found.folder = itself ? dir : checkpoint::join_path(dir, found.name);
+    const std::string rank0 = itself ? "rank 0 was given a checkpoint folder"
+                                     : "rank 0 resolved " + dir + " to " + found.name;
+    const std::string how =
+        "every rank must load the same checkpoint (pass the same root to load_checkpoint on every "
+        "rank, which resolves it once, rather than each rank's latest_checkpoint())";
+    TORCH_CHECK(checkpoint::is_complete(found.folder), kLoadApi, ": ", rank0, " (save ",
+                id.empty() ? "of format version 1" : id, "), but here ", found.folder,
+                " is not a complete checkpoint: ", how);
+    found.manifest = checkpoint::read_manifest(found.folder, kLoadApi);
+    TORCH_CHECK(
+        found.manifest.save_id == id, kLoadApi, ": ", rank0, " of save ",
+        id.empty() ? "(none: format version 1)" : id, ", but here ", found.folder, " is of save ",
+        found.manifest.save_id.empty() ? "(none: format version 1)" : found.manifest.save_id, ": ",
+        how);
+  });
+  return found;
+}
+
 }  // namespace
 
 std::string save_checkpoint(const std::string& dir,
@@ -63,16 +175,20 @@ std::string save_checkpoint(const std::string& dir,
   Communicator& comm = checkpoint::communicator_of(groups, kSaveApi);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;
+  std::vector<std::string> description;
   detail::run_agreed(comm, kSaveApi, [&] {
     model = checkpoint::index_model(groups, kSaveApi);
     opts = checkpoint::index_optimizers(optimizers, model, kSaveApi);
+    description = checkpoint::describe_for_save(model, opts);
   });
+  agree_on_what_to_save(comm, description);
   // Rank 0 creates the folder and draws the save id; the agreed sum tells every rank both (the
   // id as two 63-bit halves, so the sum of rank 0's value and zeros cannot overflow).
   const std::vector<int64_t> agreed =
       detail::agree_on_sum(comm, kSaveApi, 3, [&](std::vector<int64_t>& mine) {
         if (comm.rank() != 0) return;
-        mine[0] = checkpoint::create_checkpoint_folder(dir, kSaveApi);
+        mine[0] =
+            checkpoint::create_checkpoint_folder(dir, model, opts, options.run_id(), kSaveApi);
         const std::string id = checkpoint::new_save_id();
         mine[1] = static_cast<int64_t>(std::stoull(id.substr(0, 16), nullptr, 16) >> 1);
         mine[2] = static_cast<int64_t>(std::stoull(id.substr(16), nullptr, 16) >> 1);
@@ -92,7 +208,8 @@ std::string save_checkpoint(const std::string& dir,
   detail::run_agreed(comm, kSaveApi, [&] {
     if (comm.rank() != 0) return;
     checkpoint::publish_checkpoint(dir, sequence, save_id, model, opts, rank_file_bytes,
-                                   options.user_state(), options.keep_last(), kSaveApi);
+                                   options.user_state(), options.run_id(), options.keep_last(),
+                                   kSaveApi);
   });
   return folder;
 }
@@ -108,7 +225,9 @@ CheckpointUserState load_checkpoint(const std::string& dir,
   detail::run_agreed(comm, kLoadApi, [&] {
     model = checkpoint::index_model(groups, kLoadApi);
     opts = checkpoint::index_optimizers(optimizers, model, kLoadApi);
-    const checkpoint::FoundCheckpoint found = checkpoint::resolve_checkpoint(dir, kLoadApi);
+  });
+  const checkpoint::FoundCheckpoint found = resolve_on_rank0(comm, dir);
+  detail::run_agreed(comm, kLoadApi, [&] {
     const std::string& folder = found.folder;
     const checkpoint::SavedMeta& saved = found.manifest;
     checkpoint::check_same_model(saved, model, kLoadApi);

@@ -128,15 +128,38 @@ namespace {
 constexpr double kMaxTimeoutSeconds = 1e9;
 
 // InitOptions::timeout_seconds, or FSDP_MUON_TIMEOUT when that is set.
+// A decimal number of seconds: digits with an optional fraction and exponent, nothing else.
+// strtod alone would also take hexadecimal ("0x10"), "inf" and leading blanks or signs; the
+// README promises that any non-number is an error.
+bool is_plain_decimal(const std::string& text) {
+  size_t i = 0;
+  size_t digits = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i, ++digits;
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i, ++digits;
+  }
+  if (digits == 0) return false;
+  if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+    ++i;
+    if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
+    size_t exponent = 0;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i, ++exponent;
+    if (exponent == 0) return false;
+  }
+  return i == text.size();
+}
+
 double timeout_seconds(const InitOptions& options) {
-  if (const auto text = env_variable("FSDP_MUON_TIMEOUT")) {
+  // Set but empty is an error too, not "unset": an empty value is usually a script's mistake.
+  if (const char* raw = std::getenv("FSDP_MUON_TIMEOUT")) {
+    const std::string text = raw;
     errno = 0;
     char* end = nullptr;
-    const double parsed = std::strtod(text->c_str(), &end);
-    TORCH_CHECK(end != text->c_str() && *end == '\0' && errno == 0 && std::isfinite(parsed) &&
-                    parsed > 0 && parsed <= kMaxTimeoutSeconds &&
-                    !std::isspace(static_cast<unsigned char>((*text)[0])),
-                "fsdp_muon::init_from_env: FSDP_MUON_TIMEOUT='", *text,
+    const double parsed = std::strtod(text.c_str(), &end);
+    TORCH_CHECK(is_plain_decimal(text) && end == text.c_str() + text.size() && errno == 0 &&
+                    std::isfinite(parsed) && parsed > 0 && parsed <= kMaxTimeoutSeconds,
+                "fsdp_muon::init_from_env: FSDP_MUON_TIMEOUT='", text,
                 "' is not a timeout in seconds; give a positive number such as 30 or 2.5 (at most ",
                 kMaxTimeoutSeconds, "), or unset it to use InitOptions::timeout_seconds");
     return parsed;

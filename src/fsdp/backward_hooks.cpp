@@ -50,6 +50,46 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
   }
 };
 
+// Identity forward on a forward()'s inputs; backward, which autograd runs once the gradients of
+// all of them are computed, tells the group that this call's backward is done.
+struct PostBackward : public torch::autograd::Function<PostBackward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, int64_t id) {
+    ctx->saved_data["participant"] = id;
+    ctx->set_materialize_grads(false);
+    return inputs.vec();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (BackwardParticipant* p = find_participant(ctx->saved_data["participant"].toInt())) {
+      p->post_backward();
+    }
+    grads.emplace_back();  // for `id`, which has no gradient
+    return grads;
+  }
+};
+
+// `tensors` with the differentiable ones replaced, in order, by `wrapped`.
+std::vector<at::Tensor> replace_differentiable(const std::vector<at::Tensor>& tensors,
+                                               const std::vector<at::Tensor>& wrapped) {
+  std::vector<at::Tensor> result;
+  result.reserve(tensors.size());
+  size_t k = 0;
+  for (const at::Tensor& t : tensors) {
+    result.push_back(t.defined() && t.requires_grad() ? wrapped[k++] : t);
+  }
+  return result;
+}
+
+std::vector<at::Tensor> differentiable_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> differentiable;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.requires_grad()) differentiable.push_back(t);
+  }
+  return differentiable;
+}
+
 struct AccumulatedHook : public torch::autograd::PostAccumulateGradHook {
   AccumulatedHook(int64_t id, size_t index) : id(id), index(index) {}
   void operator()(const torch::autograd::Variable& /*param*/) override {
@@ -75,19 +115,17 @@ void unregister_participant(int64_t id) {
 }
 
 std::vector<at::Tensor> before_backward(int64_t id, const std::vector<at::Tensor>& outputs) {
-  std::vector<at::Tensor> differentiable;
-  for (const at::Tensor& t : outputs) {
-    if (t.defined() && t.requires_grad()) differentiable.push_back(t);
-  }
+  const std::vector<at::Tensor> differentiable = differentiable_of(outputs);
   if (differentiable.empty()) return outputs;
-  const std::vector<at::Tensor> wrapped = PreBackward::apply(at::TensorList(differentiable), id);
-  std::vector<at::Tensor> result;
-  result.reserve(outputs.size());
-  size_t k = 0;
-  for (const at::Tensor& t : outputs) {
-    result.push_back(t.defined() && t.requires_grad() ? wrapped[k++] : t);
-  }
-  return result;
+  return replace_differentiable(outputs, PreBackward::apply(at::TensorList(differentiable), id));
+}
+
+std::vector<at::Tensor> after_backward(int64_t id, const std::vector<at::Tensor>& inputs,
+                                       bool* hooked) {
+  const std::vector<at::Tensor> differentiable = differentiable_of(inputs);
+  *hooked = !differentiable.empty();
+  if (differentiable.empty()) return inputs;
+  return replace_differentiable(inputs, PostBackward::apply(at::TensorList(differentiable), id));
 }
 
 void set_accumulate_hook(const at::Tensor& param, int64_t id, size_t index) {

@@ -1,8 +1,10 @@
 #pragma once
-// The two places autograd calls into a group under full sharding (docs/DESIGN.md §2, Sharding
+// The places autograd calls into a group under full sharding (docs/DESIGN.md §2, Sharding
 // strategies): before the backward of what the group's forward() computed (to gather the
-// weights again and make room for the full gradients), and after each parameter's gradient has
-// been accumulated (to reduce-scatter once all of them are).
+// weights again and make room for the full gradients), after each parameter's gradient has been
+// accumulated (to keep it in the group's buffer), and once that backward has reached the
+// forward()'s inputs (to reduce-scatter: FSDP2's post-backward hook, the same point of the
+// backward on every rank whichever parameters got gradients).
 
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +23,9 @@ class BackwardParticipant {
   virtual void pre_backward() = 0;
   // AccumulateGrad has added this backward's gradient into parameter `index`'s .grad().
   virtual void gradient_accumulated(size_t index) = 0;
+  // The gradients of the inputs of one of the group's forward() calls are computed: the
+  // backward of that call has passed through the group.
+  virtual void post_backward() = 0;
 };
 
 // Autograd nodes outlive nothing they should not: they refer to a participant by an id, looked
@@ -32,6 +37,12 @@ void unregister_participant(int64_t id);
 // `outputs` with those that require grad passed through an identity autograd function whose
 // backward calls pre_backward() of participant `id` before passing the gradients on.
 std::vector<at::Tensor> before_backward(int64_t id, const std::vector<at::Tensor>& outputs);
+
+// `inputs` with those that require grad passed through an identity autograd function whose
+// backward calls post_backward() of participant `id` once all their gradients are computed.
+// `*hooked` says whether any did (else `inputs` come back as they are and nothing is called).
+std::vector<at::Tensor> after_backward(int64_t id, const std::vector<at::Tensor>& inputs,
+                                       bool* hooked);
 
 // Installs (replacing any) the post-accumulate-grad hook of leaf `param`: it calls
 // gradient_accumulated(index) of participant `id`. clear_accumulate_hook removes it.

@@ -197,10 +197,10 @@ std::vector<at::Tensor> FsdpParameterGroup::forward(
     const std::vector<at::Tensor>& inputs) {
   fsdp::ShardingStateMachine& m = impl_->machine;
   TORCH_CHECK(fn, impl_->storage.label(), "forward(): the function is empty");
-  m.before_forward();
+  const std::vector<at::Tensor> hooked_inputs = m.before_forward(inputs);
   std::vector<at::Tensor> outputs;
   try {
-    outputs = fn(inputs);
+    outputs = fn(hooked_inputs);
   } catch (...) {
     m.forward_threw();
     throw;

@@ -4,7 +4,11 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+
+#include "comm/agreement.h"
+#include "fsdp/group_agreement.h"
 
 namespace fsdp_muon {
 namespace fsdp {
@@ -76,6 +80,48 @@ void ShardingSchedule::began_backward(ScheduledGroup* group) {
 void ShardingSchedule::abandon_backward() {
   in_backward_.clear();
   callback_queued_ = false;
+}
+
+void ShardingSchedule::ran_forward(const std::string& name) {
+  // Forwards without a backward (evaluation with gradients enabled) must not grow this without
+  // bound; every rank drops the same names.
+  if (forward_names_.size() >= 4096)
+    forward_names_.erase(forward_names_.begin(), forward_names_.begin() + 2048);
+  forward_names_.push_back(name);
+}
+
+namespace {
+
+// "[a, b, c]", at most 16 names.
+std::string name_list(const std::vector<std::string>& names) {
+  std::string s;
+  for (size_t k = 0; k < std::min<size_t>(names.size(), 16); ++k) {
+    s += (k ? ", " : "") + (names[k].empty() ? std::string("(unnamed)") : names[k]);
+  }
+  if (names.size() > 16) s += ", ... (" + std::to_string(names.size()) + " in all)";
+  return "[" + s + "]";
+}
+
+}  // namespace
+
+void ShardingSchedule::check_forward_agreement(Communicator& comm) {
+  if (callback_queued_) return;  // not the first group of this backward pass
+  std::vector<std::string> names;
+  names.swap(forward_names_);
+  const std::string text = join_lines(names);
+  const std::vector<int> differ = detail::ranks_that_differ(comm, text);
+  if (differ.empty()) return;
+  const std::vector<std::string> texts = gather_descriptions(comm, text);
+  const int r = differ.front();
+  TORCH_CHECK(false,
+              "fsdp_muon::FsdpParameterGroup: the ranks ran different groups' forward() before "
+              "this backward: rank 0 ran ",
+              name_list(split_lines(texts[0])), ", rank ", r, " ran ",
+              name_list(split_lines(texts[r])), " (this is rank ", comm.rank(), " of ", comm.size(),
+              "). Under sharding strategies optim_grads and optim_grads_params every rank must "
+              "run the same groups' forward(), in the same order, before each backward (a rank "
+              "without work for a group calls its forward() with an empty input); this "
+              "backward reduced nothing: call zero_grad() and run the step again");
 }
 
 void ShardingSchedule::end_backward() {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <fsdp_muon/comm/communicator.h>
@@ -66,6 +67,15 @@ class ShardingSchedule : public std::enable_shared_from_this<ShardingSchedule> {
   // Forget a backward pass that did not end (it threw): the next one queues its callback anew.
   void abandon_backward();
 
+  // A group named `name` ran forward() with gradients enabled under full sharding.
+  void ran_forward(const std::string& name);
+  // Called by every group as its backward begins; the first of a backward pass (before any
+  // collective of that pass) checks that every rank ran the same groups' forward() since the
+  // last check, through one small all-gather, and throws on every rank naming the first
+  // difference when they did not: a rank that skipped a group's forward() would otherwise issue
+  // its reduce-scatters in another order than the others (docs/DESIGN.md §2).
+  void check_forward_agreement(Communicator& comm);
+
   void remove(ScheduledGroup* group);
 
   void add_unsharded_bytes(int64_t delta);
@@ -78,6 +88,7 @@ class ShardingSchedule : public std::enable_shared_from_this<ShardingSchedule> {
 
   std::deque<ScheduledGroup*> reductions_;
   std::vector<ScheduledGroup*> in_backward_;
+  std::vector<std::string> forward_names_;  // since the last check
   bool callback_queued_ = false;
   int64_t unsharded_bytes_ = 0;
   int64_t peak_unsharded_bytes_ = 0;

@@ -6,6 +6,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include "comm/agreement.h"
 #include "fsdp/storage_bytes.h"
 
 namespace fsdp_muon::fsdp {
@@ -77,7 +78,19 @@ void ShardingStateMachine::start_gather() {
 void ShardingStateMachine::wait_gather() {
   if (weights_ != Weights::kGathering) return;
   std::unique_ptr<CommWork> work = std::move(gather_);
-  work->wait();
+  try {
+    work->wait();
+  } catch (...) {
+    // The gather failed (a timeout, an aborted communicator): its buffer holds no weights.
+    // Back to resharded, so that zero_grad(), reshard() and the destructor find a consistent
+    // state and the next forward() or unshard() gathers anew (and fails as clearly while the
+    // communicator stays broken).
+    weights_ = Weights::kResharded;
+    account(set_storage_bytes(s_.model_weights, 0));
+    TORCH_CHECK(false, s_.label(),
+                "gathering the weights failed: ", detail::current_exception_message(),
+                ". The group is resharded again; the communicator may be unusable now");
+  }
   weights_ = Weights::kLive;
   // set_data keeps each parameter's identity, version counter and autograd metadata (and so
   // autograd's saved parameters) and points it at the gathered weights again.
@@ -146,6 +159,8 @@ void ShardingStateMachine::free_grads() {
 void ShardingStateMachine::pre_backward() {
   at::NoGradGuard no_grad;
   if (pass_ == Pass::kIdle) {
+    // Before this pass's first collective: the ranks ran the same groups' forward().
+    schedule_->check_forward_agreement(*s_.comm);
     finish_reduction();  // the previous micro-batch's, if still in flight
     if (shards_weights()) ensure_weights();
     grads_pending_ = 0;
@@ -168,11 +183,16 @@ void ShardingStateMachine::pre_backward() {
 
 void ShardingStateMachine::gradient_accumulated(size_t index) {
   at::NoGradGuard no_grad;
-  TORCH_CHECK(pass_ == Pass::kAccumulating, s_.label(), "parameter '", s_.layout.slots[index].name,
+  TORCH_CHECK(pass_ != Pass::kIdle, s_.label(), "parameter '", s_.layout.slots[index].name,
               "' received a gradient outside the group's forward(): under sharding strategy ",
               to_string(strategy_),
               " a group collects gradients only for what its forward() computed. Call the "
               "module through group->forward(fn, input), or use ShardingStrategy::kOptim");
+  TORCH_CHECK(pass_ == Pass::kAccumulating, s_.label(), "parameter '", s_.layout.slots[index].name,
+              "' received a gradient after the group's reduce-scatter started, i.e. after the "
+              "backward of its forward() had reached that forward()'s inputs: every use of the "
+              "group's parameters must be inside its forward(fn, input) and computed from its "
+              "inputs' graph, or pass the inputs of the uses outside as detached tensors");
   at::Tensor& param = s_.params[index];
   if (!param.grad().is_same(s_.grad_views[index])) {
     // Autograd replaced the view (create_graph=true sums out of place): keep its sum.
@@ -180,7 +200,17 @@ void ShardingStateMachine::gradient_accumulated(size_t index) {
     param.mutable_grad() = s_.grad_views[index];
   }
   TORCH_CHECK(grads_pending_ > 0, s_.label(), "internal error: more gradients than parameters");
-  if (--grads_pending_ == 0) start_reduction();
+  // Not the last gradient but the post-backward hook starts the reduction: which parameters
+  // get a gradient may differ between the ranks (an expert without tokens), and the
+  // reduce-scatters must start in the same order on every rank (docs/DESIGN.md §2).
+  --grads_pending_;
+}
+
+void ShardingStateMachine::post_backward() {
+  if (forwards_hooked_ > 0) --forwards_hooked_;
+  if (pass_ == Pass::kAccumulating && forwards_hooked_ == 0 && !forward_unhooked_) {
+    start_reduction();
+  }
 }
 
 // ---- reduce-scatter of the full gradients into the gradient shard ----
@@ -243,10 +273,14 @@ void ShardingStateMachine::end_backward() {
   // gradients are zero, and the reduction goes out now, in the order the groups began.
   if (pass_ == Pass::kAccumulating) start_reduction();
   pass_ = Pass::kIdle;
+  forwards_hooked_ = 0;
+  forward_unhooked_ = false;
   settle_weights();
 }
 
 void ShardingStateMachine::abandon_backward() {
+  forwards_hooked_ = 0;
+  forward_unhooked_ = false;
   if (pass_ == Pass::kIdle) return;
   pass_ = Pass::kIdle;
   schedule_->abandon_backward();
@@ -254,7 +288,8 @@ void ShardingStateMachine::abandon_backward() {
 
 // ---- the group's calls ----
 
-void ShardingStateMachine::before_forward() {
+std::vector<at::Tensor> ShardingStateMachine::before_forward(
+    const std::vector<at::Tensor>& inputs) {
   order_->record(this);
   if (shards_weights()) ensure_weights();
   check_parameters_alias();
@@ -262,6 +297,17 @@ void ShardingStateMachine::before_forward() {
     // The next group's gather runs while this one computes (docs/DESIGN.md §2, Prefetch).
     if (ScheduledGroup* next = order_->after(this)) next->prefetch_weights();
   }
+  // A recomputation inside the group's own backward is part of that backward, not a new call.
+  if (!shards_grads() || !at::GradMode::is_enabled() || pass_ != Pass::kIdle) return inputs;
+  schedule_->ran_forward(s_.options.name());
+  bool hooked = false;
+  std::vector<at::Tensor> wrapped = after_backward(participant_, inputs, &hooked);
+  if (hooked) {
+    ++forwards_hooked_;
+  } else {
+    forward_unhooked_ = true;  // nothing marks this call's backward done: the pass's end does
+  }
+  return wrapped;
 }
 
 std::vector<at::Tensor> ShardingStateMachine::after_forward(std::vector<at::Tensor> outputs) {

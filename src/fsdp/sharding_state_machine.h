@@ -14,8 +14,9 @@
 // Pass, one backward of this group (kOptimGrads, kOptimGradsParams; always kIdle under kOptim)
 //   kIdle --pre_backward: full gradients allocated, one count per parameter that requires
 //   grad--> kAccumulating (kReduced at once when none does)
-//   kAccumulating --last gradient accumulated, or the end of backward: reduce-scatter
-//   issued, full gradients released to it--> kReduced
+//   kAccumulating --the post-backward hook of every forward() call of the pass (the same point
+//   of the backward on every rank, whichever parameters got gradients), or the end of
+//   backward: reduce-scatter issued, full gradients released to it--> kReduced
 //   kReduced --end_backward--> kIdle
 //   kAccumulating/kReduced --zero_grad() after a backward that threw--> kIdle
 // Independent of Pass, at most one reduce-scatter in flight per group (`reduction_`):
@@ -65,7 +66,10 @@ class ShardingStateMachine final : public ScheduledGroup, public BackwardPartici
   // Around the user's function in forward(): before_forward() records the forward order,
   // gathers the weights and prefetches the next group's; after_forward() passes the outputs on
   // (through the pre-backward hook under full sharding) and reshards; forward_threw() reshards.
-  void before_forward();
+  // Returns `inputs`, those that require grad through the post-backward hook under full
+  // sharding with gradients enabled (fsdp/backward_hooks.h): the point where this call's
+  // backward has passed through the group.
+  std::vector<at::Tensor> before_forward(const std::vector<at::Tensor>& inputs);
   std::vector<at::Tensor> after_forward(std::vector<at::Tensor> outputs);
   void forward_threw() { settle_weights(); }
   void unshard();
@@ -88,6 +92,7 @@ class ShardingStateMachine final : public ScheduledGroup, public BackwardPartici
   void end_backward() override;
   void pre_backward() override;
   void gradient_accumulated(size_t index) override;
+  void post_backward() override;
 
  private:
   struct Reduction {
@@ -129,6 +134,10 @@ class ShardingStateMachine final : public ScheduledGroup, public BackwardPartici
   bool user_unsharded_ = false;  // unshard() called, reshard() not yet
   Pass pass_ = Pass::kIdle;
   size_t grads_pending_ = 0;
+  // forward() calls since the last backward whose post-backward hook will fire, and whether one
+  // had no input that requires grad (its backward is only over at the end of the pass).
+  int64_t forwards_hooked_ = 0;
+  bool forward_unhooked_ = false;
   bool has_frozen_ = false;  // a parameter without requires_grad: its weights may be read by
                              // backward nodes after the others' gradients are complete
   bool shard_fresh_ = true;  // grad_shard zero since zero_grad(): the next reduction writes it

@@ -17,18 +17,23 @@ namespace fsdp_muon {
 void MuonParamState::serialize(torch::serialize::OutputArchive& archive) const {
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(normuon_variance);  // absent when undefined
 }
 
 void MuonParamState::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, momentum_buffer);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, normuon_variance);
 }
 
 bool operator==(const MuonParamState& lhs, const MuonParamState& rhs) {
   const bool lhs_has = lhs.momentum_buffer().defined();
   const bool rhs_has = rhs.momentum_buffer().defined();
+  const bool lhs_v = lhs.normuon_variance().defined();
+  const bool rhs_v = rhs.normuon_variance().defined();
   return lhs.step() == rhs.step() && lhs_has == rhs_has &&
-         (!lhs_has || at::equal(lhs.momentum_buffer(), rhs.momentum_buffer()));
+         (!lhs_has || at::equal(lhs.momentum_buffer(), rhs.momentum_buffer())) && lhs_v == rhs_v &&
+         (!lhs_v || at::equal(lhs.normuon_variance(), rhs.normuon_variance()));
 }
 
 namespace {
@@ -167,7 +172,8 @@ at::Tensor Muon::step(LossClosure closure) {
       MuonParamState& state = detail::advance_muon_state(state_, p);
       at::Tensor buffer = state.momentum_buffer();
       const at::Tensor u = detail::muon_momentum_input(p, g, buffer, options);
-      const at::Tensor update = detail::muon_orthogonalized_update(u, options);
+      at::Tensor variance = detail::muon_normuon_variance(state, p, options);
+      const at::Tensor update = detail::muon_orthogonalized_update(u, options, variance);
       detail::muon_apply_update(p, update, options);
     }
   }

@@ -73,7 +73,35 @@ double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
               static_cast<int>(mode));
 }
 
-at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options) {
+at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& variance,
+                                  const MuonOptions& options) {
+  TORCH_CHECK(o.dim() == 2 && variance.dim() == 1 && variance.size(0) == o.size(0),
+              "fsdp_muon::Muon: NorMuon's variance must be one entry per row: update ", o.sizes(),
+              ", variance ", variance.sizes());
+  TORCH_CHECK(variance.scalar_type() == o.scalar_type(), "fsdp_muon::Muon: NorMuon's variance is ",
+              variance.scalar_type(), " but the update is ", o.scalar_type());
+  const double beta2 = options.normuon_beta2();
+  const double eps = options.normuon_eps();
+  const at::Tensor norm = at::linalg_vector_norm(o, 2);
+  const at::Tensor row_mean_square = o.mul(o).mean(-1);
+  variance.mul_(beta2);
+  variance.add_(row_mean_square.mul(1.0 - beta2));
+  const at::Tensor normalized = o.div(variance.sqrt().add(eps).unsqueeze(-1));
+  const at::Tensor new_norm = at::linalg_vector_norm(normalized, 2).clamp_min(eps);
+  return normalized.mul(norm.div(new_norm));
+}
+
+at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& param,
+                                 const MuonOptions& options) {
+  if (options.normalization() != Normalization::kNorMuon) return at::Tensor();
+  if (!state.normuon_variance().defined()) {
+    state.normuon_variance(at::zeros({param.size(0)}, param.options()));
+  }
+  return state.normuon_variance();
+}
+
+at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options,
+                                      const at::Tensor& normuon_variance) {
   TORCH_CHECK(full_u.dim() == 2 || full_u.dim() == 3,
               "fsdp_muon::Muon: expected a 2-D matrix or a 3-D batch of matrices, got shape ",
               full_u.sizes());
@@ -82,6 +110,24 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
   at::Tensor update = newton_schulz(full_u, options.newton_schulz_options());
   if (update.scalar_type() != full_u.scalar_type()) {
     update = update.to(full_u.scalar_type());
+  }
+  const bool normuon = options.normalization() == Normalization::kNorMuon;
+  TORCH_CHECK(normuon == normuon_variance.defined(), "fsdp_muon::Muon: NorMuon's variance is ",
+              normuon ? "missing" : "given", " but normalization is ",
+              to_string(options.normalization()));
+  if (normuon) {
+    if (full_u.dim() == 2) {
+      update = muon_normuon_normalize(update, normuon_variance, options);
+    } else {
+      // One matrix at a time, so each sees the reductions of the 2-D call (the bitwise contract
+      // between a batched FsdpMuon owner and Muon).
+      TORCH_CHECK(normuon_variance.dim() == 2 && normuon_variance.size(0) == full_u.size(0),
+                  "fsdp_muon::Muon: NorMuon's variance for a batch must be [batch, rows], got ",
+                  normuon_variance.sizes(), " for ", full_u.sizes());
+      for (int64_t i = 0; i < full_u.size(0); ++i) {
+        update[i].copy_(muon_normuon_normalize(update[i], normuon_variance[i], options));
+      }
+    }
   }
   return update.mul_(scale);
 }

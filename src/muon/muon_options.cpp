@@ -70,6 +70,12 @@ void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
   archive.write("eps", c10::IValue(eps()));
   write_enum(archive, "ns_dtype", ns_dtype());
   archive.write("skip_non_matrix", c10::IValue(skip_non_matrix()));
+  write_enum(archive, "ns_method", ns_method());
+  archive.write("gram_restarts", c10::IValue(at::tensor(gram_restarts(), at::kLong)));
+  write_enum(archive, "ns_preconditioning", ns_preconditioning());
+  write_enum(archive, "normalization", normalization());
+  archive.write("normuon_beta2", c10::IValue(normuon_beta2()));
+  archive.write("normuon_eps", c10::IValue(normuon_eps()));
 }
 
 void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -98,6 +104,20 @@ void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
   read_scalar(archive, "eps", eps_);
   read_enum(archive, "ns_dtype", ns_dtype_, static_cast<int64_t>(c10::ScalarType::NumOptions));
   read_scalar(archive, "skip_non_matrix", skip_non_matrix_);
+  read_enum(archive, "ns_method", ns_method_, 3);
+  c10::IValue restarts_value;
+  if (archive.try_read("gram_restarts", restarts_value)) {
+    const at::Tensor restarts = restarts_value.toTensor().to(at::kLong).contiguous();
+    TORCH_CHECK(restarts.dim() == 1,
+                "fsdp_muon::MuonOptions: archive entry 'gram_restarts' must be a 1-D tensor, got ",
+                restarts.sizes());
+    gram_restarts_.assign(restarts.data_ptr<int64_t>(),
+                          restarts.data_ptr<int64_t>() + restarts.numel());
+  }
+  read_enum(archive, "ns_preconditioning", ns_preconditioning_, 2);
+  read_enum(archive, "normalization", normalization_, 2);
+  read_scalar(archive, "normuon_beta2", normuon_beta2_);
+  read_scalar(archive, "normuon_eps", normuon_eps_);
 }
 
 double MuonOptions::get_lr() const { return lr(); }
@@ -123,6 +143,17 @@ void MuonOptions::validate() const {
   TORCH_CHECK(std::isfinite(extra_scale_factor()),
               "fsdp_muon::MuonOptions: invalid extra_scale_factor ", extra_scale_factor(),
               "; use a finite factor, e.g. .extra_scale_factor(1.0)");
+  TORCH_CHECK(normalization() == Normalization::kNone || normalization() == Normalization::kNorMuon,
+              "fsdp_muon::MuonOptions: normalization has an unknown value ",
+              static_cast<int>(normalization()),
+              "; use Normalization::kNone or Normalization::kNorMuon");
+  TORCH_CHECK(normuon_beta2() >= 0 && normuon_beta2() < 1,
+              "fsdp_muon::MuonOptions: invalid normuon_beta2 ", normuon_beta2(),
+              "; NorMuon's second-moment decay must lie in [0, 1), e.g. .normuon_beta2(0.95)");
+  TORCH_CHECK(std::isfinite(normuon_eps()) && normuon_eps() > 0,
+              "fsdp_muon::MuonOptions: invalid normuon_eps ", normuon_eps(),
+              "; it guards NorMuon's divisions and must be a finite value > 0, e.g. "
+              ".normuon_eps(1e-8)");
   // Coefficient problems (cubic5 with a step count other than 5, non-finite custom tuples) are
   // checked where the schedule is built, with messages naming the option.
   (void)detail::newton_schulz_schedule(newton_schulz_options(), "fsdp_muon::MuonOptions",
@@ -135,7 +166,10 @@ NewtonSchulzOptions MuonOptions::newton_schulz_options() const {
       .coefficients(coefficients())
       .custom_coefficients(custom_coefficients())
       .eps(eps())
-      .compute_dtype(ns_dtype());
+      .compute_dtype(ns_dtype())
+      .method(ns_method())
+      .gram_restarts(gram_restarts())
+      .preconditioning(ns_preconditioning());
 }
 
 bool operator==(const MuonOptions& lhs, const MuonOptions& rhs) {
@@ -146,7 +180,11 @@ bool operator==(const MuonOptions& lhs, const MuonOptions& rhs) {
          lhs.custom_coefficients() == rhs.custom_coefficients() &&
          lhs.scale_mode() == rhs.scale_mode() &&
          lhs.extra_scale_factor() == rhs.extra_scale_factor() && lhs.eps() == rhs.eps() &&
-         lhs.ns_dtype() == rhs.ns_dtype() && lhs.skip_non_matrix() == rhs.skip_non_matrix();
+         lhs.ns_dtype() == rhs.ns_dtype() && lhs.skip_non_matrix() == rhs.skip_non_matrix() &&
+         lhs.ns_method() == rhs.ns_method() && lhs.gram_restarts() == rhs.gram_restarts() &&
+         lhs.ns_preconditioning() == rhs.ns_preconditioning() &&
+         lhs.normalization() == rhs.normalization() && lhs.normuon_beta2() == rhs.normuon_beta2() &&
+         lhs.normuon_eps() == rhs.normuon_eps();
 }
 
 const char* to_string(ScaleMode mode) {
@@ -175,6 +213,16 @@ const char* to_string(WeightDecayMethod method) {
       return "l2";
     case WeightDecayMethod::kPalm:
       return "palm";
+  }
+  return "unknown";
+}
+
+const char* to_string(Normalization normalization) {
+  switch (normalization) {
+    case Normalization::kNone:
+      return "none";
+    case Normalization::kNorMuon:
+      return "normuon";
   }
   return "unknown";
 }

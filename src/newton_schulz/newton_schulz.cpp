@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <optional>
 #include <string_view>
+#include <tuple>
+#include <utility>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
@@ -71,8 +73,107 @@ std::optional<NsCoefficients> parse_ns_coefficients(std::string_view name) {
   return std::nullopt;
 }
 
+const char* to_string(NsMethod method) {
+  switch (method) {
+    case NsMethod::kStandard:
+      return "standard";
+    case NsMethod::kGram:
+      return "gram";
+    case NsMethod::kAuto:
+      return "auto";
+  }
+  return "unknown";
+}
+
+const char* to_string(NsPreconditioning preconditioning) {
+  switch (preconditioning) {
+    case NsPreconditioning::kNone:
+      return "none";
+    case NsPreconditioning::kAol:
+      return "aol";
+  }
+  return "unknown";
+}
+
+std::optional<NsMethod> parse_ns_method(std::string_view name) {
+  for (NsMethod method : {NsMethod::kStandard, NsMethod::kGram, NsMethod::kAuto}) {
+    if (name == to_string(method)) return method;
+  }
+  return std::nullopt;
+}
+
+std::optional<NsPreconditioning> parse_ns_preconditioning(std::string_view name) {
+  for (NsPreconditioning p : {NsPreconditioning::kNone, NsPreconditioning::kAol}) {
+    if (name == to_string(p)) return p;
+  }
+  return std::nullopt;
+}
+
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options) {
   return detail::newton_schulz_schedule(options, "fsdp_muon::NewtonSchulzOptions", "steps");
+}
+
+namespace {
+
+// FLOPs of the GEMMs of one m × n matrix (m <= n after transposition) with a resolved method.
+double flops_for(double m, double n, const std::vector<Tuple>& schedule, NsMethod method,
+                 const NewtonSchulzOptions& options) {
+  const double xx = 2.0 * m * m * n;  // X·Xᵀ, or an m×m matrix times X
+  const double mm = 2.0 * m * m * m;  // m×m times m×m
+  const bool aol = options.preconditioning() == NsPreconditioning::kAol;
+  const auto steps = static_cast<int64_t>(schedule.size());
+  double flops = 0.0;
+  if (method == NsMethod::kStandard) {
+    if (aol) flops += xx;  // its X·Xᵀ is the first step's A
+    for (int64_t i = 0; i < steps; ++i) {
+      const Tuple& t = schedule[static_cast<size_t>(i)];
+      if (t[1] == 0.0 && t[2] == 0.0) continue;
+      flops += (i == 0 && aol) ? 0.0 : xx;  // A
+      flops += xx;                          // B·X
+      if (t[2] != 0.0) flops += mm;         // A·A
+    }
+    return flops;
+  }
+  const auto& restarts = options.gram_restarts();
+  auto restart_at = [&](int64_t i) {
+    return std::find(restarts.begin(), restarts.end(), i) != restarts.end();
+  };
+  flops += xx;  // R = X·Xᵀ (AOL's A)
+  bool fresh = true;
+  for (int64_t i = 0; i < steps; ++i) {
+    if (restart_at(i)) {
+      flops += 2.0 * xx;  // X ← Q·X, R ← X·Xᵀ
+      fresh = true;
+    }
+    if (schedule[static_cast<size_t>(i)][2] != 0.0) flops += mm;  // Z = b·R + c·R·R
+    if (!fresh) flops += mm;                                      // Q ← Q·Z + a·Q
+    fresh = false;
+    if (i + 1 < steps && !restart_at(i + 1)) flops += 2.0 * mm;  // R ← (Z + aI)·R·(Z + aI)
+  }
+  return flops + xx;  // Q·X
+}
+
+}  // namespace
+
+NsMethod resolve_ns_method(int64_t rows, int64_t cols, const NewtonSchulzOptions& options) {
+  if (options.method() != NsMethod::kAuto) return options.method();
+  const auto schedule = newton_schulz_schedule(options);
+  const auto m = static_cast<double>(std::min(rows, cols));
+  const auto n = static_cast<double>(std::max(rows, cols));
+  return flops_for(m, n, schedule, NsMethod::kGram, options) <
+                 flops_for(m, n, schedule, NsMethod::kStandard, options)
+             ? NsMethod::kGram
+             : NsMethod::kStandard;
+}
+
+double newton_schulz_flops(int64_t rows, int64_t cols, const NewtonSchulzOptions& options) {
+  TORCH_CHECK(rows >= 0 && cols >= 0,
+              "fsdp_muon::newton_schulz_flops: rows and cols must be >= 0, got ", rows, " x ",
+              cols);
+  const auto schedule = newton_schulz_schedule(options);
+  const auto m = static_cast<double>(std::min(rows, cols));
+  const auto n = static_cast<double>(std::max(rows, cols));
+  return flops_for(m, n, schedule, resolve_ns_method(rows, cols, options), options);
 }
 
 namespace detail {
@@ -92,6 +193,29 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
     TORCH_CHECK(steps == defined, api, ": the ", preset->name, " schedule is defined for exactly ",
                 defined, " steps, got ", steps_option, " = ", steps, "; set ", steps_option, "(",
                 defined, ") or choose another schedule");
+  }
+  TORCH_CHECK(options.method() == NsMethod::kStandard || options.method() == NsMethod::kGram ||
+                  options.method() == NsMethod::kAuto,
+              api, ": the Newton-Schulz method has an unknown value ",
+              static_cast<int>(options.method()), "; use NsMethod::kStandard, kGram or kAuto");
+  TORCH_CHECK(options.preconditioning() == NsPreconditioning::kNone ||
+                  options.preconditioning() == NsPreconditioning::kAol,
+              api, ": the Newton-Schulz preconditioning has an unknown value ",
+              static_cast<int>(options.preconditioning()),
+              "; use NsPreconditioning::kNone or kAol");
+  if (options.method() != NsMethod::kStandard) {
+    // Restarts only mean something to Gram; a list that cannot apply is an error rather than
+    // silently ignored, so a Gram run never differs from what its options say.
+    const auto& restarts = options.gram_restarts();
+    for (size_t r = 0; r < restarts.size(); ++r) {
+      TORCH_CHECK(restarts[r] >= 1 && restarts[r] < steps, api, ": gram_restarts[", r,
+                  "] = ", restarts[r], " is not an iteration a restart can precede with ",
+                  steps_option, " = ", steps, "; each entry must lie in [1, ", steps_option,
+                  " - 1] (e.g. gram_restarts({2}) for 5 steps, gram_restarts({}) for none)");
+      TORCH_CHECK(r == 0 || restarts[r] > restarts[r - 1], api,
+                  ": gram_restarts must be strictly increasing, got ", restarts[r - 1], " then ",
+                  restarts[r]);
+    }
   }
   for (size_t t = 0; t < custom.size(); ++t) {
     const Tuple& tuple = custom[t];
@@ -169,6 +293,84 @@ bool batched_newton_schulz_is_bitwise(const c10::Device& device, c10::ScalarType
   return device.is_cpu() && compute_dtype == at::kFloat && at::get_num_threads() == 1;
 }
 
+at::Tensor gram_fp32(const at::Tensor& x) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  return at::bmm(x32, x32.mT());
+}
+
+std::pair<at::Tensor, at::Tensor> aol_rescale(const at::Tensor& x, const at::Tensor& a,
+                                              double eps) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat,
+              "fsdp_muon::newton_schulz: AOL's Gram matrix must be fp32");
+  // The clamp (eps, as Turbo-Muon's) keeps a zero row zero (0·s) instead of 0·inf.
+  const at::Tensor s = a.abs().sum(-1).clamp_min(eps).rsqrt();
+  const at::Tensor xs = x.to(at::kFloat).mul(s.unsqueeze(-1)).to(x.scalar_type()).contiguous();
+  const at::Tensor as = a.mul(s.unsqueeze(-1)).mul(s.unsqueeze(-2)).contiguous();
+  return {xs, as};
+}
+
+namespace {
+
+at::Tensor standard_aten(at::Tensor X, at::Tensor A0, const std::vector<Tuple>& schedule) {
+  for (size_t i = 0; i < schedule.size(); ++i) {
+    const Tuple& t = schedule[i];
+    if (t[1] == 0.0 && t[2] == 0.0) {
+      // Never hand ATen a zero alpha: torch 2.11's CPU baddbmm ignores alpha == 0 for bf16
+      // (it adds the product anyway).
+      X = X.mul(t[0]);
+      continue;
+    }
+    const at::Tensor A = (i == 0 && A0.defined()) ? A0.to(X.scalar_type()) : at::bmm(X, X.mT());
+    if (t[2] == 0.0) {
+      // Cubic step: X = a·X + b·A·X, one GEMM fewer.
+      X = at::baddbmm(X, A, X, /*beta=*/t[0], /*alpha=*/t[1]);
+    } else {
+      const at::Tensor B = at::baddbmm(A, A, A, /*beta=*/t[1], /*alpha=*/t[2]);
+      X = at::baddbmm(X, B, X, /*beta=*/t[0], /*alpha=*/1.0);
+    }
+  }
+  return X;
+}
+
+// docs/DESIGN.md §4, "Gram": every X_t is Q_t·X_s for the X_s of the last (re)start, and every
+// factor is a polynomial in R_s = X_s·X_sᵀ, so the loop runs on m×m matrices only. R, Z and Q are
+// fp32 whatever the compute dtype (in bf16 the Gram products lose the band: DESIGN); X and the
+// products with X keep the compute dtype.
+at::Tensor gram_aten(at::Tensor X, at::Tensor R, const std::vector<Tuple>& schedule,
+                     const NsRestartList& restarts) {
+  auto restart_at = [&](int64_t i) {
+    return std::find(restarts.begin(), restarts.end(), i) != restarts.end();
+  };
+  const c10::ScalarType dtype = X.scalar_type();
+  if (!R.defined()) R = gram_fp32(X);
+  at::Tensor Q;
+  const auto steps = static_cast<int64_t>(schedule.size());
+  for (int64_t i = 0; i < steps; ++i) {
+    const Tuple& t = schedule[static_cast<size_t>(i)];
+    if (restart_at(i)) {
+      X = at::bmm(Q.to(dtype), X);
+      R = gram_fp32(X);
+      Q = at::Tensor();
+    }
+    // Z = b·R + c·R² (no baddbmm with alpha = 0: see standard_aten).
+    const at::Tensor Z =
+        t[2] != 0.0 ? at::baddbmm(R, R, R, /*beta=*/t[1], /*alpha=*/t[2]) : R.mul(t[1]);
+    if (!Q.defined()) {
+      Q = Z.clone();
+      Q.diagonal(0, -2, -1).add_(t[0]);  // Q = Z + a·I
+    } else {
+      Q = at::baddbmm(Q, Q, Z, /*beta=*/t[0], /*alpha=*/1.0);  // Q·Z + a·Q
+    }
+    if (i + 1 < steps && !restart_at(i + 1)) {
+      const at::Tensor RZ = at::baddbmm(R, R, Z, /*beta=*/t[0], /*alpha=*/1.0);  // R·(Z + aI)
+      R = at::baddbmm(RZ, Z, RZ, /*beta=*/t[0], /*alpha=*/1.0);                  // (Z + aI)·RZ
+    }
+  }
+  return at::bmm(Q.to(dtype), X);
+}
+
+}  // namespace
+
 at::Tensor newton_schulz_aten(const at::Tensor& x, const NewtonSchulzOptions& options) {
   check_newton_schulz_input(x, options);
   const auto schedule = newton_schulz_schedule(options);
@@ -178,22 +380,13 @@ at::Tensor newton_schulz_aten(const at::Tensor& x, const NewtonSchulzOptions& op
   if (x.numel() == 0) return at::empty(x.sizes(), x.options());
   NsPrepared prepared = prepare_newton_schulz(x, options);
   at::Tensor X = prepared.x;
-  for (const Tuple& t : schedule) {
-    if (t[1] == 0.0 && t[2] == 0.0) {
-      // Never hand ATen a zero alpha: torch 2.11's CPU baddbmm ignores alpha == 0 for bf16
-      // (it adds the product anyway).
-      X = X.mul(t[0]);
-      continue;
-    }
-    const at::Tensor A = at::bmm(X, X.mT());
-    if (t[2] == 0.0) {
-      // Cubic step: X = a·X + b·A·X, one GEMM fewer.
-      X = at::baddbmm(X, A, X, /*beta=*/t[0], /*alpha=*/t[1]);
-    } else {
-      const at::Tensor B = at::baddbmm(A, A, A, /*beta=*/t[1], /*alpha=*/t[2]);
-      X = at::baddbmm(X, B, X, /*beta=*/t[0], /*alpha=*/1.0);
-    }
+  at::Tensor A0;
+  if (options.preconditioning() == NsPreconditioning::kAol) {
+    std::tie(X, A0) = aol_rescale(X, gram_fp32(X), options.eps());
   }
+  const NsMethod method = resolve_ns_method(x.size(-2), x.size(-1), options);
+  X = method == NsMethod::kGram ? gram_aten(X, A0, schedule, options.gram_restarts())
+                                : standard_aten(X, A0, schedule);
   return finish_newton_schulz(X, prepared);
 }
 

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +48,15 @@ at::Tensor finish_newton_schulz(const at::Tensor& x, const NsPrepared& prepared)
 // oneDNN kernels whose batched and single rounding differ in the last bit; with several threads
 // the batch splits the work differently). CUDA is false until scripts/gpu-check measures it.
 bool batched_newton_schulz_is_bitwise(const c10::Device& device, c10::ScalarType compute_dtype);
+
+// x·xᵀ in fp32 for a batch x of the compute dtype (operands as they are, fp32 products): Gram's R
+// and AOL's A.
+at::Tensor gram_fp32(const at::Tensor& x);
+
+// AOL preconditioning of a prepared batch x (docs/DESIGN.md §4, "AOL") given a = x·xᵀ in fp32:
+// returns diag(s)·x in x's dtype and diag(s)·a·diag(s) in fp32, s_i = max(Σ_j |a_ij|, eps)^(-1/2);
+// the second is the first step's A (standard, cast to the compute dtype) or Gram's R_0.
+std::pair<at::Tensor, at::Tensor> aol_rescale(const at::Tensor& x, const at::Tensor& a, double eps);
 
 // The iteration through ATen operators on whatever device x lives on: the CPU path, and the
 // reference a GPU benchmark or test compares the cuBLAS path with. Same contract as

@@ -7,7 +7,9 @@
 //                    model with fresh optimizers, runs 3 more steps, and must equal an
 //                    uninterrupted 6-step single-device run bit for bit (fp32 Newton–Schulz).
 // CheckpointFailures.* (own scratch folder): interrupted saves, bad inputs, export/import, broken
-//                    `latest`, failed saves and their retry, rank files of another save.
+//                    `latest`, failed saves and their retry, rank files of another save; every
+//                    rank loads the checkpoint rank 0 resolved, saves into a checkpoint folder,
+//                    save agreement, another job's checkpoints, failed folder fsyncs.
 // CheckpointCorruptionSave.* (world size 2, a CTest fixture): two saves of the same state with
 //                    small checksum chunks, and a full export of it.
 // CheckpointCorruption.* (world sizes 1-3): every file of that checkpoint with bytes flipped
@@ -887,6 +889,244 @@ TEST(CheckpointFailures, UserStateTravelsWithTheCheckpoint) {
         save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions().user_state(clash));
       },
       {"user_state key 'k' is both an integer and a string"}, "a key in both maps");
+}
+
+// ---- second pass: load agreement, nested saves, save agreement, jobs, folder fsync ----
+
+std::string read_text(const std::string& path) {
+  const std::vector<char> bytes = checkpoint::read_whole_file(path, "checkpoint_test");
+  return std::string(bytes.begin(), bytes.end());
+}
+
+CheckpointUserState step_state(int64_t step) {
+  CheckpointUserState user;
+  user.ints["step"] = step;
+  return user;
+}
+
+// A save that moves `latest` between rank 0's read of it and the other ranks' reads must not
+// make the ranks load different checkpoints: rank 0 resolves it, every rank loads that one.
+TEST(CheckpointFailures, EveryRankLoadsTheCheckpointRank0Resolved) {
+  const int me = world().rank();
+  const std::string dir = scratch("load_agreement");
+  const auto keep_all = SaveCheckpointOptions().keep_last(0);
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  save_checkpoint(dir, s.groups, s.optimizers(),
+                  SaveCheckpointOptions(keep_all).user_state(step_state(1)));
+  const Snapshot first = snapshot(s);
+  const std::string first_latest = read_text(dir + "/latest");
+  train_step(&s, nullptr, 2);
+  save_checkpoint(dir, s.groups, s.optimizers(),
+                  SaveCheckpointOptions(keep_all).user_state(step_state(2)));
+  const std::string second_latest = read_text(dir + "/latest");
+  world().barrier();
+  if (me == 0) write_text(dir + "/latest", first_latest);
+  world().barrier();
+  // Rank 0, right after reading `latest`, lets "the second save" publish; the other ranks read
+  // `latest` (if they still do) only after that.
+  const std::string published = dir + "/second_published";
+  detail::set_checkpoint_latest_read_hook([&](bool after) {
+    if (me == 0 && after) {
+      write_text(dir + "/latest", second_latest);
+      write_text(published, "yes");
+    } else if (me != 0 && !after) {
+      for (int k = 0; k < 3000 && !path_exists(published); ++k) ::usleep(10000);
+    }
+  });
+  Sharded t = make_sharded(99);
+  CheckpointUserState back;
+  try {
+    back = load_checkpoint(dir, t.groups, t.optimizers());
+  } catch (const c10::Error& e) {
+    ADD_FAILURE() << "rank " << me << ": " << e.what_without_backtrace();
+  }
+  detail::set_checkpoint_latest_read_hook({});
+  EXPECT_EQ(back.ints["step"], 1) << "rank " << me << " loaded another save than rank 0";
+  expect_snapshot(t, first, "the checkpoint rank 0 resolved");
+  world().barrier();
+}
+
+// latest_checkpoint() is local: ranks that call it around a save get different folders, and
+// load_checkpoint must refuse to mix them, on every rank.
+TEST(CheckpointFailures, LoadRefusesRanksGivenDifferentCheckpoints) {
+  const int me = world().rank();
+  const std::string dir = scratch("load_mixed");
+  const auto keep_all = SaveCheckpointOptions().keep_last(0);
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string a = save_checkpoint(dir, s.groups, s.optimizers(), keep_all);
+  train_step(&s, nullptr, 2);
+  const std::string b = save_checkpoint(dir, s.groups, s.optimizers(), keep_all);
+  Sharded t = make_sharded(99);
+  train_step(&t, nullptr, 1);
+  const Snapshot before = snapshot(t);
+  expect_error([&] { load_checkpoint(me == 0 ? a : b, t.groups, t.optimizers()); },
+               {"fsdp_muon::load_checkpoint", "every rank must load the same checkpoint"},
+               "ranks given different checkpoint folders");
+  expect_snapshot(t, before, "after the refused load");
+}
+
+// Saving into a checkpoint folder is an error (it would nest a checkpoint that loads of that
+// folder never see); resuming from a root and saving into the same root is the pattern.
+TEST(CheckpointFailures, SaveIntoACheckpointFolderIsAnErrorResumeAndSaveToTheRootWorks) {
+  const std::string dir = scratch("nested");
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string first = save_checkpoint(dir, s.groups, s.optimizers(),
+                                            SaveCheckpointOptions().user_state(step_state(1)));
+  expect_error([&] { save_checkpoint(first, s.groups, s.optimizers()); },
+               {"fsdp_muon::save_checkpoint", first, "is a checkpoint folder",
+                "save into the folder that holds it"},
+               "a save into a checkpoint folder");
+  world().barrier();
+  EXPECT_EQ(list_directory(first).size(), static_cast<size_t>(world().size() + 1))
+      << "the refused save wrote into " << first;
+
+  // Resume from the root, train, save into the root, resume again: the second save.
+  Sharded t = make_sharded(99);
+  EXPECT_EQ(load_checkpoint(dir, t.groups, t.optimizers()).ints["step"], 1);
+  train_step(&t, nullptr, 2);
+  const std::string second = save_checkpoint(dir, t.groups, t.optimizers(),
+                                             SaveCheckpointOptions().user_state(step_state(2)));
+  EXPECT_EQ(second, dir + "/ckpt-000002");
+  const Snapshot saved = snapshot(t);
+  Sharded u = make_sharded(98);
+  EXPECT_EQ(load_checkpoint(dir, u.groups, u.optimizers()).ints["step"], 2);
+  expect_snapshot(u, saved, "resumed from the root after resume-and-save");
+}
+
+// Ranks that pass their optimizers in different orders would write a checkpoint no load
+// accepts (and prune the good one); the save refuses before writing anything.
+TEST(CheckpointFailures, SaveAgreesOnTheOptimizersBeforeWriting) {
+  const int me = world().rank();
+  const std::string dir = scratch("save_agreement");
+  const auto keep_one = SaveCheckpointOptions().keep_last(1);
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string first = save_checkpoint(dir, s.groups, s.optimizers(), keep_one);
+  const Snapshot saved = snapshot(s);
+  train_step(&s, nullptr, 2);
+  std::vector<torch::optim::Optimizer*> swapped = {s.adamw.get(), s.muon.get()};
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    expect_error(
+        [&] { save_checkpoint(dir, s.groups, me == 0 ? s.optimizers() : swapped, keep_one); },
+        {"fsdp_muon::save_checkpoint", "the ranks disagree on what to save",
+         "optimizer 0: rank 0 has fsdp_muon", "has adamw"},
+        "optimizers in different orders on different ranks");
+  }
+  world().barrier();
+  EXPECT_EQ(latest_checkpoint(dir), first);
+  std::vector<std::string> names = list_directory(dir);
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"ckpt-000001", "latest"}));
+  Sharded t = make_sharded(99);
+  load_checkpoint(dir, t.groups, t.optimizers());
+  expect_snapshot(t, saved, "the checkpoint before the refused saves");
+}
+
+// Two jobs saving into one root would prune each other's checkpoints and flip `latest`: a save
+// into a root whose newest checkpoint is of another job (another run_id or another model) is
+// refused, and pruning never removes another job's checkpoint.
+TEST(CheckpointFailures, AnotherJobsCheckpointsAreRefusedAndNeverPruned) {
+  const int me = world().rank();
+  const std::string dir = scratch("jobs");
+  const std::string other_dir = scratch("jobs_other");
+  const auto job_a = SaveCheckpointOptions().run_id("job-a").keep_last(1);
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string first = save_checkpoint(dir, s.groups, s.optimizers(), job_a);
+  const std::string latest = read_text(dir + "/latest");
+  expect_error(
+      [&] {
+        save_checkpoint(dir, s.groups, s.optimizers(), SaveCheckpointOptions().run_id("job-b"));
+      },
+      {"fsdp_muon::save_checkpoint", first, "of another job", "run id 'job-a'", "'job-b'"},
+      "another run id");
+  {
+    Sharded other = make_sharded(7, /*renamed=*/true);
+    train_step(&other, nullptr, 1);
+    expect_error([&] { save_checkpoint(dir, other.groups, other.optimizers(), job_a); },
+                 {"fsdp_muon::save_checkpoint", first, "of another job", "blk0.w1x"},
+                 "another model");
+    // Another job's checkpoint that is older than this job's newest: never pruned.
+    save_checkpoint(other_dir, other.groups, other.optimizers(), job_a);
+    if (me == 0) copy_tree(other_dir + "/ckpt-000001", dir + "/ckpt-000000");
+    world().barrier();
+  }
+  world().barrier();
+  EXPECT_EQ(read_text(dir + "/latest"), latest);
+  train_step(&s, nullptr, 2);
+  const std::string next = save_checkpoint(dir, s.groups, s.optimizers(), job_a);
+  world().barrier();
+  std::vector<std::string> names = list_directory(dir);
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"ckpt-000000", next.substr(dir.size() + 1), "latest"}));
+}
+
+// An EIO from a folder's fsync (the rename may not be durable) fails the save on every rank.
+TEST(CheckpointFailures, FolderFsyncFailureFailsTheSave) {
+  const int me = world().rank();
+  const int last = world().size() - 1;
+  const std::string dir = scratch("folder_fsync");
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string first = save_checkpoint(dir, s.groups, s.optimizers());
+  struct Failure {
+    int rank;
+    int64_t after;  // folder fsyncs of that rank's save that succeed first
+    std::string folder;
+  };
+  // Rank 0: the root after creating the checkpoint folder, then the folder after its rank file
+  // and its manifest, then the root after `latest`; the last rank: its rank file's folder.
+  for (const Failure& f : {Failure{last, 0, dir + "/ckpt-"}, Failure{0, 0, dir},
+                           Failure{0, 2, dir + "/ckpt-"}, Failure{0, 3, dir}}) {
+    if (me == f.rank) detail::set_checkpoint_folder_sync_failure(f.after);
+    expect_error(
+        [&] { save_checkpoint(dir, s.groups, s.optimizers()); },
+        {me == f.rank ? "fsdp_muon::save_checkpoint: fsync of folder "
+                      : "fsdp_muon::save_checkpoint failed on rank " + std::to_string(f.rank),
+         f.folder, "Input/output error"},
+        "a failed fsync of a folder (rank " + std::to_string(f.rank) + ", after " +
+            std::to_string(f.after) + ")");
+    detail::set_checkpoint_folder_sync_failure(-1);
+    world().barrier();
+  }
+  EXPECT_TRUE(path_exists(first + "/manifest.pt"));
+  train_step(&s, nullptr, 2);
+  save_checkpoint(dir, s.groups, s.optimizers());
+  Sharded t = make_sharded(99);
+  load_checkpoint(dir, t.groups, t.optimizers());
+  expect_snapshot(t, snapshot(s), "saved after the failed fsyncs");
+}
+
+// Rank files swapped (or renamed) are reported as such, not as truncated.
+TEST(CheckpointFailures, SwappedRankFilesAreReportedAsSwapped) {
+  const int me = world().rank();
+  const int w = world().size();
+  if (w < 2) GTEST_SKIP() << "needs two rank files";
+  const std::string dir = scratch("swapped");
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string folder = save_checkpoint(dir + "/good", s.groups, s.optimizers());
+  if (me == 0) {
+    copy_tree(folder, dir + "/swapped");
+    const std::string a = dir + "/swapped/" + rank_file(0, w);
+    const std::string b = dir + "/swapped/" + rank_file(1, w);
+    ASSERT_EQ(std::rename(a.c_str(), (a + ".x").c_str()), 0);
+    ASSERT_EQ(std::rename(b.c_str(), a.c_str()), 0);
+    ASSERT_EQ(std::rename((a + ".x").c_str(), b.c_str()), 0);
+  }
+  world().barrier();
+  // Rank 1 reads rank 0's file; every other rank reports rank 0's error.
+  const int reader = me == 1 ? 1 : 0;
+  expect_error([&] { load_checkpoint(dir + "/swapped", s.groups, s.optimizers()); },
+               {"fsdp_muon::load_checkpoint", rank_file(reader, w),
+                "was written by rank " + std::to_string(1 - reader) + " of " + std::to_string(w) +
+                    ", not rank " + std::to_string(reader),
+                "swapped or renamed"},
+               "swapped rank files");
 }
 
 // ---- corruption: a save at world size 2, loaded with flipped bytes at 1-3 ----

@@ -479,11 +479,13 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvNcclNeedsTheLocalRank) {
 }
 
 // FSDP_MUON_TIMEOUT replaces InitOptions::timeout_seconds when set; anything but a positive,
-// finite number of seconds is an error naming it, and so is such an option.
+// finite decimal number of seconds is an error naming it (set but empty, hexadecimal and signs
+// included), and so is such an option.
 TEST_F(LaunchEnvironmentTest, InitFromEnvTimeout) {
   InitOptions options;
   options.backend = "gloo";
-  for (const char* bad : {"0", "-1", "inf", "nan", "3s", " 3", "1e10", "soon"}) {
+  for (const char* bad : {"0", "-1", "inf", "nan", "3s", " 3", "1e10", "soon", "", "0x10", "0X1p4",
+                          "+5", ".", "1e", "1.5e+"}) {
     set({{"FSDP_MUON_TIMEOUT", bad}});
     try {
       init_from_env(options);
@@ -495,9 +497,11 @@ TEST_F(LaunchEnvironmentTest, InitFromEnvTimeout) {
           << e.what();
     }
   }
-  set({{"FSDP_MUON_TIMEOUT", "2.5"}});
-  options.timeout_seconds = -1;  // replaced by the variable
-  EXPECT_EQ(init_from_env(options)->size(), 1);
+  for (const char* good : {"2.5", "30", "7.", ".5", "1e2", "2E+1"}) {
+    set({{"FSDP_MUON_TIMEOUT", good}});
+    options.timeout_seconds = -1;  // replaced by the variable
+    EXPECT_EQ(init_from_env(options)->size(), 1) << good;
+  }
   unsetenv("FSDP_MUON_TIMEOUT");
   for (const double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
                            std::numeric_limits<double>::quiet_NaN()}) {

@@ -3,7 +3,9 @@
 # validation loss (printed to 6 digits) as an uninterrupted 40-step run. In between, saves that
 # crash at each of their renames (rank files, manifest, `latest`; the library's failure
 # injection) must leave that resume working, and so must a first save that crashed after its
-# manifest, before any `latest` existed.
+# manifest, before any `latest` existed. Resuming from a root and saving into the same root (at
+# step 30) is the pattern, and resuming from there ends the same; a --checkpoint that names one
+# checkpoint folder is refused before training.
 set(args --steps 40 --batch 8 --d-model 32 --layers 1 --heads 2 --eval-every 0 --warmup 5)
 if(SHARDING)
   list(APPEND args --sharding ${SHARDING})  # the same under another sharding strategy
@@ -45,6 +47,14 @@ run_char_gpt(first_half --stop-at 20 --checkpoint ${DIR})
 foreach(files 0 1 2)
   run_char_gpt_crashing(${files} --resume ${DIR} --stop-at 30 --checkpoint ${DIR})
 endforeach()
+execute_process(COMMAND ${launch} ${args} --resume ${DIR} --checkpoint ${DIR}/ckpt-000001
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "is one checkpoint folder \\(it holds manifest.pt\\)"
+   OR "${out}${err}" MATCHES "val loss")
+  message(FATAL_ERROR "char_gpt --checkpoint <a checkpoint folder> should fail before training "
+                      "(${rc}):\n${out}\n${err}")
+endif()
+run_char_gpt(resumed_at_30 --resume ${DIR} --stop-at 30 --checkpoint ${DIR})
 run_char_gpt(resumed --resume ${DIR})
 if(NOT resumed STREQUAL straight)
   message(FATAL_ERROR "resumed run ended at ${resumed}, uninterrupted run at ${straight}")

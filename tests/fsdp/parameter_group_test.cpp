@@ -446,6 +446,59 @@ TEST(ShardModule, GroupOptionsReachEveryGroup) {
   EXPECT_EQ(net->fc1->weight.scalar_type(), at::kBFloat16);
 }
 
+// A world of one whose asynchronous all-gathers fail when waited for, as on a communicator that
+// was aborted (a timeout, a dead peer).
+class FailedWork final : public CommWork {
+ protected:
+  void do_wait() override { TORCH_CHECK(false, "the communicator was aborted (test)"); }
+};
+
+class AbortedGatherCommunicator final : public Communicator {
+ public:
+  AbortedGatherCommunicator() : Communicator(/*rank=*/0, /*size=*/1) {}
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  std::string backend_name() const override { return "aborted"; }
+
+ protected:
+  void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>&, const at::Tensor& recv,
+                       const std::vector<int64_t>&) override {
+    recv.copy_(send);
+  }
+  void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override { recv.copy_(send); }
+  void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
+    recv.copy_(send);
+  }
+  void do_all_reduce(const at::Tensor&, ReduceOp) override {}
+  void do_broadcast(const at::Tensor&, int) override {}
+  void do_barrier() override {}
+  std::unique_ptr<CommWork> do_all_gather_async(const at::Tensor&, const at::Tensor&) override {
+    return std::make_unique<FailedWork>();
+  }
+};
+
+// A gather that fails leaves the group resharded: zero_grad() and reshard() work, and every
+// later use of the weights fails with the same clear error instead of touching a gather that
+// is gone.
+TEST(FsdpParameterGroup, AFailedGatherLeavesTheGroupResharded) {
+  at::Tensor w = torch::randn({3, 4}, torch::requires_grad());
+  auto group = std::make_shared<FsdpParameterGroup>(
+      std::vector<std::pair<std::string, at::Tensor>>{{"w", w}},
+      std::make_shared<AbortedGatherCommunicator>(),
+      FsdpParameterGroupOptions().sharding_strategy(ShardingStrategy::kOptimGradsParams));
+  const std::string failed = "gathering the weights failed: the communicator was aborted (test)";
+  auto forward = [&] {
+    group->forward([&](const at::Tensor& x) { return x.matmul(w); }, torch::ones({2, 3}));
+  };
+  expect_error(forward, failed);
+  group->reshard();
+  group->zero_grad();
+  expect_error(forward, failed);
+  expect_error([&] { group->unshard(); }, failed);
+  group->reshard();
+  group->zero_grad();
+  EXPECT_EQ(group->unsharded_bytes(), 0);
+}
+
 TEST(ShardModule, RejectsTiedWeights) {
   struct Tied : torch::nn::Module {
     Tied() {

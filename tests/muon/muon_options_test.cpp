@@ -33,6 +33,12 @@ TEST(MuonOptions, DefaultsAreTheDesignDefaults) {
   EXPECT_EQ(o.eps(), 1e-7);
   EXPECT_EQ(o.ns_dtype(), at::kBFloat16);
   EXPECT_FALSE(o.skip_non_matrix());
+  EXPECT_EQ(o.ns_method(), NsMethod::kStandard);
+  EXPECT_EQ(o.gram_restarts(), NsRestartList{2});
+  EXPECT_EQ(o.ns_preconditioning(), NsPreconditioning::kNone);
+  EXPECT_EQ(o.normalization(), Normalization::kNone);
+  EXPECT_EQ(o.normuon_beta2(), 0.95);
+  EXPECT_EQ(o.normuon_eps(), 1e-8);
   EXPECT_EQ(MuonOptions(0.5).lr(), 0.5);
   EXPECT_NO_THROW(o.validate());
 }
@@ -74,7 +80,25 @@ TEST(MuonOptions, ValidationNamesTheOptionAndTheFix) {
         MuonOptions().custom_coefficients({{1.0, nan, 0.0}}).validate();
       },
       {"custom_coefficients"});
+  expect_error([] { MuonOptions().normuon_beta2(1.0).validate(); },
+               {"fsdp_muon::MuonOptions: invalid normuon_beta2 1", "[0, 1)"});
+  expect_error([] { MuonOptions().normuon_beta2(-0.1).validate(); }, {"normuon_beta2"});
+  expect_error([] { MuonOptions().normuon_eps(0.0).validate(); }, {"normuon_eps", "> 0"});
+  expect_error([&] { MuonOptions().normuon_eps(nan).validate(); }, {"normuon_eps"});
+  expect_error([] { MuonOptions().normalization(static_cast<Normalization>(4)).validate(); },
+               {"normalization has an unknown value 4"});
+  expect_error(
+      [] { MuonOptions().ns_method(NsMethod::kGram).gram_restarts({5}).validate(); },
+      {"fsdp_muon::MuonOptions: gram_restarts[0] = 5", "ns_steps = 5", "[1, ns_steps - 1]"});
+  expect_error([] { MuonOptions().ns_method(NsMethod::kGram).ns_steps(2).validate(); },
+               {"gram_restarts[0] = 2", "gram_restarts({})"});
+  expect_error([] { MuonOptions().ns_method(static_cast<NsMethod>(9)).validate(); },
+               {"fsdp_muon::MuonOptions: the Newton-Schulz method has an unknown value 9"});
   // Boundaries that are valid.
+  EXPECT_NO_THROW(
+      MuonOptions().normuon_beta2(0.0).normalization(Normalization::kNorMuon).validate());
+  EXPECT_NO_THROW(
+      MuonOptions().ns_method(NsMethod::kGram).ns_steps(2).gram_restarts({}).validate());
   EXPECT_NO_THROW(MuonOptions(0.0).momentum(0.0).weight_decay(0.0).ns_steps(1).validate());
   EXPECT_NO_THROW(MuonOptions().ns_dtype(at::kFloat).extra_scale_factor(-2.0).validate());
 }
@@ -100,7 +124,13 @@ TEST(MuonOptions, ArchiveRoundTripKeepsEveryField) {
                                   .extra_scale_factor(0.75)
                                   .eps(1e-9)
                                   .ns_dtype(at::kFloat)
-                                  .skip_non_matrix(true);
+                                  .skip_non_matrix(true)
+                                  .ns_method(NsMethod::kGram)
+                                  .gram_restarts({1, 4})
+                                  .ns_preconditioning(NsPreconditioning::kAol)
+                                  .normalization(Normalization::kNorMuon)
+                                  .normuon_beta2(0.9)
+                                  .normuon_eps(1e-6);
   torch::serialize::OutputArchive out;
   written.serialize(out);
   std::stringstream bytes;
@@ -120,7 +150,7 @@ TEST(MuonOptions, ArchiveRoundTripKeepsEveryField) {
   torch::serialize::InputArchive in2;
   in2.load_from(bytes2);
   MuonOptions read2(1.0);
-  read2.custom_coefficients({{1, 2, 3}});
+  read2.custom_coefficients({{1, 2, 3}}).gram_restarts({3}).normalization(Normalization::kNorMuon);
   read2.serialize(in2);
   EXPECT_TRUE(read2 == MuonOptions());
 }
@@ -141,6 +171,29 @@ TEST(MuonOptions, EqualityComparesEveryField) {
   EXPECT_FALSE(base == MuonOptions().eps(1e-8));
   EXPECT_FALSE(base == MuonOptions().ns_dtype(at::kFloat));
   EXPECT_FALSE(base == MuonOptions().skip_non_matrix(true));
+  EXPECT_FALSE(base == MuonOptions().ns_method(NsMethod::kGram));
+  EXPECT_FALSE(base == MuonOptions().gram_restarts({3}));
+  EXPECT_FALSE(base == MuonOptions().ns_preconditioning(NsPreconditioning::kAol));
+  EXPECT_FALSE(base == MuonOptions().normalization(Normalization::kNorMuon));
+  EXPECT_FALSE(base == MuonOptions().normuon_beta2(0.9));
+  EXPECT_FALSE(base == MuonOptions().normuon_eps(1e-6));
+}
+
+TEST(MuonOptions, ArchiveWithoutTheNewFieldsKeepsTheirDefaults) {
+  // An archive written before ns_method, gram_restarts, ns_preconditioning and NorMuon existed:
+  // write everything, then read it through an archive that only has the old keys.
+  torch::serialize::OutputArchive out;
+  out.write("lr", c10::IValue(0.5));
+  std::stringstream bytes;
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  MuonOptions read =
+      MuonOptions().ns_method(NsMethod::kGram).normalization(Normalization::kNorMuon);
+  read.serialize(in);
+  EXPECT_EQ(read.lr(), 0.5);
+  EXPECT_EQ(read.ns_method(), NsMethod::kGram);  // untouched, as for every other absent key
+  EXPECT_EQ(read.normalization(), Normalization::kNorMuon);
 }
 
 TEST(MuonOptions, NewtonSchulzOptionsCarryTheMuonSettings) {
@@ -150,6 +203,9 @@ TEST(MuonOptions, NewtonSchulzOptionsCarryTheMuonSettings) {
                       .custom_coefficients({{2, -1.5, 0.5}})
                       .eps(1e-5)
                       .ns_dtype(at::kFloat)
+                      .ns_method(NsMethod::kAuto)
+                      .gram_restarts({1, 3})
+                      .ns_preconditioning(NsPreconditioning::kAol)
                       .newton_schulz_options();
   EXPECT_EQ(ns.steps(), 8);
   EXPECT_EQ(ns.coefficients(), NsCoefficients::kCans);
@@ -157,6 +213,9 @@ TEST(MuonOptions, NewtonSchulzOptionsCarryTheMuonSettings) {
   EXPECT_EQ(ns.custom_coefficients()[0][1], -1.5);
   EXPECT_EQ(ns.eps(), 1e-5);
   EXPECT_EQ(ns.compute_dtype(), at::kFloat);
+  EXPECT_EQ(ns.method(), NsMethod::kAuto);
+  EXPECT_EQ(ns.gram_restarts(), (NsRestartList{1, 3}));
+  EXPECT_EQ(ns.preconditioning(), NsPreconditioning::kAol);
 }
 
 TEST(MuonOptions, EnumNames) {
@@ -169,6 +228,8 @@ TEST(MuonOptions, EnumNames) {
   EXPECT_STREQ(to_string(WeightDecayMethod::kIndependent), "independent");
   EXPECT_STREQ(to_string(WeightDecayMethod::kL2), "l2");
   EXPECT_STREQ(to_string(WeightDecayMethod::kPalm), "palm");
+  EXPECT_STREQ(to_string(Normalization::kNone), "none");
+  EXPECT_STREQ(to_string(Normalization::kNorMuon), "normuon");
 }
 
 TEST(MuonScale, FormulasForSquareWideAndTall) {

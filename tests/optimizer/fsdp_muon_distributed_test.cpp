@@ -175,6 +175,23 @@ std::vector<Case> exactness_cases() {
                                                .ns_dtype(at::kFloat)});
   cases.push_back(
       {"cubic5", MuonOptions(0.02).coefficients(NsCoefficients::kCubic5).ns_dtype(at::kFloat)});
+  // Gram Newton-Schulz and AOL (docs/DESIGN.md §4): the owner runs them on the full matrix as
+  // Muon does, so the bits are Muon's at every W.
+  cases.push_back({"gram", MuonOptions(0.02).ns_method(NsMethod::kGram).ns_dtype(at::kFloat)});
+  cases.push_back({"gram_restarts_1_3_polar_express", MuonOptions(0.02)
+                                                          .ns_method(NsMethod::kGram)
+                                                          .gram_restarts({1, 3})
+                                                          .coefficients(NsCoefficients::kPolarExpress)
+                                                          .ns_dtype(at::kFloat)});
+  cases.push_back({"auto_aol_turbo", MuonOptions(0.02)
+                                         .ns_method(NsMethod::kAuto)
+                                         .ns_preconditioning(NsPreconditioning::kAol)
+                                         .custom_coefficients({{4.6051, -9.6552, 5.6769},
+                                                               {4.7505, -6.0861, 2.1790},
+                                                               {2.7763, -2.3190, 0.5523},
+                                                               {2.4231, -2.2861, 0.8193}})
+                                         .ns_steps(4)
+                                         .ns_dtype(at::kFloat)});
   cases.push_back({"bf16_defaults", MuonOptions(0.02)});
   cases.push_back({"bf16_spectral_decoupled",
                    MuonOptions(0.01).weight_decay(0.1).scale_mode(ScaleMode::kSpectral)});

@@ -42,6 +42,11 @@ struct SaveCheckpointOptions {
   TORCH_ARG(int64_t, keep_last) = 2;
   // Stored as rank 0 passes it; load_checkpoint returns it.
   TORCH_ARG(CheckpointUserState, user_state);
+  // Names the training job, with the model and optimizer set-up (parameter names and shapes,
+  // optimizer kinds and param groups): a save into a root whose newest checkpoint is of
+  // another job (another run_id, model or set-up) is refused, and pruning removes only this
+  // job's checkpoints. Pass the same value when a job resumes; "" is a valid run id.
+  TORCH_ARG(std::string, run_id) = "";
 };
 
 struct ImportCheckpointOptions {
@@ -55,9 +60,14 @@ struct ImportCheckpointOptions {
 // Saves the main-weight shards of `groups` and the state and options of `optimizers` (each an
 // FsdpMuon, torch::optim::AdamW, Adam or SGD over sharded parameters of `groups`) into a new
 // checkpoint under `dir`, then points dir/latest at it. Collective: every rank calls it with
-// the same groups and optimizers in the same order. Returns the checkpoint folder. A failure on
-// any rank throws on every rank (with that rank's message) and leaves the previous checkpoint
-// as it was; the failed save's temporary files are removed as the write fails, its incomplete
+// the same groups and optimizers in the same order, which the ranks check before anything is
+// written (a difference throws on every rank, naming it). `dir` is a root, never a checkpoint
+// folder itself (that throws): resuming with load_checkpoint(root) and saving into the same
+// root is the pattern. A root holds one job's checkpoints (SaveCheckpointOptions::run_id).
+// Returns the checkpoint folder. A failure on any rank (a failed fsync of a folder included)
+// throws on every rank (with that rank's message) and leaves the previous checkpoint as it was
+// (only a failed fsync after `latest` was renamed can leave `latest` naming the new, complete
+// checkpoint); the failed save's temporary files are removed as the write fails, its incomplete
 // folder by the next save (before it writes anything), so a retry after e.g. a full disk works.
 std::string save_checkpoint(const std::string& dir,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
@@ -65,8 +75,11 @@ std::string save_checkpoint(const std::string& dir,
                             const SaveCheckpointOptions& options = {});
 
 // Loads the checkpoint dir/latest names, or `dir` itself when it is one checkpoint folder (it
-// holds a manifest.pt), at any world size: parameters are matched by name, each rank reads only
-// the saved rank files whose shards overlap what it holds now, and only those byte ranges.
+// holds a manifest.pt), at any world size. Rank 0 resolves `dir`, once, and every rank loads
+// exactly that checkpoint (checked by its save id), so a save that moves `latest` meanwhile
+// cannot make the ranks load different saves, and ranks given different checkpoints (each its
+// own latest_checkpoint() around a save) all throw: parameters are matched by name, each rank reads
+// only the saved rank files whose shards overlap what it holds now, and only those byte ranges.
 // Then the model weights are refreshed and optimizer state and options installed, as the
 // optimizers would have created them. Nothing is changed unless every rank read everything it
 // needs; errors (another model, a missing or truncated file, another optimizer set-up, a
@@ -84,7 +97,8 @@ CheckpointUserState load_checkpoint(const std::string& dir,
 // A checkpoint that is there but unusable (`latest` empty, garbled, naming a missing or
 // incomplete folder or another save; a corrupt manifest) throws, naming the file and the
 // problem, so that a resume never silently restarts from scratch. Local: reads `latest` and the
-// manifest (checksummed), no communication; every rank must see the same files.
+// manifest (checksummed), no communication, so ranks calling it around a save can get different
+// folders: to resume, pass the root to load_checkpoint, which resolves it once for all ranks.
 std::optional<std::string> latest_checkpoint(const std::string& dir);
 
 // Writes one file of full tensors keyed by parameter name, in LibTorch's pickle format

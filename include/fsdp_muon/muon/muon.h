@@ -24,6 +24,9 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
   TORCH_ARG(int64_t, step) = 0;
   // Created lazily at the first step with a gradient: zeros, the parameter's shape and dtype.
   TORCH_ARG(at::Tensor, momentum_buffer);
+  // Normalization::kNorMuon only: the per-row second moment of the orthogonalized update, a 1-D
+  // tensor of `rows` entries in the parameter's dtype, created as zeros at the first such step.
+  TORCH_ARG(at::Tensor, normuon_variance);
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;

@@ -30,6 +30,13 @@ enum class WeightDecayMethod {
   kPalm,         // W <- W - lr^2 * wd * W
 };
 
+// A per-row normalization of the orthogonalized update (docs/DESIGN.md §4, "NorMuon").
+//   kNone     the update is NS(U).
+//   kNorMuon  NorMuon (Li et al., 2025): with O = NS(U) (rows × cols), per-row second moment
+//             v ← β2·v + (1 − β2)·mean_j(O_ij²) kept in the optimizer state, O_ij ← O_ij /
+//             (√v_i + ε), then rescaled to O's Frobenius norm (‖O‖_F / max(‖·‖_F, ε)).
+enum class Normalization { kNone, kNorMuon };
+
 // The per-parameter-group math of Muon and FsdpMuon (docs/DESIGN.md §4); how FsdpMuon
 // distributes it is FsdpMuonConfig. validate() names an invalid option and its fix.
 struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
@@ -59,6 +66,16 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   // Leave parameters that are not 2-D untouched (one warning on rank 0) instead of an error;
   // give them to an elementwise optimizer such as torch::optim::AdamW.
   TORCH_ARG(bool, skip_non_matrix) = false;
+  // Newton–Schulz evaluation: NewtonSchulzOptions' method, gram_restarts and preconditioning,
+  // with their defaults.
+  TORCH_ARG(NsMethod, ns_method) = NewtonSchulzOptions().method();
+  TORCH_ARG(NsRestartList, gram_restarts) = NewtonSchulzOptions().gram_restarts();
+  TORCH_ARG(NsPreconditioning, ns_preconditioning) = NewtonSchulzOptions().preconditioning();
+  // A per-row normalization of the orthogonalized update (see Normalization), with NorMuon's
+  // second-moment decay in [0, 1) and the finite eps > 0 that guards its divisions.
+  TORCH_ARG(Normalization, normalization) = Normalization::kNone;
+  TORCH_ARG(double, normuon_beta2) = 0.95;
+  TORCH_ARG(double, normuon_eps) = 1e-8;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -74,5 +91,6 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
 
 const char* to_string(ScaleMode mode);
 const char* to_string(WeightDecayMethod method);
+const char* to_string(Normalization normalization);  // "none", "normuon"
 
 }  // namespace fsdp_muon

@@ -29,6 +29,27 @@ enum class NsCoefficients {
 // comma inside std::array<double, 3> would split its arguments.
 using NsCoefficientList = std::vector<std::array<double, 3>>;
 
+// How the iteration is evaluated (docs/DESIGN.md §4, "Gram"). Both compute the same polynomial of
+// the input; they round differently.
+//   kStandard  X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ: (4k + 2)·m³ FLOPs per step for an m×km
+//              matrix (m the short side).
+//   kGram      iterates on the m×m Gram matrix R = X·Xᵀ and accumulates Q with X_t = Q·X_0,
+//              multiplying by X only at the start, at each restart and at the end: 8·m³ per
+//              step plus 4k·m³ per (re)start. Fewer FLOPs from aspect k ≳ 1.5 (5 steps).
+//   kAuto      per matrix, whichever of the two counts fewer FLOPs for its shape and schedule
+//              (newton_schulz_flops); square matrices stay standard.
+enum class NsMethod { kStandard, kGram, kAuto };
+
+// A rescaling of the normalized input before the first step (docs/DESIGN.md §4, "AOL").
+//   kNone  X = U / ‖U‖_F only.
+//   kAol   Turbo-Muon's AOL diagonal: with A = X·Xᵀ, X ← diag(s)·X, s_i = (Σ_j |A_ij|)^(-1/2),
+//          which bounds ‖X‖₂ ≤ 1 and pulls the singular values up, so one step fewer reaches the
+//          same band; A is reused (rescaled) by the first step, so it costs no extra GEMM.
+enum class NsPreconditioning { kNone, kAol };
+
+// A list of iteration indices (TORCH_ARG cannot take a template with a comma either).
+using NsRestartList = std::vector<int64_t>;
+
 struct NewtonSchulzOptions {
   // Iterations (>= 1; cubic5 takes exactly 5).
   TORCH_ARG(int64_t, steps) = 5;
@@ -40,6 +61,13 @@ struct NewtonSchulzOptions {
   TORCH_ARG(double, eps) = 1e-7;
   // The dtype the iterations compute in: bf16 or fp32.
   TORCH_ARG(c10::ScalarType, compute_dtype) = at::kBFloat16;
+  TORCH_ARG(NsMethod, method) = NsMethod::kStandard;
+  // kGram (and kAuto where it picks Gram): restart before these 0-based iterations, i.e. after
+  // the 2nd of them for {2} (X ← Q·X, R ← X·Xᵀ, Q ← I), which bounds how far the rounding of
+  // the Gram products can carry. Strictly increasing, each in [1, steps − 1]. The default is
+  // where the published autotune puts one restart for 5 steps.
+  TORCH_ARG(NsRestartList, gram_restarts) = NsRestartList{2};
+  TORCH_ARG(NsPreconditioning, preconditioning) = NsPreconditioning::kNone;
 };
 
 // The (a, b, c) tuple of every iteration for these options, after the schedule's cycle /
@@ -52,6 +80,20 @@ const char* to_string(NsCoefficients coefficients);
 
 // The preset of that name (as to_string spells it); nullopt for any other string.
 std::optional<NsCoefficients> parse_ns_coefficients(std::string_view name);
+
+const char* to_string(NsMethod method);                    // "standard", "gram", "auto"
+const char* to_string(NsPreconditioning preconditioning);  // "none", "aol"
+std::optional<NsMethod> parse_ns_method(std::string_view name);
+std::optional<NsPreconditioning> parse_ns_preconditioning(std::string_view name);
+
+// FLOPs (multiply-adds counted as 2) of orthogonalizing one rows × cols matrix with these
+// options, counting the GEMMs only. For kAuto, the method it picks for that shape. Throws on
+// invalid options.
+double newton_schulz_flops(int64_t rows, int64_t cols, const NewtonSchulzOptions& options);
+
+// The method options.method() resolves to for a rows × cols matrix (kAuto: the cheaper one by
+// newton_schulz_flops, standard on a tie).
+NsMethod resolve_ns_method(int64_t rows, int64_t cols, const NewtonSchulzOptions& options);
 
 // Orthogonalizes a 2-D matrix or a 3-D batch of same-shape matrices. The result has the input's
 // shape and the compute dtype converted back to the input's dtype. CPU tensors go through ATen;
