@@ -15,6 +15,7 @@
 #include "bench.h"
 #include "bench_util.h"
 #include "model_shapes.h"
+#include "optimizer/owner_plan_internal.h"
 
 namespace fsdp_muon_bench {
 namespace {
@@ -48,11 +49,12 @@ struct Row {
 };
 
 fsdp_muon::OwnerPlanOptions windows_options(fsdp_muon::OwnerPolicy policy, int64_t budget_bytes) {
-  return fsdp_muon::OwnerPlanOptions()
-      .policy(policy)
-      .schedule(fsdp_muon::OwnerSchedule::kWindows)
-      .overlap(false)
-      .prefetch_budget_bytes(budget_bytes);
+  return fsdp_muon::FsdpMuonConfig()
+      .owner_policy(policy)
+      .owner_schedule(fsdp_muon::OwnerSchedule::kWindows)
+      .overlap_communication(false)
+      .prefetch_budget_bytes(budget_bytes)
+      .owner_plan_options();
 }
 
 Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
@@ -72,12 +74,12 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
                                .owner_plan_options());
   Row row;
   // seed-1: owners balanced across all groups, but one group run at a time.
-  row.seed_budget0 = unlimited.critical_path_ratio_budget0();
+  row.seed_budget0 = fsdp_muon::detail::critical_path_ratio_budget0(unlimited);
   row.budget0 = one_buffer.critical_path_ratio_planned();
   row.default_budget = budgeted.critical_path_ratio_planned();
   row.unlimited = unlimited.critical_path_ratio_planned();
-  row.rr_budget0 = rr.critical_path_ratio_budget0();
-  row.rr_unlimited = rr.critical_path_ratio_unlimited();
+  row.rr_budget0 = fsdp_muon::detail::critical_path_ratio_budget0(rr);
+  row.rr_unlimited = fsdp_muon::detail::critical_path_ratio_unlimited(rr);
   row.floor = unlimited.floor_ratio();
   row.max_mib = budgeted.max_bytes_per_rank() / kMiB;
   row.mean_mib = mean_bytes(budgeted) / kMiB;
@@ -107,7 +109,7 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
     const auto free = with_ratio(std::numeric_limits<double>::infinity());
     row.free_over_floor = free.critical_path_ratio_planned() / free.floor_ratio();
     row.free_bytes_ratio = bytes_ratio(free);
-    const fsdp_muon::OwnerPlanOptions rates;
+    const fsdp_muon::FsdpMuonConfig rates;  // the cost model's default rates
     const auto by_cost = with_ratio(fsdp_muon::kBytesRatioByCost);
     row.cost_ratio = by_cost.max_bytes_ratio;
     row.cost_over_floor = by_cost.critical_path_ratio_planned() / by_cost.floor_ratio();

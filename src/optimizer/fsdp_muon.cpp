@@ -92,16 +92,7 @@ const char* to_string(NewtonSchulzBatching mode) {
   return "?";
 }
 
-OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
-  return OwnerPlanOptions()
-      .policy(owner_policy())
-      .schedule(owner_schedule())
-      .max_bytes_ratio(max_bytes_ratio())
-      .newton_schulz_flops_per_second(newton_schulz_flops_per_second())
-      .bytes_per_second(bytes_per_second())
-      .prefetch_budget_bytes(prefetch_budget_bytes())
-      .overlap(overlap_communication());
-}
+OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const { return OwnerPlanOptions(*this); }
 
 FsdpMuon::FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults,
                    FsdpMuonConfig config)
@@ -349,10 +340,6 @@ const std::vector<std::shared_ptr<FsdpParameterGroup>>& FsdpMuon::fsdp_groups() 
   return impl_->groups;
 }
 const std::vector<FsdpMuonMatrix>& FsdpMuon::matrices() const { return impl_->matrices; }
-const std::vector<std::pair<size_t, size_t>>& FsdpMuon::windows() const {
-  return impl_->plan.windows;
-}
-
 int FsdpMuon::owner_of(const at::Tensor& sharded_parameter) const {
   if (!sharded_parameter.defined()) return -1;
   auto it = impl_->matrix_of.find(sharded_parameter.unsafeGetTensorImpl());

@@ -49,7 +49,7 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
   try {
     StepRun s = d.agree_on_gradients(*this);
     d.live_full_bytes = 0;
-    s.stats.windows = static_cast<int64_t>(d.plan.rounds.size());
+    s.stats.rounds = static_cast<int64_t>(d.plan.rounds.size());
     if (d.config.overlap_communication()) {
       d.run_pipelined(*this, s);
     } else {

@@ -3,6 +3,8 @@
 // docs/DESIGN.md §7 over byte limits.
 #include <fsdp_muon/optimizer/owner_plan.h>
 
+#include <fsdp_muon/optimizer/fsdp_muon.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -21,6 +23,7 @@ using detail::bytes_per_rank;
 using detail::finish_plan;
 using detail::finish_rounds;
 using detail::pack_rounds;
+using detail::prefetch_windows;
 using detail::rebalance;
 using detail::rounds_from_windows;
 using detail::window_peak_bytes;
@@ -56,7 +59,7 @@ OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
   const size_t num_groups = groups.size();
   OwnerPlan plan;
   plan.world_size = world_size;
-  plan.policy = options.policy();
+  plan.policy = options.owner_policy();
   plan.element_bytes = options.element_bytes();
   plan.owner.resize(num_groups);
   plan.cost.resize(num_groups);
@@ -101,7 +104,7 @@ OwnerPlan cheapest_by_cost_model(const std::vector<PlanGroup>& groups, int world
                                  const OwnerPlanOptions& options) {
   std::optional<OwnerPlan> best;
   double best_seconds = 0;
-  for (const double ratio : kCostModelBytesRatios) {
+  for (const double ratio : detail::kCostModelBytesRatios) {
     OwnerPlan candidate =
         plan_owners(groups, world_size, OwnerPlanOptions(options).max_bytes_ratio(ratio));
     const double seconds = candidate.estimated_seconds(options.newton_schulz_flops_per_second(),
@@ -163,7 +166,7 @@ OwnerPlan plan_in_windows(const std::vector<PlanGroup>& groups, const OwnerPlan&
   for (OwnerPlan& start : starts) {
     start.windows = prefetch_windows(start, exchange_budget);
     rounds_from_windows(groups, start);
-    finish_rounds(num_groups, budget, options.overlap(), start);
+    finish_rounds(num_groups, budget, options.overlap_communication(), start);
   }
   const OwnerPlan& carried = shortest(starts);
   if (exchange_budget == kUnlimitedPrefetch || plan.policy == OwnerPolicy::kBalanced) {
@@ -186,7 +189,7 @@ OwnerPlan plan_in_windows(const std::vector<PlanGroup>& groups, const OwnerPlan&
   }
   finish_plan(groups, windowed);
   rounds_from_windows(groups, windowed);
-  finish_rounds(num_groups, budget, options.overlap(), windowed);
+  finish_rounds(num_groups, budget, options.overlap_communication(), windowed);
   // Both are greedy; neither wins everywhere (LPT under holder constraints is no optimum), so
   // keep the shorter critical path, the carried plan on a tie. Every rank picks the same one.
   return windowed.critical_path_planned() < carried.critical_path_planned() ? windowed : carried;
@@ -222,6 +225,17 @@ int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps) {
   return steps * (4 * m * m * n + 2 * m * m * m);
 }
 
+OwnerPlanOptions::OwnerPlanOptions() : OwnerPlanOptions(FsdpMuonConfig()) {}
+
+OwnerPlanOptions::OwnerPlanOptions(const FsdpMuonConfig& config)
+    : owner_policy_(config.owner_policy()),
+      owner_schedule_(config.owner_schedule()),
+      max_bytes_ratio_(config.max_bytes_ratio()),
+      newton_schulz_flops_per_second_(config.newton_schulz_flops_per_second()),
+      bytes_per_second_(config.bytes_per_second()),
+      prefetch_budget_bytes_(config.prefetch_budget_bytes()),
+      overlap_communication_(config.overlap_communication()) {}
+
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
                       const OwnerPlanOptions& options) {
   TORCH_CHECK(world_size >= 1, "fsdp_muon::plan_owners: world size must be at least 1, got ",
@@ -229,15 +243,15 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   TORCH_CHECK(options.element_bytes() >= 1, "fsdp_muon::plan_owners: element_bytes must be >= 1");
   OwnerPlan plan = unassigned_plan(groups, world_size, options);
   check_options(options);
-  if (options.policy() == OwnerPolicy::kBalanced &&
+  if (options.owner_policy() == OwnerPolicy::kBalanced &&
       options.max_bytes_ratio() == kBytesRatioByCost) {
     return cheapest_by_cost_model(groups, world_size, options);
   }
   // Two exchanges in flight share the budget (docs/DESIGN.md §3).
   const int64_t budget = options.prefetch_budget_bytes();
   const int64_t exchange_budget =
-      options.overlap() && budget != kUnlimitedPrefetch ? budget / 2 : budget;
-  plan.schedule = options.schedule();
+      options.overlap_communication() && budget != kUnlimitedPrefetch ? budget / 2 : budget;
+  plan.schedule = options.owner_schedule();
   if (plan.policy == OwnerPolicy::kBalanced) plan.max_bytes_ratio = options.max_bytes_ratio();
   {
     OwnerPlan holders = plan;
@@ -252,7 +266,7 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
   }
   for (OwnerPlan& start : starts) {
     pack_rounds(groups, exchange_budget, start);
-    finish_rounds(groups.size(), budget, options.overlap(), start);
+    finish_rounds(groups.size(), budget, options.overlap_communication(), start);
   }
   return shortest(starts);
 }

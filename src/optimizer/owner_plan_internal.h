@@ -5,11 +5,18 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include <fsdp_muon/optimizer/owner_plan.h>
 
 namespace fsdp_muon::detail {
+
+// The byte limits max_bytes_ratio(kBytesRatioByCost) chooses among, smallest first (the last: no
+// limit); docs/DESIGN.md §7.
+constexpr double kCostModelBytesRatios[] = {
+    1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, std::numeric_limits<double>::infinity()};
 
 inline int64_t held_numel(const PlanMatrix& m, int rank) {
   return m.held[rank].second - m.held[rank].first;
@@ -46,5 +53,24 @@ void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, Own
 void rounds_from_windows(const std::vector<PlanGroup>& groups, OwnerPlan& plan);
 // Which round completes each group, and which rounds overlap the next.
 void finish_rounds(size_t num_groups, int64_t budget, bool overlap, OwnerPlan& plan);
+
+// ---- what-if analytics of a plan (owner_plan_metrics.cpp, round_packing.cpp), for the
+// benchmarks and tests ----
+
+// The windows a budget would cut with these owners: a window grows while the largest per-rank
+// sum of owned full-matrix bytes in it stays within budget_bytes, and always holds at least one
+// group. Budget 0 gives one group per window; kUnlimitedPrefetch one window.
+std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
+                                                        int64_t budget_bytes);
+// Critical path of the orthogonalize phase if the groups ran in windows [first, last): sum over
+// windows of the largest per-rank cost inside the window.
+int64_t critical_path(const OwnerPlan& plan, const std::vector<std::pair<size_t, size_t>>& windows);
+int64_t critical_path_budget0(const OwnerPlan& plan);    // one group per window
+int64_t critical_path_unlimited(const OwnerPlan& plan);  // one window: the largest rank total
+// The above over OwnerPlan::ideal_cost() (1 when there is no cost at all).
+double critical_path_ratio(const OwnerPlan& plan,
+                           const std::vector<std::pair<size_t, size_t>>& windows);
+double critical_path_ratio_budget0(const OwnerPlan& plan);
+double critical_path_ratio_unlimited(const OwnerPlan& plan);
 
 }  // namespace fsdp_muon::detail

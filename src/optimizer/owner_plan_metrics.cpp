@@ -30,23 +30,6 @@ int64_t OwnerPlan::largest_matrix_cost() const {
 
 double OwnerPlan::ideal_cost() const { return static_cast<double>(total_cost()) / world_size; }
 
-int64_t OwnerPlan::critical_path(const std::vector<std::pair<size_t, size_t>>& windows) const {
-  int64_t path = 0;
-  for (const auto& [first, last] : windows) {
-    TORCH_CHECK(first <= last && last <= group_cost_per_rank.size(),
-                "fsdp_muon::OwnerPlan::critical_path_ratio: window [", first, ", ", last,
-                ") outside the ", group_cost_per_rank.size(), " groups");
-    int64_t slowest = 0;
-    for (int r = 0; r < world_size; ++r) {
-      int64_t load = 0;
-      for (size_t g = first; g < last; ++g) load += group_cost_per_rank[g][r];
-      slowest = std::max(slowest, load);
-    }
-    path += slowest;
-  }
-  return path;
-}
-
 int64_t OwnerPlan::critical_path_planned() const {
   int64_t path = 0;
   for (const auto& per_rank : round_cost_per_rank) {
@@ -79,26 +62,6 @@ double OwnerPlan::critical_path_ratio_planned() const {
   return ratio(static_cast<double>(critical_path_planned()), ideal_cost());
 }
 
-int64_t OwnerPlan::critical_path_budget0() const {
-  return critical_path(prefetch_windows(*this, 0));
-}
-
-int64_t OwnerPlan::critical_path_unlimited() const {
-  return critical_path({{0, group_cost_per_rank.size()}});
-}
-
-double OwnerPlan::critical_path_ratio(const std::vector<std::pair<size_t, size_t>>& windows) const {
-  return ratio(static_cast<double>(critical_path(windows)), ideal_cost());
-}
-
-double OwnerPlan::critical_path_ratio_budget0() const {
-  return ratio(static_cast<double>(critical_path_budget0()), ideal_cost());
-}
-
-double OwnerPlan::critical_path_ratio_unlimited() const {
-  return ratio(static_cast<double>(critical_path_unlimited()), ideal_cost());
-}
-
 double OwnerPlan::floor_ratio() const {
   const double ideal = ideal_cost();
   return ratio(std::max(ideal, static_cast<double>(largest_matrix_cost())), ideal);
@@ -118,8 +81,9 @@ std::string OwnerPlan::summary() const {
       << ", world size " << world_size << ", " << owner.size() << " groups, total "
       << static_cast<double>(total_cost()) << " NS FLOPs\n"
       << "  critical path / ideal: planned (" << rounds.size() << " exchanges) "
-      << critical_path_ratio_planned() << ", one group at a time " << critical_path_ratio_budget0()
-      << ", all at once " << critical_path_ratio_unlimited() << ", floor " << floor_ratio() << "\n"
+      << critical_path_ratio_planned() << ", one group at a time "
+      << detail::critical_path_ratio_budget0(*this) << ", all at once "
+      << detail::critical_path_ratio_unlimited(*this) << ", floor " << floor_ratio() << "\n"
       << "  gather + scatter bytes per rank:";
   for (int r = 0; r < world_size; ++r) {
     out << " " << gather_bytes_per_rank[r] + scatter_bytes_per_rank[r];
@@ -130,4 +94,46 @@ std::string OwnerPlan::summary() const {
   return out.str();
 }
 
+namespace detail {
+
+int64_t critical_path(const OwnerPlan& plan,
+                      const std::vector<std::pair<size_t, size_t>>& windows) {
+  int64_t path = 0;
+  for (const auto& [first, last] : windows) {
+    TORCH_CHECK(first <= last && last <= plan.group_cost_per_rank.size(),
+                "fsdp_muon::critical_path: window [", first, ", ", last, ") outside the ",
+                plan.group_cost_per_rank.size(), " groups");
+    int64_t slowest = 0;
+    for (int r = 0; r < plan.world_size; ++r) {
+      int64_t load = 0;
+      for (size_t g = first; g < last; ++g) load += plan.group_cost_per_rank[g][r];
+      slowest = std::max(slowest, load);
+    }
+    path += slowest;
+  }
+  return path;
+}
+
+int64_t critical_path_budget0(const OwnerPlan& plan) {
+  return critical_path(plan, prefetch_windows(plan, 0));
+}
+
+int64_t critical_path_unlimited(const OwnerPlan& plan) {
+  return critical_path(plan, {{0, plan.group_cost_per_rank.size()}});
+}
+
+double critical_path_ratio(const OwnerPlan& plan,
+                           const std::vector<std::pair<size_t, size_t>>& windows) {
+  return ratio(static_cast<double>(critical_path(plan, windows)), plan.ideal_cost());
+}
+
+double critical_path_ratio_budget0(const OwnerPlan& plan) {
+  return ratio(static_cast<double>(critical_path_budget0(plan)), plan.ideal_cost());
+}
+
+double critical_path_ratio_unlimited(const OwnerPlan& plan) {
+  return ratio(static_cast<double>(critical_path_unlimited(plan)), plan.ideal_cost());
+}
+
+}  // namespace detail
 }  // namespace fsdp_muon

@@ -206,8 +206,6 @@ void finish_rounds(size_t num_groups, int64_t budget, bool overlap, OwnerPlan& p
   }
 }
 
-}  // namespace detail
-
 std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
                                                         int64_t budget_bytes) {
   TORCH_CHECK(budget_bytes >= 0,
@@ -237,4 +235,5 @@ std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
   return windows;
 }
 
+}  // namespace detail
 }  // namespace fsdp_muon

@@ -294,7 +294,7 @@ TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
     // The planning API is the single source of truth for what runs.
     const OwnerPlan expected = plan_owners(groups, world().size(), config.owner_plan_options());
     EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
-    EXPECT_EQ(fsdp.windows(), expected.windows);
+    EXPECT_EQ(fsdp.owner_plan().windows, expected.windows);
     EXPECT_EQ(fsdp.owner_plan().rounds, expected.rounds);
     EXPECT_EQ(fsdp.owner_plan().refresh_after_round, expected.refresh_after_round);
     EXPECT_EQ(fsdp.owner_plan().critical_path_planned(), expected.critical_path_planned());
@@ -365,13 +365,13 @@ TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes
       EXPECT_TRUE(!plan.windows.empty());
       EXPECT_EQ(plan.rounds.size(), plan.windows.size());
       if (run.budget == 0) {
-        EXPECT_EQ(fsdp.windows().size(), 3u);
+        EXPECT_EQ(fsdp.owner_plan().windows.size(), 3u);
       }
       if (run.budget == kUnlimitedPrefetch) {
-        EXPECT_EQ(fsdp.windows().size(), 1u);
+        EXPECT_EQ(fsdp.owner_plan().windows.size(), 1u);
       }
     } else {
-      EXPECT_TRUE(fsdp.windows().empty());
+      EXPECT_TRUE(fsdp.owner_plan().windows.empty());
       if (run.budget == kUnlimitedPrefetch) {
         EXPECT_EQ(plan.rounds.size(), 1u);
       }
@@ -457,7 +457,7 @@ TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes
       EXPECT_EQ(stats.gather_bytes, gather_min);
       EXPECT_EQ(stats.scatter_bytes, scatter_min);
       EXPECT_EQ(stats.max_transient_bytes, transient);
-      EXPECT_EQ(stats.windows, static_cast<int64_t>(plan.rounds.size()));
+      EXPECT_EQ(stats.rounds, static_cast<int64_t>(plan.rounds.size()));
       bool owns_any = false;
       for (const FsdpMuonMatrix& m : fsdp.matrices()) owns_any |= m.owner == me;
       if (!owns_any) {

@@ -13,6 +13,8 @@
 
 #include <gtest/gtest.h>
 
+#include "optimizer/owner_plan_internal.h"
+
 namespace fsdp_muon {
 namespace {
 
@@ -36,10 +38,17 @@ PlanMatrix matrix(const std::string& name, int64_t rows, int64_t cols, int world
   return m;
 }
 
-// The schedule in windows of groups (OwnerSchedule::kWindows), each exchange alone in flight.
-OwnerPlanOptions windows() {
-  return OwnerPlanOptions().schedule(OwnerSchedule::kWindows).overlap(false);
+// Holders-only owners, one round over all groups (no budget), one exchange in flight: the plan
+// the examples below work out by hand.
+OwnerPlanOptions holders_only() {
+  return OwnerPlanOptions()
+      .owner_policy(OwnerPolicy::kHoldersOnly)
+      .prefetch_budget_bytes(kUnlimitedPrefetch)
+      .overlap_communication(false);
 }
+
+// The schedule in windows of groups (OwnerSchedule::kWindows), each exchange alone in flight.
+OwnerPlanOptions windows() { return holders_only().owner_schedule(OwnerSchedule::kWindows); }
 
 TEST(OwnerPlanTest, NewtonSchulzFlopsUsesMinAndMaxSide) {
   EXPECT_EQ(newton_schulz_flops(4, 4, 5), 5 * (4 * 4 * 4 * 4 + 2 * 4 * 4 * 4));
@@ -54,7 +63,7 @@ TEST(OwnerPlanTest, SingleGroupHoldersOnly) {
   PlanGroup g{"block",
               {matrix("A", 4, 4, 2, {{0, 16}}), matrix("B", 2, 8, 2, {{0, 6}, {1, 10}}),
                matrix("C", 8, 2, 2, {{1, 16}})}};
-  const OwnerPlan plan = plan_owners({g}, 2);
+  const OwnerPlan plan = plan_owners({g}, 2, holders_only());
   // Local: r0 = 1920 (A), r1 = 720 (C); B (720) to the less-loaded holder, r1.
   EXPECT_EQ(plan.owner[0], (std::vector<int>{0, 1, 1}));
   EXPECT_EQ(plan.cost[0], (std::vector<int64_t>{1920, 720, 720}));
@@ -67,8 +76,8 @@ TEST(OwnerPlanTest, SingleGroupHoldersOnly) {
   EXPECT_EQ(plan.group_full_bytes_per_rank[0], (std::vector<int64_t>{64, 128}));
   EXPECT_EQ(plan.total_cost(), 3360);
   EXPECT_EQ(plan.largest_matrix_cost(), 1920);
-  EXPECT_EQ(plan.critical_path_budget0(), 1920);
-  EXPECT_EQ(plan.critical_path_unlimited(), 1920);
+  EXPECT_EQ(detail::critical_path_budget0(plan), 1920);
+  EXPECT_EQ(detail::critical_path_unlimited(plan), 1920);
 }
 
 // W=3, two groups: loads carry across groups and ties go to the lowest rank.
@@ -79,7 +88,7 @@ TEST(OwnerPlanTest, AcrossGroupsHoldersOnly) {
   PlanGroup g1{"g1",
                {matrix("M2", 8, 8, 3, {{0, 10}, {1, 30}, {2, 24}}),  // 15360
                 matrix("M3", 4, 4, 3, {{2, 16}})}};                  // 1920, local
-  const OwnerPlan plan = plan_owners({g0, g1}, 3);
+  const OwnerPlan plan = plan_owners({g0, g1}, 3, holders_only());
   // Local M3 -> r2 [0,0,1920]; M0 (g0 first on the cost tie) -> r0 (tie 0/0, lowest);
   // M2 -> r1 (least loaded holder); M1 -> r2 (1920 < 15360).
   EXPECT_EQ(plan.owner[0], (std::vector<int>{0, 2}));
@@ -88,10 +97,10 @@ TEST(OwnerPlanTest, AcrossGroupsHoldersOnly) {
   EXPECT_EQ(plan.group_cost_per_rank[0], (std::vector<int64_t>{15360, 0, 1920}));
   EXPECT_EQ(plan.group_cost_per_rank[1], (std::vector<int64_t>{0, 15360, 1920}));
   // Budget 0: 15360 + 15360 over the ideal 34560 / 3; unlimited: 15360 / 11520.
-  EXPECT_EQ(plan.critical_path_budget0(), 30720);
-  EXPECT_EQ(plan.critical_path_unlimited(), 15360);
-  EXPECT_DOUBLE_EQ(plan.critical_path_ratio_budget0(), 30720.0 / 11520.0);
-  EXPECT_DOUBLE_EQ(plan.critical_path_ratio_unlimited(), 15360.0 / 11520.0);
+  EXPECT_EQ(detail::critical_path_budget0(plan), 30720);
+  EXPECT_EQ(detail::critical_path_unlimited(plan), 15360);
+  EXPECT_DOUBLE_EQ(detail::critical_path_ratio_budget0(plan), 30720.0 / 11520.0);
+  EXPECT_DOUBLE_EQ(detail::critical_path_ratio_unlimited(plan), 15360.0 / 11520.0);
   EXPECT_DOUBLE_EQ(plan.group_balance[0], 15360.0 / (17280.0 / 3));
   // Bytes (fp32): M0 owner 0 <- r1's 44; M1 owner 2 <- r1's 5; M2 owner 1 <- r0's 10, r2's 24.
   EXPECT_EQ(plan.gather_bytes_per_rank, (std::vector<int64_t>{40, 196, 96}));
@@ -104,18 +113,18 @@ TEST(OwnerPlanTest, AnyRankLetsANonHolderOwn) {
   PlanGroup g{"g",
               {matrix("L0", 8, 8, 3, {{0, 64}}), matrix("L1", 8, 8, 3, {{1, 64}}),
                matrix("B", 4, 4, 3, {{0, 10}, {1, 6}})}};
-  const OwnerPlan holders = plan_owners({g}, 3);
+  const OwnerPlan holders = plan_owners({g}, 3, holders_only());
   EXPECT_EQ(holders.owner[0], (std::vector<int>{0, 1, 0}));
   EXPECT_EQ(holders.cost_per_rank, (std::vector<int64_t>{17280, 15360, 0}));
   EXPECT_EQ(holders.gather_bytes_per_rank, (std::vector<int64_t>{0, 24, 0}));
   EXPECT_EQ(holders.scatter_bytes_per_rank, (std::vector<int64_t>{24, 0, 0}));
 
-  const OwnerPlan any = plan_owners({g}, 3, OwnerPlanOptions().policy(OwnerPolicy::kAnyRank));
+  const OwnerPlan any = plan_owners({g}, 3, holders_only().owner_policy(OwnerPolicy::kAnyRank));
   EXPECT_EQ(any.owner[0], (std::vector<int>{0, 1, 2}));
   EXPECT_EQ(any.cost_per_rank, (std::vector<int64_t>{15360, 15360, 1920}));
   EXPECT_EQ(any.gather_bytes_per_rank, (std::vector<int64_t>{40, 24, 0}));
   EXPECT_EQ(any.scatter_bytes_per_rank, (std::vector<int64_t>{0, 0, 64}));
-  EXPECT_LT(any.critical_path_unlimited(), holders.critical_path_unlimited());
+  EXPECT_LT(detail::critical_path_unlimited(any), detail::critical_path_unlimited(holders));
   EXPECT_GT(any.max_bytes_per_rank(), holders.max_bytes_per_rank());
 }
 
@@ -124,7 +133,7 @@ TEST(OwnerPlanTest, AnyRankTiesPreferTheLargerHolder) {
   PlanGroup g{"g",
               {matrix("B0", 4, 4, 3, {{0, 4}, {1, 12}}), matrix("B1", 4, 4, 3, {{1, 8}, {2, 8}}),
                matrix("B2", 2, 2, 3, {{0, 2}, {2, 2}})}};
-  const OwnerPlan any = plan_owners({g}, 3, OwnerPlanOptions().policy(OwnerPolicy::kAnyRank));
+  const OwnerPlan any = plan_owners({g}, 3, holders_only().owner_policy(OwnerPolicy::kAnyRank));
   // B0 (1920): all idle, r1 holds most -> r1. B1 (1920): r0, r2 idle, r2 holds 8, r0 none -> r2.
   // B2 (240): r0 is the only idle rank -> r0.
   EXPECT_EQ(any.owner[0], (std::vector<int>{1, 2, 0}));
@@ -132,16 +141,16 @@ TEST(OwnerPlanTest, AnyRankTiesPreferTheLargerHolder) {
 
 TEST(OwnerPlanTest, EmptyMatricesHaveNoOwnerAndWorldSizeOneOwnsAll) {
   PlanGroup g{"g", {matrix("E", 0, 5, 2, {}), matrix("A", 3, 3, 2, {{0, 4}, {1, 5}})}};
-  const OwnerPlan plan = plan_owners({g}, 2);
+  const OwnerPlan plan = plan_owners({g}, 2, holders_only());
   EXPECT_EQ(plan.owner[0][0], -1);
   EXPECT_EQ(plan.cost[0][0], 0);
   EXPECT_EQ(plan.owner[0][1], 0);
 
   PlanGroup single{"g", {matrix("A", 3, 3, 1, {{0, 9}}), matrix("B", 5, 2, 1, {{0, 10}})}};
-  const OwnerPlan one = plan_owners({single}, 1);
+  const OwnerPlan one = plan_owners({single}, 1, holders_only());
   EXPECT_EQ(one.owner[0], (std::vector<int>{0, 0}));
   EXPECT_EQ(one.gather_bytes_per_rank[0] + one.scatter_bytes_per_rank[0], 0);
-  EXPECT_DOUBLE_EQ(one.critical_path_ratio_unlimited(), 1.0);
+  EXPECT_DOUBLE_EQ(detail::critical_path_ratio_unlimited(one), 1.0);
 }
 
 TEST(OwnerPlanTest, RejectsRangesThatDoNotTile) {
@@ -149,7 +158,7 @@ TEST(OwnerPlanTest, RejectsRangesThatDoNotTile) {
   EXPECT_THROW(
       {
         try {
-          plan_owners({PlanGroup{"g", {m}}}, 2);
+          plan_owners({PlanGroup{"g", {m}}}, 2, holders_only());
         } catch (const c10::Error& e) {
           EXPECT_NE(std::string(e.what()).find("'bad'"), std::string::npos) << e.what();
           throw;
@@ -157,7 +166,7 @@ TEST(OwnerPlanTest, RejectsRangesThatDoNotTile) {
       },
       c10::Error);
   PlanMatrix wrong_world = matrix("w", 2, 2, 3, {{0, 4}});
-  EXPECT_THROW(plan_owners({PlanGroup{"g", {wrong_world}}}, 2), c10::Error);
+  EXPECT_THROW(plan_owners({PlanGroup{"g", {wrong_world}}}, 2, holders_only()), c10::Error);
 }
 
 TEST(OwnerPlanTest, PrefetchWindowsFollowTheBudget) {
@@ -168,26 +177,26 @@ TEST(OwnerPlanTest, PrefetchWindowsFollowTheBudget) {
       {"g2", {matrix("c", 4, 4, 2, {{0, 16}}), matrix("d", 4, 4, 2, {{1, 16}})}},
       {"g3", {matrix("e", 8, 8, 2, {{0, 64}})}},
   };
-  const OwnerPlan plan = plan_owners(groups, 2);
+  const OwnerPlan plan = plan_owners(groups, 2, holders_only());
   using W = std::vector<std::pair<size_t, size_t>>;
-  EXPECT_EQ(prefetch_windows(plan, 0), (W{{0, 1}, {1, 2}, {2, 3}, {3, 4}}));
-  EXPECT_EQ(prefetch_windows(plan, 64), (W{{0, 2}, {2, 3}, {3, 4}}));
-  EXPECT_EQ(prefetch_windows(plan, 128), (W{{0, 3}, {3, 4}}));
-  EXPECT_EQ(prefetch_windows(plan, 300), (W{{0, 3}, {3, 4}}));
-  EXPECT_EQ(prefetch_windows(plan, 384), (W{{0, 4}}));
-  EXPECT_EQ(prefetch_windows(plan, kUnlimitedPrefetch), (W{{0, 4}}));
-  EXPECT_THROW(prefetch_windows(plan, -1), c10::Error);
+  EXPECT_EQ(detail::prefetch_windows(plan, 0), (W{{0, 1}, {1, 2}, {2, 3}, {3, 4}}));
+  EXPECT_EQ(detail::prefetch_windows(plan, 64), (W{{0, 2}, {2, 3}, {3, 4}}));
+  EXPECT_EQ(detail::prefetch_windows(plan, 128), (W{{0, 3}, {3, 4}}));
+  EXPECT_EQ(detail::prefetch_windows(plan, 300), (W{{0, 3}, {3, 4}}));
+  EXPECT_EQ(detail::prefetch_windows(plan, 384), (W{{0, 4}}));
+  EXPECT_EQ(detail::prefetch_windows(plan, kUnlimitedPrefetch), (W{{0, 4}}));
+  EXPECT_THROW(detail::prefetch_windows(plan, -1), c10::Error);
   // All matrices are local, so the owners are fixed and planning with a budget cuts the same
   // windows.
   for (int64_t budget :
        {int64_t{0}, int64_t{64}, int64_t{128}, int64_t{300}, int64_t{384}, kUnlimitedPrefetch}) {
     EXPECT_EQ(plan_owners(groups, 2, windows().prefetch_budget_bytes(budget)).windows,
-              prefetch_windows(plan, budget))
+              detail::prefetch_windows(plan, budget))
         << budget;
   }
   // a, b, c, d cost 1920 each, e 15360: pairing g0 with g1 saves one 1920 wait.
-  EXPECT_EQ(plan.critical_path_budget0(), 1920 * 3 + 15360);
-  EXPECT_EQ(plan.critical_path(prefetch_windows(plan, 64)), 1920 * 2 + 15360);
+  EXPECT_EQ(detail::critical_path_budget0(plan), 1920 * 3 + 15360);
+  EXPECT_EQ(detail::critical_path(plan, detail::prefetch_windows(plan, 64)), 1920 * 2 + 15360);
 }
 
 // W=2: g0 = {X, Y} (384 each), g1 = {Z} (448), all split evenly between the ranks. Carrying
@@ -207,7 +216,7 @@ TEST(OwnerPlanTest, WindowedPlanBalancesEachWindow) {
   EXPECT_EQ(carried.owner[0], (std::vector<int>{1, 1}));
   EXPECT_EQ(carried.owner[1], (std::vector<int>{0}));
   EXPECT_EQ(carried.critical_path_planned(), 768);
-  EXPECT_EQ(carried.critical_path_budget0(), 768 + 448);
+  EXPECT_EQ(detail::critical_path_budget0(carried), 768 + 448);
 
   const OwnerPlan windowed = plan_owners(groups, 2, windows().prefetch_budget_bytes(0));
   EXPECT_EQ(windowed.windows, (std::vector<std::pair<size_t, size_t>>{{0, 1}, {1, 2}}));
@@ -224,7 +233,7 @@ TEST(OwnerPlanTest, WindowedPlanBalancesEachWindow) {
   // 127 bytes: g0 alone is balanced (64 each); adding g1 would need 128 on one rank.
   const OwnerPlan tight = plan_owners(groups, 2, windows().prefetch_budget_bytes(127));
   EXPECT_EQ(tight.windows, windowed.windows);
-  EXPECT_THROW(plan_owners(groups, 2, OwnerPlanOptions().prefetch_budget_bytes(-1)), c10::Error);
+  EXPECT_THROW(plan_owners(groups, 2, holders_only().prefetch_budget_bytes(-1)), c10::Error);
 }
 
 TEST(OwnerPlanTest, GroupFromShapesUsesTheFlatLayout) {
@@ -264,15 +273,16 @@ std::vector<PlanGroup> llama3_8b(int world_size) {
 TEST(OwnerPlanTest, Llama3_8BCriticalPaths) {
   for (int w : {8, 64}) {
     const auto groups = llama3_8b(w);
-    const OwnerPlan holders = plan_owners(groups, w);
-    const OwnerPlan any = plan_owners(groups, w, OwnerPlanOptions().policy(OwnerPolicy::kAnyRank));
+    const OwnerPlan holders = plan_owners(groups, w, holders_only());
+    const OwnerPlan any =
+        plan_owners(groups, w, holders_only().owner_policy(OwnerPolicy::kAnyRank));
     std::cout << "Llama-3-8B W=" << w << " holders-only: " << holders.summary()
               << "Llama-3-8B W=" << w << " any-rank: " << any.summary();
     double previous = 1e9;
     for (int64_t budget_mib : {0, 256, 512, 1024, 2048}) {
       for (OwnerPolicy policy : {OwnerPolicy::kHoldersOnly, OwnerPolicy::kAnyRank}) {
         const OwnerPlan planned = plan_owners(
-            groups, w, windows().policy(policy).prefetch_budget_bytes(budget_mib << 20));
+            groups, w, windows().owner_policy(policy).prefetch_budget_bytes(budget_mib << 20));
         std::cout << "  " << to_string(policy) << " budget " << budget_mib
                   << " MiB: " << planned.windows.size() << " windows, critical path "
                   << planned.critical_path_ratio_planned() << "\n";
@@ -283,7 +293,8 @@ TEST(OwnerPlanTest, Llama3_8BCriticalPaths) {
           if (budget_mib == 0 && w == 8) {
             // Each layer balanced on its own reaches the floor of its largest matrix (2.1x at
             // W=8, the design's number), below the carried plan's 2.26x.
-            EXPECT_LT(planned.critical_path_ratio_planned(), holders.critical_path_ratio_budget0());
+            EXPECT_LT(planned.critical_path_ratio_planned(),
+                      detail::critical_path_ratio_budget0(holders));
           }
         }
       }
@@ -295,18 +306,18 @@ TEST(OwnerPlanTest, Llama3_8BCriticalPaths) {
     EXPECT_EQ(total, std::accumulate(holders.scatter_bytes_per_rank.begin(),
                                      holders.scatter_bytes_per_rank.end(), int64_t{0}));
     // Unlimited prefetch never loses to one group at a time.
-    EXPECT_LE(holders.critical_path_unlimited(), holders.critical_path_budget0());
-    EXPECT_LE(any.critical_path_unlimited(), holders.critical_path_unlimited());
+    EXPECT_LE(detail::critical_path_unlimited(holders), detail::critical_path_budget0(holders));
+    EXPECT_LE(detail::critical_path_unlimited(any), detail::critical_path_unlimited(holders));
     // The performance model of docs/DESIGN.md §7: one group at a time costs ~2.1x ideal at
     // W=8 and ~17x at W=64; global balancing with unlimited prefetch brings holders-only to
     // ~1.34x at W=8 and any-rank to ~1.00x (W=8) and ~1.06x (W=64).
     if (w == 8) {
-      EXPECT_NEAR(holders.critical_path_ratio_budget0(), 2.2, 0.15);
-      EXPECT_NEAR(holders.critical_path_ratio_unlimited(), 1.34, 0.02);
-      EXPECT_NEAR(any.critical_path_ratio_unlimited(), 1.0, 0.02);
+      EXPECT_NEAR(detail::critical_path_ratio_budget0(holders), 2.2, 0.15);
+      EXPECT_NEAR(detail::critical_path_ratio_unlimited(holders), 1.34, 0.02);
+      EXPECT_NEAR(detail::critical_path_ratio_unlimited(any), 1.0, 0.02);
     } else {
-      EXPECT_NEAR(holders.critical_path_ratio_budget0(), 17.0, 0.5);
-      EXPECT_NEAR(any.critical_path_ratio_unlimited(), 1.06, 0.02);
+      EXPECT_NEAR(detail::critical_path_ratio_budget0(holders), 17.0, 0.5);
+      EXPECT_NEAR(detail::critical_path_ratio_unlimited(any), 1.06, 0.02);
     }
   }
 }
@@ -318,11 +329,8 @@ TEST(OwnerPlanTest, RoundsDoNotStallPerWindow) {
   const std::vector<PlanGroup> groups = {
       {"g0", {matrix("A", 4, 4, 2, {{0, 16}}), matrix("B", 4, 4, 2, {{0, 16}})}},
       {"g1", {matrix("D", 4, 4, 2, {{1, 16}}), matrix("E", 4, 4, 2, {{1, 16}})}}};
-  const auto options = OwnerPlanOptions()
-                           .policy(OwnerPolicy::kHoldersOnly)
-                           .schedule(OwnerSchedule::kRounds)
-                           .overlap(false)
-                           .prefetch_budget_bytes(127);
+  const auto options =
+      holders_only().owner_schedule(OwnerSchedule::kRounds).prefetch_budget_bytes(127);
   const OwnerPlan rounds = plan_owners(groups, 2, options);
   using Round = std::vector<std::pair<size_t, size_t>>;
   EXPECT_EQ(rounds.schedule, OwnerSchedule::kRounds);
@@ -339,11 +347,11 @@ TEST(OwnerPlanTest, RoundsDoNotStallPerWindow) {
   EXPECT_EQ(windowed.rounds, (std::vector<Round>{{{0, 0}, {0, 1}}, {{1, 0}, {1, 1}}}));
   EXPECT_EQ(windowed.refresh_after_round, (std::vector<size_t>{0, 1}));
   EXPECT_EQ(windowed.critical_path_planned(), 7680);
-  EXPECT_EQ(windowed.critical_path_planned(), windowed.critical_path(windowed.windows));
+  EXPECT_EQ(windowed.critical_path_planned(), detail::critical_path(windowed, windowed.windows));
   // With overlap two rounds are in flight: 254 bytes packs the same rounds, 127 one matrix
   // per round alone (a matrix over half the budget runs alone).
-  const OwnerPlan overlapped =
-      plan_owners(groups, 2, OwnerPlanOptions(options).overlap(true).prefetch_budget_bytes(254));
+  const OwnerPlan overlapped = plan_owners(
+      groups, 2, OwnerPlanOptions(options).overlap_communication(true).prefetch_budget_bytes(254));
   EXPECT_EQ(overlapped.rounds, rounds.rounds);
   EXPECT_EQ(overlapped.overlap_with_next, (std::vector<bool>{true, false}));
   EXPECT_EQ(overlapped.max_held_full_bytes(), 128);
@@ -351,8 +359,8 @@ TEST(OwnerPlanTest, RoundsDoNotStallPerWindow) {
   EXPECT_EQ(rounds.max_held_full_bytes(), 64);
   // 127 bytes with overlap: each matrix (64 bytes) is over half of it, so alone in its round,
   // and two rounds would exceed the budget: they run one after the other.
-  const OwnerPlan alone =
-      plan_owners(groups, 2, OwnerPlanOptions(options).overlap(true).prefetch_budget_bytes(127));
+  const OwnerPlan alone = plan_owners(
+      groups, 2, OwnerPlanOptions(options).overlap_communication(true).prefetch_budget_bytes(127));
   EXPECT_EQ(alone.rounds, rounds.rounds);
   EXPECT_EQ(alone.overlap_with_next, (std::vector<bool>{false, false}));
   EXPECT_EQ(alone.max_held_full_bytes(), 64);
@@ -372,9 +380,8 @@ TEST(OwnerPlanTest, BalancedMovesLocalMatricesWithinTheByteLimit) {
       {"g",
        {matrix("X", 8, 8, 2, {{0, 64}}), matrix("Y", 8, 8, 2, {{0, 64}}),
         matrix("Z", 2, 2, 2, {{0, 2}, {1, 2}})}}};
-  const auto options = OwnerPlanOptions().policy(OwnerPolicy::kBalanced);
-  const OwnerPlan holders =
-      plan_owners(groups, 2, OwnerPlanOptions().policy(OwnerPolicy::kHoldersOnly));
+  const auto options = holders_only().owner_policy(OwnerPolicy::kBalanced);
+  const OwnerPlan holders = plan_owners(groups, 2, holders_only());
   EXPECT_EQ(holders.owner[0], (std::vector<int>{0, 0, 1}));
   EXPECT_EQ(holders.holders_only_max_bytes, 8);
   const OwnerPlan tight = plan_owners(groups, 2, options);
@@ -398,7 +405,7 @@ TEST(OwnerPlanTest, CostModelPicksTheCheapestByteLimit) {
        {matrix("X", 8, 8, 2, {{0, 64}}), matrix("Y", 8, 8, 2, {{0, 64}}),
         matrix("Z", 2, 2, 2, {{0, 2}, {1, 2}})}}};
   const auto by_cost =
-      OwnerPlanOptions().policy(OwnerPolicy::kBalanced).max_bytes_ratio(kBytesRatioByCost);
+      holders_only().owner_policy(OwnerPolicy::kBalanced).max_bytes_ratio(kBytesRatioByCost);
 
   const auto fast_bytes =
       OwnerPlanOptions(by_cost).newton_schulz_flops_per_second(1).bytes_per_second(1e9);
@@ -421,7 +428,7 @@ TEST(OwnerPlanTest, CostModelPicksTheCheapestByteLimit) {
     EXPECT_EQ(fixed.owner, chosen->owner);
     EXPECT_EQ(fixed.rounds, chosen->rounds);
     // No candidate limit is cheaper at these rates.
-    for (const double ratio : kCostModelBytesRatios) {
+    for (const double ratio : detail::kCostModelBytesRatios) {
       const OwnerPlan other =
           plan_owners(groups, 2, OwnerPlanOptions(options).max_bytes_ratio(ratio));
       EXPECT_LE(chosen->estimated_seconds(options.newton_schulz_flops_per_second(),
@@ -441,6 +448,16 @@ TEST(OwnerPlanTest, CostModelPicksTheCheapestByteLimit) {
   EXPECT_EQ(from_config.max_bytes_ratio(), kBytesRatioByCost);
   EXPECT_EQ(from_config.newton_schulz_flops_per_second(), 3e12);
   EXPECT_EQ(from_config.bytes_per_second(), 5e9);
+  // One source of truth: the planner's defaults are FsdpMuonConfig's.
+  const OwnerPlanOptions defaults;
+  const FsdpMuonConfig config;
+  EXPECT_EQ(defaults.owner_policy(), config.owner_policy());
+  EXPECT_EQ(defaults.owner_schedule(), config.owner_schedule());
+  EXPECT_EQ(defaults.max_bytes_ratio(), config.max_bytes_ratio());
+  EXPECT_EQ(defaults.newton_schulz_flops_per_second(), config.newton_schulz_flops_per_second());
+  EXPECT_EQ(defaults.bytes_per_second(), config.bytes_per_second());
+  EXPECT_EQ(defaults.prefetch_budget_bytes(), config.prefetch_budget_bytes());
+  EXPECT_EQ(defaults.overlap_communication(), config.overlap_communication());
 }
 
 // GPT-2 124M and a Mixtral-like 8-expert model, one group per layer, bf16 layout.
@@ -491,8 +508,8 @@ std::vector<PlanGroup> model_groups(const std::string& which, int world_size) {
 // floor of 1.00 that max(mean, largest matrix) gives.
 TEST(OwnerPlanTest, DefaultScheduleIsNearTheFloor) {
   const FsdpMuonConfig config;
-  EXPECT_EQ(config.owner_plan_options().schedule(), OwnerSchedule::kRounds);
-  EXPECT_EQ(config.owner_plan_options().policy(), OwnerPolicy::kBalanced);
+  EXPECT_EQ(config.owner_plan_options().owner_schedule(), OwnerSchedule::kRounds);
+  EXPECT_EQ(config.owner_plan_options().owner_policy(), OwnerPolicy::kBalanced);
   const int64_t half_budget = config.prefetch_budget_bytes() / 2;
   for (const std::string which : {"llama3-8b", "gpt2", "8-expert"}) {
     for (int w : {8, 16, 32, 64, 128, 256}) {
@@ -515,10 +532,10 @@ TEST(OwnerPlanTest, DefaultScheduleIsNearTheFloor) {
       // What a rank holds at once: within the budget (no single matrix here exceeds half).
       EXPECT_LE(plan.max_held_full_bytes(), config.prefetch_budget_bytes());
       // The critical path of rounds never beats the longest rank, and is what runs.
-      EXPECT_GE(plan.critical_path_planned(), plan.critical_path_unlimited());
+      EXPECT_GE(plan.critical_path_planned(), detail::critical_path_unlimited(plan));
       // Windows under the same budget and policy stall per window: never shorter here.
-      const OwnerPlan windowed =
-          plan_owners(groups, w, config.owner_plan_options().schedule(OwnerSchedule::kWindows));
+      const OwnerPlan windowed = plan_owners(
+          groups, w, config.owner_plan_options().owner_schedule(OwnerSchedule::kWindows));
       EXPECT_LE(plan.critical_path_planned(), windowed.critical_path_planned());
     }
   }

@@ -37,25 +37,42 @@ enum class WeightDecayMethod {
 //             (√v_i + ε), then rescaled to O's Frobenius norm (‖O‖_F / max(‖·‖_F, ε)).
 enum class Normalization { kNone, kNorMuon };
 
+// The per-parameter-group math of Muon and FsdpMuon (docs/DESIGN.md §4); how FsdpMuon
+// distributes it is FsdpMuonConfig. validate() names an invalid option and its fix.
 struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
   explicit MuonOptions(double lr = 0.02);
+  // Learning rate: W <- W - lr * update. >= 0.
   TORCH_ARG(double, lr) = 0.02;
+  // Momentum mu: B <- mu * B + (1 - mu) * G. In [0, 1).
   TORCH_ARG(double, momentum) = 0.95;
+  // Orthogonalize the Nesterov input (1 - mu) * G + mu * B instead of B.
   TORCH_ARG(bool, nesterov) = true;
+  // Weight decay, applied as weight_decay_method says before the momentum update. >= 0.
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(WeightDecayMethod, weight_decay_method) = WeightDecayMethod::kDecoupled;
-  TORCH_ARG(int64_t, ns_steps) = 5;
-  TORCH_ARG(NsCoefficients, coefficients) = NsCoefficients::kQuintic;
+  // Newton–Schulz iterations, coefficient preset and custom schedule, the Frobenius-norm clamp
+  // and the compute dtype (bf16 or fp32): NewtonSchulzOptions' steps, coefficients,
+  // custom_coefficients, eps and compute_dtype, with their defaults
+  // (newton_schulz_options() hands them over).
+  TORCH_ARG(int64_t, ns_steps) = NewtonSchulzOptions().steps();
+  TORCH_ARG(NsCoefficients, coefficients) = NewtonSchulzOptions().coefficients();
   TORCH_ARG(NsCoefficientList, custom_coefficients) = {};
+  // How the orthogonalized update is scaled for its shape (see ScaleMode), times
+  // extra_scale_factor (finite).
   TORCH_ARG(ScaleMode, scale_mode) = ScaleMode::kShapeScaling;
   TORCH_ARG(double, extra_scale_factor) = 1.0;
-  TORCH_ARG(double, eps) = 1e-7;
-  TORCH_ARG(c10::ScalarType, ns_dtype) = at::kBFloat16;
+  TORCH_ARG(double, eps) = NewtonSchulzOptions().eps();
+  TORCH_ARG(c10::ScalarType, ns_dtype) = NewtonSchulzOptions().compute_dtype();
+  // Leave parameters that are not 2-D untouched (one warning on rank 0) instead of an error;
+  // give them to an elementwise optimizer such as torch::optim::AdamW.
   TORCH_ARG(bool, skip_non_matrix) = false;
-  // Newton–Schulz evaluation (NewtonSchulzOptions::method, gram_restarts, preconditioning).
-  TORCH_ARG(NsMethod, ns_method) = NsMethod::kStandard;
-  TORCH_ARG(NsRestartList, gram_restarts) = NsRestartList{2};
-  TORCH_ARG(NsPreconditioning, ns_preconditioning) = NsPreconditioning::kNone;
+  // Newton–Schulz evaluation: NewtonSchulzOptions' method, gram_restarts and preconditioning,
+  // with their defaults.
+  TORCH_ARG(NsMethod, ns_method) = NewtonSchulzOptions().method();
+  TORCH_ARG(NsRestartList, gram_restarts) = NewtonSchulzOptions().gram_restarts();
+  TORCH_ARG(NsPreconditioning, ns_preconditioning) = NewtonSchulzOptions().preconditioning();
+  // A per-row normalization of the orthogonalized update (see Normalization), with NorMuon's
+  // second-moment decay in [0, 1) and the finite eps > 0 that guards its divisions.
   TORCH_ARG(Normalization, normalization) = Normalization::kNone;
   TORCH_ARG(double, normuon_beta2) = 0.95;
   TORCH_ARG(double, normuon_eps) = 1e-8;

@@ -51,11 +51,15 @@ enum class NsPreconditioning { kNone, kAol };
 using NsRestartList = std::vector<int64_t>;
 
 struct NewtonSchulzOptions {
+  // Iterations (>= 1; cubic5 takes exactly 5).
   TORCH_ARG(int64_t, steps) = 5;
+  // The (a, b, c) schedule, a named preset (see NsCoefficients and the README).
   TORCH_ARG(NsCoefficients, coefficients) = NsCoefficients::kQuintic;
   // Non-empty overrides the preset; past its end the last tuple repeats.
   TORCH_ARG(NsCoefficientList, custom_coefficients) = {};
+  // The input is divided by max(Frobenius norm, eps) (finite, > 0), in fp32.
   TORCH_ARG(double, eps) = 1e-7;
+  // The dtype the iterations compute in: bf16 or fp32.
   TORCH_ARG(c10::ScalarType, compute_dtype) = at::kBFloat16;
   TORCH_ARG(NsMethod, method) = NsMethod::kStandard;
   // kGram (and kAuto where it picks Gram): restart before these 0-based iterations, i.e. after

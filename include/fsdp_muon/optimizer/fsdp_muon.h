@@ -63,15 +63,18 @@ struct FsdpMuonConfig {
   // the planned critical paths in bench/RESULTS.md: holders-only leaves ranks that hold
   // expensive matrices whole overloaded in every layer.
   TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPolicy::kBalanced;
-  // kBalanced: the bytes a rank may send per step, as a multiple of the busiest rank's under
-  // holders-only (see OwnerPlanOptions::max_bytes_ratio), or kBytesRatioByCost.
+  // kBalanced: the bytes a rank may send per step (gather + scatter), as a multiple of the
+  // busiest rank's under holders-only (OwnerPlan::holders_only_max_bytes); >= 1, infinity for
+  // no limit, or kBytesRatioByCost: the cost model below chooses it.
   TORCH_ARG(double, max_bytes_ratio) = 1.5;
-  // The cost model's rates (see OwnerPlanOptions): with max_bytes_ratio(kBytesRatioByCost) the
-  // plan whose orthogonalize critical path and busiest rank's bytes cost least at these rates
-  // decides the byte limit. Set them to your machine's measured rates.
-  TORCH_ARG(double,
-            newton_schulz_flops_per_second) = OwnerPlanOptions().newton_schulz_flops_per_second();
-  TORCH_ARG(double, bytes_per_second) = OwnerPlanOptions().bytes_per_second();
+  // The cost model (docs/DESIGN.md §7): a plan's step costs its orthogonalize critical path in
+  // FLOPs at this Newton–Schulz rate plus its busiest rank's bytes at this per-rank send rate
+  // (OwnerPlan::estimated_seconds). With max_bytes_ratio(kBytesRatioByCost) the planner keeps,
+  // among a fixed list of limits from 1 to unlimited, the limit whose plan costs least. The
+  // defaults are estimates for an H200 NVLink node (bf16 Newton–Schulz at ~40% of peak,
+  // ~150 GB/s of all-to-all per rank), not measurements: set your machine's measured rates.
+  TORCH_ARG(double, newton_schulz_flops_per_second) = 4e14;
+  TORCH_ARG(double, bytes_per_second) = 1.5e11;
   // When ranks meet (see OwnerSchedule): kRounds, the default, chosen from bench/RESULTS.md,
   // packs every rank's owned matrices into rounds of about equal cost over the whole model.
   TORCH_ARG(OwnerSchedule, owner_schedule) = OwnerSchedule::kRounds;
@@ -84,15 +87,17 @@ struct FsdpMuonConfig {
   // The default, 1 GiB, was chosen from the planned critical paths in bench/RESULTS.md.
   TORCH_ARG(int64_t, prefetch_budget_bytes) = int64_t{1} << 30;
   // Start the gather of the next round (or window) before orthogonalizing the current one, and
-  // let the current one's scatter run while the next is orthogonalized (docs/DESIGN.md §3). The
-  // result bits are the same either way.
+  // let the current one's scatter run while the next is orthogonalized (docs/DESIGN.md §3);
+  // each round is then packed to half of prefetch_budget_bytes, so that what a rank holds at
+  // once stays within it. The result bits are the same either way.
   TORCH_ARG(bool, overlap_communication) = true;
   // See NonFiniteGradients. With kSkipStep the model weights are still refreshed (another
   // optimizer may have stepped the groups' other parameters), and skipped_steps() counts it.
   TORCH_ARG(NonFiniteGradients, non_finite_gradients) = NonFiniteGradients::kIgnore;
   // Each step starts with one small all-reduce that makes a rank mismatch (different gradients
   // present, edited parameter groups, a local error) the same error on every rank instead of a
-  // hang, at the price of a host synchronization. false skips it for loops that guarantee
+  // hang, at the price of a host synchronization (a second one with the non-finite check, whose
+  // flags are copied to the host first). false skips it for loops that guarantee
   // agreement: step() then never waits on the host (on CUDA), and a mismatch hangs or fails
   // on some ranks only. The non-finite check needs it.
   TORCH_ARG(bool, check_gradient_agreement) = true;
@@ -101,8 +106,8 @@ struct FsdpMuonConfig {
   TORCH_ARG(NewtonSchulzBatching, batch_newton_schulz) = NewtonSchulzBatching::kWhereBitwise;
 
  public:  // TORCH_ARG leaves the struct in a private section
-  // The options FsdpMuon plans owners with: plan_owners(groups, W, owner_plan_options()) is the
-  // plan a FsdpMuon with this config runs.
+  // This config's planner settings: plan_owners(groups, W, owner_plan_options()) is the plan a
+  // FsdpMuon with this config runs.
   OwnerPlanOptions owner_plan_options() const;
 };
 
@@ -113,7 +118,7 @@ struct FsdpMuonStepStats {
   // checked), and whether the update was skipped for them.
   int64_t non_finite_parameters = 0;
   bool skipped = false;
-  int64_t windows = 0;  // exchanges the step ran (rounds, or windows under kWindows)
+  int64_t rounds = 0;  // exchanges the step ran (OwnerPlan::rounds; one per window under kWindows)
   // Matrices this rank orthogonalized, and the Newton–Schulz calls it took (fewer when
   // FsdpMuonConfig::batch_newton_schulz batched same-shape matrices).
   int64_t orthogonalized_matrices = 0;
@@ -194,9 +199,6 @@ class FsdpMuon : public torch::optim::Optimizer {
   const OwnerPlan& owner_plan() const;
   const std::vector<std::shared_ptr<FsdpParameterGroup>>& fsdp_groups() const;
   const std::vector<FsdpMuonMatrix>& matrices() const;
-  // Prefetch windows [first, last) over fsdp_groups(), from the plan and the budget (kWindows;
-  // empty under kRounds: see owner_plan().rounds).
-  const std::vector<std::pair<size_t, size_t>>& windows() const;
   // Owner of a sharded parameter this optimizer orthogonalizes; -1 for one it does not (a
   // skipped non-2-D parameter, an empty matrix, or a tensor it does not know).
   int owner_of(const at::Tensor& sharded_parameter) const;

@@ -24,7 +24,7 @@ enum class OwnerPolicy {
   kAnyRank,
   // Holders-only over the whole model, then matrices (local ones included) move from the
   // busiest rank to the least loaded while every rank's gather + scatter bytes stay within
-  // OwnerPlanOptions::max_bytes_ratio times the busiest rank's bytes under holders-only: the
+  // FsdpMuonConfig::max_bytes_ratio times the busiest rank's bytes under holders-only: the
   // Newton–Schulz balance of any-rank for a bounded number of extra bytes (docs/DESIGN.md §3).
   kBalanced,
 };
@@ -72,42 +72,28 @@ struct PlanGroup {
   int64_t element_bytes = 0;
 };
 
-// OwnerPlanOptions::max_bytes_ratio: let the cost model choose the byte limit.
+// FsdpMuonConfig::max_bytes_ratio: let the cost model choose the byte limit (docs/DESIGN.md §7).
 constexpr double kBytesRatioByCost = 0.0;
 
-// The byte limits the cost model chooses among, smallest first (the last: no limit).
-constexpr double kCostModelBytesRatios[] = {
-    1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, std::numeric_limits<double>::infinity()};
+struct FsdpMuonConfig;
 
+// What plan_owners() plans with: FsdpMuonConfig's planner settings, under the same names (their
+// meaning and defaults are documented and set there, nowhere else), plus element_bytes.
+// OwnerPlanOptions() holds FsdpMuonConfig's defaults; FsdpMuonConfig::owner_plan_options() holds
+// a config's, which is what FsdpMuon plans with.
 struct OwnerPlanOptions {
-  TORCH_ARG(OwnerPolicy, policy) = OwnerPolicy::kHoldersOnly;
-  // Bytes of one element moved by the gather and scatter (the momentum-input dtype, fp32).
+  OwnerPlanOptions();
+  explicit OwnerPlanOptions(const FsdpMuonConfig& config);
+  TORCH_ARG(OwnerPolicy, owner_policy);
+  TORCH_ARG(OwnerSchedule, owner_schedule);
+  TORCH_ARG(double, max_bytes_ratio);
+  TORCH_ARG(double, newton_schulz_flops_per_second);
+  TORCH_ARG(double, bytes_per_second);
+  TORCH_ARG(int64_t, prefetch_budget_bytes);
+  TORCH_ARG(bool, overlap_communication);
+  // Bytes of one element moved and held, for a PlanGroup whose element_bytes is 0 (FsdpMuon
+  // sets every group's: its main dtype's). The planner's own setting.
   TORCH_ARG(int64_t, element_bytes) = 4;
-  // Bytes of full matrices one rank may hold at once (FsdpMuonConfig::prefetch_budget_bytes).
-  // kRounds: each rank's owned matrices of one round fit it. kWindows: the groups are cut into
-  // consecutive windows that are gathered and orthogonalized together, each balanced on its own
-  // since ranks meet at every window. kUnlimitedPrefetch: one round or window, loads carried
-  // across all groups (docs/DESIGN.md §3).
-  TORCH_ARG(int64_t, prefetch_budget_bytes) = kUnlimitedPrefetch;
-  // How the matrices are cut into exchanges (see OwnerSchedule). The defaults here are the
-  // planner's; FsdpMuonConfig::owner_plan_options() gives the ones FsdpMuon plans with.
-  TORCH_ARG(OwnerSchedule, schedule) = OwnerSchedule::kRounds;
-  // kBalanced: the bytes a rank may send (gather + scatter), as a multiple of the busiest rank's
-  // under holders-only (OwnerPlan::holders_only_max_bytes); >= 1, infinity for no limit.
-  // kBytesRatioByCost: the cost model below chooses it.
-  TORCH_ARG(double, max_bytes_ratio) = 1.5;
-  // The cost model (docs/DESIGN.md §7): a plan's step costs critical_path_planned() FLOPs at
-  // this Newton–Schulz rate plus max_bytes_per_rank() bytes at this per-rank send rate
-  // (OwnerPlan::estimated_seconds). With max_bytes_ratio kBytesRatioByCost it picks, among
-  // kCostModelBytesRatios, the limit whose plan costs least. The defaults are estimates for an
-  // H200 NVLink node (bf16 Newton–Schulz at ~40% of peak, ~150 GB/s of all-to-all per rank),
-  // not measurements.
-  TORCH_ARG(double, newton_schulz_flops_per_second) = 4e14;
-  TORCH_ARG(double, bytes_per_second) = 1.5e11;
-  // Two exchanges in flight at once (FsdpMuonConfig::overlap_communication: the next one is
-  // gathered while the current one is orthogonalized): each window or round is then packed to
-  // half the budget, so that what a rank holds at once stays within it.
-  TORCH_ARG(bool, overlap) = false;
 };
 
 struct OwnerPlan {
@@ -130,13 +116,13 @@ struct OwnerPlan {
   // [group]: the round after which all of the group's matrices are updated (its model weights
   // can be refreshed); the last round for a group without matrices.
   std::vector<size_t> refresh_after_round;
-  // [round]: with OwnerPlanOptions::overlap, whether round t+1 is gathered while round t is
+  // [round]: with overlap_communication, whether round t+1 is gathered while round t is
   // orthogonalized (and round t's scatter runs while round t+1 is): when every rank's owned full
   // matrices of both rounds fit the budget. Otherwise round t is applied before round t+1
   // starts, so a rank never holds more than the budget unless one round alone does.
   std::vector<bool> overlap_with_next;
   // The busiest rank's gather + scatter bytes under holders-only owners over all groups: the
-  // reference of OwnerPlanOptions::max_bytes_ratio and of the benchmarks' byte ratios.
+  // reference of FsdpMuonConfig::max_bytes_ratio and of the benchmarks' byte ratios.
   int64_t holders_only_max_bytes = 0;
   // kBalanced: the max_bytes_ratio the plan was made under (the cost model's choice under
   // kBytesRatioByCost); 0 for the other policies.
@@ -163,19 +149,11 @@ struct OwnerPlan {
   int64_t total_cost() const;
   int64_t largest_matrix_cost() const;
   double ideal_cost() const;  // total_cost() / world_size
-  // Critical path of the orthogonalize phase when the groups run in windows [first, last):
-  // sum over windows of the largest per-rank cost inside the window.
-  int64_t critical_path(const std::vector<std::pair<size_t, size_t>>& windows) const;
   // Of the schedule that runs: sum over rounds of the largest per-rank cost in the round (for
   // kWindows the same as critical_path(windows)).
   int64_t critical_path_planned() const;
-  int64_t critical_path_budget0() const;    // one group per window
-  int64_t critical_path_unlimited() const;  // one window: the largest per-rank total
   // The above over ideal_cost() (1 when there is no cost at all).
-  double critical_path_ratio(const std::vector<std::pair<size_t, size_t>>& windows) const;
   double critical_path_ratio_planned() const;
-  double critical_path_ratio_budget0() const;
-  double critical_path_ratio_unlimited() const;
   // max(ideal, largest matrix) / ideal: no whole-matrix ownership beats it.
   double floor_ratio() const;
   int64_t max_bytes_per_rank() const;  // max over ranks of gather + scatter bytes
@@ -183,9 +161,9 @@ struct OwnerPlan {
   int64_t max_round_full_bytes() const;
   // Largest full-matrix bytes one rank holds at once: one round, or two that overlap.
   int64_t max_held_full_bytes() const;
-  // The cost model of OwnerPlanOptions: critical_path_planned() / flops_per_second +
-  // max_bytes_per_rank() / bytes_per_second, i.e. with no overlap of the two (an upper bound;
-  // overlap_communication hides part of the second term).
+  // The cost model of FsdpMuonConfig::max_bytes_ratio(kBytesRatioByCost): critical_path_planned() /
+  // flops_per_second + max_bytes_per_rank() / bytes_per_second, i.e. with no overlap of the two (an
+  // upper bound; overlap_communication hides part of the second term).
   double estimated_seconds(double flops_per_second, double bytes_per_second) const;
   // A few lines for logs and benchmarks.
   std::string summary() const;
@@ -211,14 +189,6 @@ struct OwnerPlan {
 // owned full-matrix bytes in it fit the budget.
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
                       const OwnerPlanOptions& options = {});
-
-// What-if analysis for a fixed plan: the windows a budget would cut with these owners (a window
-// grows while the largest per-rank sum of owned full-matrix bytes in it stays within
-// budget_bytes, and always holds at least one group). Budget 0 gives one group per window;
-// kUnlimitedPrefetch one window. plan_owners() with the budget in its options plans owners for
-// its windows instead, which is what FsdpMuon runs.
-std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
-                                                        int64_t budget_bytes);
 
 // The PlanGroup an FsdpParameterGroup would have, from parameter shapes alone (docs/DESIGN.md §2
 // flat layout, the same function the groups use): entries that are not 2-D are left out. The
