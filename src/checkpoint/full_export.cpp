@@ -17,6 +17,7 @@
 #include "checkpoint/model_index.h"
 #include "checkpoint/optimizer_state.h"
 #include "comm/agreement.h"
+#include "muon/row_state.h"
 
 namespace fsdp_muon {
 namespace {
@@ -25,6 +26,7 @@ constexpr const char* kExportApi = "fsdp_muon::export_full_checkpoint";
 
 using checkpoint::ModelIndex;
 using checkpoint::OptimizerEntry;
+using checkpoint::OptimizerKind;
 using checkpoint::ParamRef;
 using checkpoint::ParamState;
 
@@ -100,20 +102,35 @@ std::vector<PooledStateInfo> pool_state_info(const std::vector<ParamState>& loca
   return pooled;
 }
 
+// The rows of a matrix's row state that `rank` keeps (docs/DESIGN.md §6); none for a
+// parameter that is not 2-D.
+std::pair<int64_t, int64_t> held_rows(const FsdpParameterGroup& group, size_t index, int rank) {
+  const ParameterSlot& slot = group.slot(index);
+  if (slot.shape.size() != 2) return {0, 0};
+  return detail::rows_starting_in(group.held_range(index, rank), slot.shape[1]);
+}
+
 // Rank 0: appends "<name>.<key>" for every parameter of group `g` that has state tensor `key`.
-// One all-gather of a shard-shaped buffer that holds this rank's slices of that state.
+// One all-gather of a shard-shaped buffer that holds this rank's slices of that state. Row state
+// (is_row_state) has at most as many rows on a rank as elements, so its rows go where the
+// rank's elements of the parameter start, and rank 0 concatenates them in rank order.
 void gather_state_key(const ModelIndex& model, size_t g, const std::vector<ParamRef>& refs,
                       const std::vector<ParamState>& local,
                       const std::vector<PooledStateInfo>& pooled, size_t key_index,
-                      const std::string& key, Communicator& comm, StateByParam& out) {
+                      const std::string& key, OptimizerKind kind, Communicator& comm,
+                      StateByParam& out) {
   const auto& group = model.groups[g];
+  const bool rows = checkpoint::is_row_state(kind, key);
   at::Tensor buffer = at::zeros({group->shard_numel()}, group->main_weight_shard().options());
   for (size_t k = 0; k < refs.size(); ++k) {
     if (refs[k].group != g) continue;
     for (const auto& [state_key, t] : local[k].tensors) {
       if (state_key != key || t.numel() == 0) continue;
-      TORCH_CHECK(t.numel() == model.shard(refs[k]).numel(), kExportApi, ": state '", key, "' of '",
-                  model.slot(refs[k]).name, "' is not elementwise");
+      const auto [first, last] = held_rows(*group, refs[k].index, comm.rank());
+      const int64_t expected = rows ? last - first : model.shard(refs[k]).numel();
+      TORCH_CHECK(t.numel() == expected, kExportApi, ": state '", key, "' of '",
+                  model.slot(refs[k]).name, "' has ", t.numel(), " elements on this rank, not ",
+                  expected);
       buffer.narrow(0, group->shard_offset(refs[k].index, comm.rank()), t.numel())
           .copy_(t.reshape({-1}));
     }
@@ -125,7 +142,18 @@ void gather_state_key(const ModelIndex& model, size_t g, const std::vector<Param
   for (size_t k = 0; k < refs.size(); ++k) {
     if (refs[k].group != g || !pooled[k].has_key[key_index]) continue;
     const ParameterSlot& slot = model.slot(refs[k]);
-    out[slot.name].emplace_back(slot.name + "." + key, full_parameter(full, slot));
+    if (!rows) {
+      out[slot.name].emplace_back(slot.name + "." + key, full_parameter(full, slot));
+      continue;
+    }
+    at::Tensor per_row = at::empty({slot.shape[0]}, full.options());
+    for (int r = 0; r < comm.size(); ++r) {
+      const auto [first, last] = held_rows(*group, refs[k].index, r);
+      if (first == last) continue;
+      const int64_t from = slot.offset + group->held_range(refs[k].index, r).first;
+      per_row.narrow(0, first, last - first).copy_(full.narrow(0, from, last - first));
+    }
+    out[slot.name].emplace_back(slot.name + "." + key, per_row);
   }
 }
 
@@ -143,7 +171,7 @@ void gather_full_state(const ModelIndex& model, const OptimizerEntry& opt, Commu
     for (size_t kk = 0; kk < keys.size(); ++kk) {
       bool any = false;
       for (size_t k = 0; k < refs.size(); ++k) any |= refs[k].group == g && pooled[k].has_key[kk];
-      if (any) gather_state_key(model, g, refs, local, pooled, kk, keys[kk], comm, out);
+      if (any) gather_state_key(model, g, refs, local, pooled, kk, keys[kk], opt.kind, comm, out);
     }
   }
   if (comm.rank() != 0 || !checkpoint::has_step(opt.kind)) return;

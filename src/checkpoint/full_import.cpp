@@ -21,6 +21,7 @@
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/staged_restore.h"
 #include "comm/agreement.h"
+#include "muon/row_state.h"
 
 namespace fsdp_muon {
 namespace {
@@ -147,6 +148,17 @@ std::optional<ParamState> import_param_state(const TensorsByName& tensors, const
   const auto [a, b] = model.groups[ref.group]->held_range(ref.index);
   for (const std::string& key : found) {
     const at::Tensor& t = tensors.at(slot.name + "." + key);
+    if (checkpoint::is_row_state(opt.kind, key)) {
+      // One value per row; this rank keeps the rows whose first element it holds.
+      const bool matrix = slot.shape.size() == 2;
+      TORCH_CHECK(matrix && t.dim() == 1 && t.size(0) == slot.shape[0], kImportApi, ": ", path,
+                  " tensor '", slot.name, ".", key, "' has shape ", shape_string(t.sizes()),
+                  " but the parameter has shape ", shape_string(slot.shape),
+                  matrix ? " (one value per row expected)" : " (not a matrix)");
+      const auto [first, last] = detail::rows_starting_in({a, b}, slot.shape[1]);
+      state.tensors.emplace_back(key, held_slice(t, first, last));
+      continue;
+    }
     TORCH_CHECK(t.sizes().vec() == slot.shape, kImportApi, ": ", path, " tensor '", slot.name, ".",
                 key, "' has shape ", shape_string(t.sizes()), " but the parameter has shape ",
                 shape_string(slot.shape));

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "checkpoint/rank_file.h"
+#include "muon/row_state.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
@@ -22,20 +23,25 @@ std::pair<int64_t, int64_t> saved_held_range(const SavedGroup& group, const Save
   return {first, std::max(first, last)};
 }
 
-// Adds the reads that fill `dst` with elements [first, first + dst.numel()) of saved parameter
-// `name`, from entry `key` of every saved rank that held some of them.
+// Adds the reads that fill `dst` with entries [first, first + dst.numel()) of saved parameter
+// `name`'s state `key` from every saved rank that kept some of them. An entry is one element
+// (unit 1: elementwise state, weights) or one row of `unit` elements (row state: a rank keeps
+// the rows whose first element it holds, detail::rows_starting_in, which is the element range
+// itself for unit 1).
 void plan_range(const SavedMeta& saved, const std::string& name, const std::string& key,
-                int64_t first, const at::Tensor& dst, ReadsBySavedRank& reads) {
+                int64_t first, const at::Tensor& dst, ReadsBySavedRank& reads, int64_t unit = 1) {
   const auto [group_index, param_index] = saved.by_name.at(name);
   const SavedGroup& group = saved.groups[group_index];
   const SavedParam& param = group.params[param_index];
   const int64_t end = first + dst.numel();
   if (first == end) return;
   const int64_t s = group.shard_numel;
-  const int lo = static_cast<int>((param.offset + first) / s);
-  const int hi = static_cast<int>((param.offset + end - 1) / s);
+  // The saved ranks whose elements hold the first elements of entries [first, end).
+  const int lo = static_cast<int>((param.offset + first * unit) / s);
+  const int hi = static_cast<int>((param.offset + (end - 1) * unit) / s);
   for (int r = lo; r <= hi; ++r) {
-    const auto [held_first, held_end] = saved_held_range(group, param, r);
+    const auto [held_first, held_end] =
+        detail::rows_starting_in(saved_held_range(group, param, r), unit);
     const int64_t a = std::max(first, held_first);
     const int64_t b = std::min(end, held_end);
     if (a >= b) continue;
@@ -86,6 +92,18 @@ std::vector<std::optional<ParamState>> plan_optimizer_state(const SavedMeta& sav
           TORCH_CHECK(std::find(known.begin(), known.end(), key) != known.end(), api, ": ",
                       saved.path, " has optimizer state '", key, "' for '", name, "', which a ",
                       saved_opt.kind, " optimizer does not keep");
+          if (is_row_state(opts[o].kind, key)) {
+            const ParameterSlot& slot = group->slot(ref.index);
+            TORCH_CHECK(slot.shape.size() == 2, api, ": ", saved.path, " has row state '", key,
+                        "' for '", name, "', which is not a matrix");
+            const int64_t cols = slot.shape[1];
+            const auto [first, last] = detail::rows_starting_in(group->held_range(ref.index), cols);
+            at::Tensor dst =
+                at::empty({last - first}, at::TensorOptions().dtype(group->main_dtype()));
+            plan_range(saved, name, state_entry_key(o, name, key), first, dst, reads, cols);
+            state.tensors.emplace_back(key, dst);
+            continue;
+          }
           at::Tensor dst = held_buffer(*group, ref.index);
           plan_range(saved, name, state_entry_key(o, name, key), group->held_range(ref.index).first,
                      dst, reads);

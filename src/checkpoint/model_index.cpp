@@ -30,9 +30,23 @@ static_assert(detail::rows_in_enumerator_order(kKindNames));
 const char* kind_name(OptimizerKind kind) { return detail::name_of(kKindNames, kind); }
 
 const std::vector<std::string>& state_keys(OptimizerKind kind) {
+  static const std::vector<std::string> muon = {"momentum_buffer", "normuon_variance"};
   static const std::vector<std::string> momentum = {"momentum_buffer"};
   static const std::vector<std::string> adam = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-  return (kind == OptimizerKind::kAdamW || kind == OptimizerKind::kAdam) ? adam : momentum;
+  switch (kind) {
+    case OptimizerKind::kFsdpMuon:
+      return muon;
+    case OptimizerKind::kAdamW:
+    case OptimizerKind::kAdam:
+      return adam;
+    case OptimizerKind::kSgd:
+      return momentum;
+  }
+  return momentum;
+}
+
+bool is_row_state(OptimizerKind kind, const std::string& key) {
+  return kind == OptimizerKind::kFsdpMuon && key == "normuon_variance";
 }
 
 bool has_step(OptimizerKind kind) { return kind != OptimizerKind::kSgd; }

@@ -22,8 +22,13 @@ namespace fsdp_muon::checkpoint {
 enum class OptimizerKind { kFsdpMuon, kAdamW, kAdam, kSgd };
 
 const char* kind_name(OptimizerKind kind);
-// Tensor state an optimizer of this kind may keep per parameter, each the parameter's shape.
+// Tensor state an optimizer of this kind may keep per parameter: the parameter's shape, or for
+// row state (is_row_state) one value per row of the 2-D parameter.
 const std::vector<std::string>& state_keys(OptimizerKind kind);
+// FsdpMuon's NorMuon state ("normuon_variance"): a rank keeps the rows whose first element its
+// shard holds (detail::rows_starting_in, docs/DESIGN.md §6), so it is sharded and resharded by
+// rows as elementwise state is by elements.
+bool is_row_state(OptimizerKind kind, const std::string& key);
 bool has_step(OptimizerKind kind);
 
 struct ParamRef {

@@ -62,6 +62,8 @@ ParamState read_state(const OptimizerEntry& opt, const at::Tensor& param) {
       out.step = s.step();
       if (s.momentum_buffer().defined())
         out.tensors.emplace_back("momentum_buffer", s.momentum_buffer());
+      if (s.normuon_variance().defined())
+        out.tensors.emplace_back("normuon_variance", s.normuon_variance());
       break;
     }
     case OptimizerKind::kAdamW:
@@ -94,6 +96,12 @@ void install_state(const OptimizerEntry& opt, const at::Tensor& param, const Par
       s->step(state.step);
       if (const at::Tensor* t = find_tensor(state, "momentum_buffer")) {
         s->momentum_buffer(like(param, *t));
+      }
+      if (const at::Tensor* t = find_tensor(state, "normuon_variance")) {
+        // This rank's rows of it (row state), in the parameter's dtype as FsdpMuon creates it.
+        at::Tensor rows = at::empty({t->numel()}, param.options());
+        rows.copy_(t->reshape({-1}));
+        s->normuon_variance(rows);
       }
       fresh = std::move(s);
       break;
@@ -137,8 +145,13 @@ void options_from_bytes(torch::optim::OptimizerOptions& options, const std::vect
 std::vector<std::string> required_state_keys(OptimizerKind kind,
                                              const torch::optim::OptimizerOptions& options) {
   switch (kind) {
-    case OptimizerKind::kFsdpMuon:
+    case OptimizerKind::kFsdpMuon: {
+      const auto& o = static_cast<const MuonOptions&>(options);
+      if (o.normalization() == Normalization::kNorMuon) {
+        return {"momentum_buffer", "normuon_variance"};
+      }
       return {"momentum_buffer"};
+    }
     case OptimizerKind::kAdamW: {
       const auto& o = static_cast<const torch::optim::AdamWOptions&>(options);
       if (o.amsgrad()) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};

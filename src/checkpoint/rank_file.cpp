@@ -15,6 +15,7 @@
 #include "checkpoint/framing.h"
 #include "checkpoint/optimizer_state.h"
 #include "comm/agreement.h"
+#include "muon/row_state.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
@@ -59,6 +60,15 @@ std::vector<OutEntry> weight_entries(const ModelIndex& model) {
   return entries;
 }
 
+// How many rows of `ref`'s row state this rank keeps (docs/DESIGN.md §6).
+int64_t held_rows(const ModelIndex& model, const ParamRef& ref) {
+  const ParameterSlot& slot = model.slot(ref);
+  if (slot.shape.size() != 2) return 0;
+  const auto [first, last] =
+      detail::rows_starting_in(model.groups[ref.group]->held_range(ref.index), slot.shape[1]);
+  return last - first;
+}
+
 // This rank's slice of every optimizer state tensor, in optimizer and param-group order.
 void append_state_entries(const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
                           const char* api, std::vector<OutEntry>& entries) {
@@ -69,10 +79,13 @@ void append_state_entries(const ModelIndex& model, const std::vector<OptimizerEn
         const std::string& name = model.slot(ref).name;
         const ParamState state = read_state(opts[o], shard);
         for (const auto& [key, t] : state.tensors) {
-          TORCH_CHECK(t.numel() == shard.numel(), api, ": optimizer ", o, " (",
-                      kind_name(opts[o].kind), ") state '", key, "' of '", name, "' has ",
-                      t.numel(), " elements but the shard ", shard.numel(),
-                      "; only elementwise state can be sharded");
+          const bool rows = is_row_state(opts[o].kind, key);
+          const int64_t expected = rows ? held_rows(model, ref) : shard.numel();
+          TORCH_CHECK(t.numel() == expected, api, ": optimizer ", o, " (", kind_name(opts[o].kind),
+                      ") state '", key, "' of '", name, "' has ", t.numel(),
+                      " elements but this rank keeps ", expected,
+                      rows ? " rows of it" : " (its shard)",
+                      "; only elementwise and row state can be sharded");
           if (t.numel() > 0) {
             entries.push_back(
                 {state_entry_key(o, name, key), t.detach().cpu().contiguous().view({-1})});

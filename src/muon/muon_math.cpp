@@ -93,11 +93,20 @@ at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& varianc
 
 at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& param,
                                  const MuonOptions& options) {
+  return muon_normuon_variance(state, param, param.size(0), options);
+}
+
+at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& like, int64_t rows,
+                                 const MuonOptions& options) {
   if (options.normalization() != Normalization::kNorMuon) return at::Tensor();
   if (!state.normuon_variance().defined()) {
-    state.normuon_variance(at::zeros({param.size(0)}, param.options()));
+    state.normuon_variance(at::zeros({rows}, like.options()));
   }
-  return state.normuon_variance();
+  const at::Tensor& v = state.normuon_variance();
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == rows, "fsdp_muon::Muon: NorMuon's state has shape ",
+              v.sizes(), " where ", rows,
+              " rows were expected; it belongs to another parameter or layout");
+  return v;
 }
 
 at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options,

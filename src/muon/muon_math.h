@@ -60,6 +60,11 @@ at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& varianc
 // use) when options.normalization() is kNorMuon; undefined otherwise.
 at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& param,
                                  const MuonOptions& options);
+// The same for a holder of a sharded matrix that keeps `rows` of its rows (detail::
+// rows_starting_in, docs/DESIGN.md §4): zeros [rows] in `like`'s dtype and device on first use.
+// A state of another length (which no save or load makes) is an error naming both.
+at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& like, int64_t rows,
+                                 const MuonOptions& options);
 
 // param <- param - lr * update, computed as one mul (lr * update) and one sub, in place.
 // `update` may be a slice of the full update matching a local shard of the parameter.

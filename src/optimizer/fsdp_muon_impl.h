@@ -42,9 +42,14 @@ struct StepRun {
 // position j in every vector below.
 struct RoundInFlight {
   size_t round = 0;
-  std::vector<bool> active;        // [j] has a gradient this step
-  std::vector<at::Tensor> own;     // [j] this rank's momentum input, owned matrices
-  std::vector<at::Tensor> full;    // [j] full matrix (input, then update) on owners
+  std::vector<bool> active;      // [j] has a gradient this step
+  std::vector<bool> with_rows;   // [j] NorMuon: its per-row state travels with it
+  std::vector<at::Tensor> own;   // [j] this rank's momentum input, owned matrices
+  std::vector<at::Tensor> full;  // [j] full matrix (input, then update) on owners
+  // NorMuon (docs/DESIGN.md §3): [j] this rank's rows of the per-row state (its MuonParamState's
+  // tensor, written back when the round is applied), and on owners the whole per-row state.
+  std::vector<at::Tensor> row_state;
+  std::vector<at::Tensor> variance;
   at::Tensor send;                 // gather send = scatter receive
   at::Tensor recv;                 // gather receive = scatter send
   std::unique_ptr<CommWork> work;  // the gather or scatter in flight on send/recv
@@ -79,7 +84,8 @@ struct FsdpMuon::Impl {
   int rank() const { return comm->rank(); }
   int world() const { return comm->size(); }
 
-  const detail::ExchangeLayout& exchange(size_t round, const std::vector<bool>& active);
+  const detail::ExchangeLayout& exchange(size_t round, const std::vector<bool>& active,
+                                         const std::vector<bool>& with_rows);
 
   // ---- construction (fsdp_muon.cpp) ----
   std::vector<detail::AcceptedMatrix> accept_parameters(FsdpMuon& self);

@@ -108,10 +108,11 @@ void FsdpMuon::Impl::run_pipelined(FsdpMuon& self, StepRun& s) {
   for (size_t g = 0; g < groups.size(); ++g) refresh(g, s);
 }
 
-const ExchangeLayout& FsdpMuon::Impl::exchange(size_t round, const std::vector<bool>& active) {
+const ExchangeLayout& FsdpMuon::Impl::exchange(size_t round, const std::vector<bool>& active,
+                                               const std::vector<bool>& with_rows) {
   ExchangeLayout& x = exchanges[round];
-  if (x.active != active || x.send_counts.empty()) {
-    x = detail::layout_exchange(round_placement[round], active, rank(), world());
+  if (x.active != active || x.with_rows != with_rows || x.send_counts.empty()) {
+    x = detail::layout_exchange(round_placement[round], active, rank(), world(), with_rows);
   }
   return x;
 }
@@ -232,7 +233,8 @@ void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& sums, StepRun
 }
 
 // Weight decay, momentum and the Nesterov input on each local shard of the round's matrices;
-// owners keep theirs, the rest is packed into the gather's send buffer.
+// owners keep theirs, the rest is packed into the gather's send buffer, each piece followed by
+// this rank's rows of the NorMuon state where it travels (docs/DESIGN.md §3).
 RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, const StepRun& s) {
   const auto phase = timer->measure(&Stats::elementwise_seconds);
   const int me = rank();
@@ -240,10 +242,17 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
   RoundInFlight f;
   f.round = round;
   f.active.resize(mine.size());
-  for (size_t j = 0; j < mine.size(); ++j) f.active[j] = s.active[mine[j]];
-  const ExchangeLayout& x = exchange(round, f.active);
+  f.with_rows.resize(mine.size());
+  for (size_t j = 0; j < mine.size(); ++j) {
+    f.active[j] = s.active[mine[j]];
+    f.with_rows[j] =
+        f.active[j] && s.options_of(matrices[mine[j]]).normalization() == Normalization::kNorMuon;
+  }
+  const ExchangeLayout& x = exchange(round, f.active, f.with_rows);
   f.own.resize(mine.size());
   f.full.resize(mine.size());
+  f.row_state.resize(mine.size());
+  f.variance.resize(mine.size());
   const size_t group = mine.empty() ? 0 : matrices[mine.front()].group_ordinal;
   f.send = at::empty({x.send_numel}, groups[group]->main_weight_shard().options());
   for (size_t j = 0; j < mine.size(); ++j) {
@@ -251,14 +260,22 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
     const FsdpMuonMatrix& mat = matrices[mine[j]];
     const at::Tensor& p = mat.sharded_parameter;
     MuonParamState& state = detail::advance_muon_state(self.state_, p);
-    if (p.numel() == 0) continue;  // this rank holds none of it
     const MuonOptions& options = s.options_of(mat);
+    // Every rank keeps the state, empty where it holds no row start, so that all ranks save the
+    // same state keys.
+    f.row_state[j] = detail::muon_normuon_variance(
+        state, p, round_placement[round][j].held_rows_numel(me), options);
+    if (p.numel() == 0) continue;  // this rank holds none of it
     at::Tensor buffer = state.momentum_buffer();
     at::Tensor u = detail::muon_momentum_input(p, p.grad(), buffer, options);
     if (mat.owner == me) {
       f.own[j] = std::move(u);
     } else {
       f.send.narrow(0, x.send_offset[j], u.numel()).copy_(u);
+      if (f.with_rows[j] && f.row_state[j].numel() > 0) {
+        f.send.narrow(0, x.send_offset[j] + u.numel(), f.row_state[j].numel())
+            .copy_(f.row_state[j]);
+      }
     }
   }
   return f;
@@ -267,7 +284,7 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
 // One all-to-all-v for the round (skipped when nothing moves), started without waiting.
 void FsdpMuon::Impl::start_gather(RoundInFlight& f, StepRun& s) {
   const auto phase = timer->measure(&Stats::gather_seconds);
-  const ExchangeLayout& x = exchange(f.round, f.active);
+  const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
   f.recv = at::empty({x.recv_numel}, f.send.options());
   if (x.moves) {
     count_sent(*comm, &CommStats::all_to_all_v_bytes, s.stats.gather_bytes, [&] {
@@ -284,7 +301,7 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
     f.work.reset();
   }
   const int me = rank();
-  const ExchangeLayout& x = exchange(f.round, f.active);
+  const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
   const auto& where_all = round_placement[f.round];
   for (size_t j = 0; j < where_all.size(); ++j) {
     const MatrixPlacement& where = where_all[j];
@@ -292,14 +309,21 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
     // One allocation per matrix: fresh, aligned storage, as single-device Muon's U has.
     at::Tensor full = at::empty({where.numel()}, f.send.options());
     f.full_bytes += full.nbytes();
+    at::Tensor variance;
+    if (f.with_rows[j]) variance = at::empty({where.numel() / where.cols}, f.send.options());
     for (int s = 0; s < world(); ++s) {
       const int64_t len = where.held_numel(s);
       if (len == 0) continue;
       full.narrow(0, where.held[s].first, len)
           .copy_(s == me ? f.own[j] : f.recv.narrow(0, x.recv_offset[j][s], len));
+      const int64_t rows = f.with_rows[j] ? where.held_rows_numel(s) : 0;
+      if (rows == 0) continue;
+      variance.narrow(0, where.held_rows(s).first, rows)
+          .copy_(s == me ? f.row_state[j] : f.recv.narrow(0, x.recv_offset[j][s] + len, rows));
     }
     f.own[j] = at::Tensor();
     f.full[j] = std::move(full);
+    f.variance[j] = std::move(variance);
   }
   live_full_bytes += f.full_bytes;
   s.stats.max_transient_bytes = std::max(s.stats.max_transient_bytes, live_full_bytes);
@@ -315,6 +339,7 @@ void FsdpMuon::Impl::orthogonalize_owned(RoundInFlight& f, StepRun& s) {
   struct Owned {
     at::Tensor u;  // the full matrix as rows x cols, a view of its storage
     const MuonOptions* options;
+    at::Tensor variance;  // NorMuon: the whole per-row state, updated in place
   };
   // Batches in order of their first matrix; the key keeps apart what one call cannot share.
   using Key = std::tuple<int64_t, int64_t, c10::ScalarType, size_t>;  // rows, cols, dtype, group
@@ -326,7 +351,7 @@ void FsdpMuon::Impl::orthogonalize_owned(RoundInFlight& f, StepRun& s) {
     if (!full.defined()) continue;
     const FsdpMuonMatrix& mat = matrices[mine[j]];
     const MuonOptions& options = s.options_of(mat);
-    Owned owned{full.view({mat.rows, mat.cols}), &options};
+    Owned owned{full.view({mat.rows, mat.cols}), &options, f.variance[j]};
     const NewtonSchulzBatching mode = config.batch_newton_schulz();
     const bool batch =
         mode == NewtonSchulzBatching::kAlways ||
@@ -348,15 +373,26 @@ void FsdpMuon::Impl::orthogonalize_owned(RoundInFlight& f, StepRun& s) {
     s.stats.orthogonalized_matrices += static_cast<int64_t>(batch.size());
     ++s.stats.newton_schulz_calls;
     if (batch.size() == 1) {
-      const at::Tensor& u = batch.front().u;
-      u.copy_(detail::muon_orthogonalized_update(u, options));
+      const Owned& owned = batch.front();
+      owned.u.copy_(detail::muon_orthogonalized_update(owned.u, options, owned.variance));
       continue;
     }
     std::vector<at::Tensor> inputs;
+    std::vector<at::Tensor> variances;
     inputs.reserve(batch.size());
-    for (const Owned& owned : batch) inputs.push_back(owned.u);
-    const at::Tensor updates = detail::muon_orthogonalized_update(at::stack(inputs), options);
-    for (size_t b = 0; b < batch.size(); ++b) batch[b].u.copy_(updates[static_cast<int64_t>(b)]);
+    for (const Owned& owned : batch) {
+      inputs.push_back(owned.u);
+      if (owned.variance.defined()) variances.push_back(owned.variance);
+    }
+    // One optimizer group per batch, so either every matrix has NorMuon state or none has.
+    const at::Tensor variance = variances.empty() ? at::Tensor() : at::stack(variances);
+    const at::Tensor updates =
+        detail::muon_orthogonalized_update(at::stack(inputs), options, variance);
+    for (size_t b = 0; b < batch.size(); ++b) {
+      const auto i = static_cast<int64_t>(b);
+      batch[b].u.copy_(updates[i]);
+      if (variance.defined()) batch[b].variance.copy_(variance[i]);
+    }
   }
 }
 
@@ -365,7 +401,7 @@ void FsdpMuon::Impl::orthogonalize_owned(RoundInFlight& f, StepRun& s) {
 void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
   const auto phase = timer->measure(&Stats::scatter_seconds);
   const int me = rank();
-  const ExchangeLayout& x = exchange(f.round, f.active);
+  const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
   const auto& where_all = round_placement[f.round];
   for (size_t j = 0; j < where_all.size(); ++j) {
     if (!f.full[j].defined()) continue;
@@ -375,6 +411,10 @@ void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
       if (h == me || len == 0) continue;
       f.recv.narrow(0, x.recv_offset[j][h], len)
           .copy_(f.full[j].narrow(0, where.held[h].first, len));
+      const int64_t rows = f.with_rows[j] ? where.held_rows_numel(h) : 0;
+      if (rows == 0) continue;
+      f.recv.narrow(0, x.recv_offset[j][h] + len, rows)
+          .copy_(f.variance[j].narrow(0, where.held_rows(h).first, rows));
     }
   }
   if (x.moves) {
@@ -384,7 +424,8 @@ void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
   }
 }
 
-// Waits for the round's scatter, then param <- param - lr * update on each local shard.
+// Waits for the round's scatter, then param <- param - lr * update on each local shard, and each
+// holder takes back its rows of the NorMuon state.
 void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
   if (f.work) {
     const auto phase = timer->measure(&Stats::scatter_seconds);
@@ -393,17 +434,22 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
   }
   const auto phase = timer->measure(&Stats::apply_seconds);
   const int me = rank();
-  const ExchangeLayout& x = exchange(f.round, f.active);
+  const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
   const auto& mine = round_matrices[f.round];
   for (size_t j = 0; j < mine.size(); ++j) {
     const FsdpMuonMatrix& mat = matrices[mine[j]];
+    const MatrixPlacement& where = round_placement[f.round][j];
     const at::Tensor& p = mat.sharded_parameter;
     if (!f.active[j] || p.numel() == 0) continue;
     const MuonOptions& options = s.options_of(mat);
-    const at::Tensor update =
-        mat.owner == me ? f.full[j].narrow(0, round_placement[f.round][j].held[me].first, p.numel())
-                        : f.send.narrow(0, x.send_offset[j], p.numel());
+    const bool owner = mat.owner == me;
+    const at::Tensor update = owner ? f.full[j].narrow(0, where.held[me].first, p.numel())
+                                    : f.send.narrow(0, x.send_offset[j], p.numel());
     detail::muon_apply_update(p, update, options);
+    const int64_t rows = f.with_rows[j] ? f.row_state[j].numel() : 0;
+    if (rows == 0) continue;
+    f.row_state[j].copy_(owner ? f.variance[j].narrow(0, where.held_rows(me).first, rows)
+                               : f.send.narrow(0, x.send_offset[j] + p.numel(), rows));
   }
   live_full_bytes -= f.full_bytes;
   f = RoundInFlight{};

@@ -47,6 +47,7 @@
 #include "common/distributed_main.h"
 #include "common/model_specs.h"
 #include "common/test_util.h"
+#include "muon/row_state.h"
 
 namespace fsdp_muon {
 namespace {
@@ -97,12 +98,26 @@ bool muon_param(const std::string& name, size_t dim) { return dim == 2 && name !
 const MuonOptions kMuon = MuonOptions(0.02).weight_decay(0.01).ns_dtype(at::kFloat);
 const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(0.01).weight_decay(0.01);
 
+// FSDP_MUON_CHECKPOINT_NORMUON=1 (the NorMuon fixtures): NorMuon in both Muon groups, with Gram
+// and AOL in the first, so its per-row state is saved, resharded and loaded.
+bool with_normuon() {
+  const char* v = std::getenv("FSDP_MUON_CHECKPOINT_NORMUON");
+  return v != nullptr && std::string(v) == "1";
+}
+
 std::vector<torch::optim::OptimizerParamGroup> muon_groups(const std::vector<at::Tensor>& p) {
   const size_t half = p.size() / 2;
+  MuonOptions first = kMuon;
   MuonOptions second = kMuon;
   second.lr(0.01).nesterov(false);
+  if (with_normuon()) {
+    first.normalization(Normalization::kNorMuon)
+        .ns_method(NsMethod::kGram)
+        .ns_preconditioning(NsPreconditioning::kAol);
+    second.normalization(Normalization::kNorMuon).normuon_beta2(0.9);
+  }
   return {torch::optim::OptimizerParamGroup({p.begin(), p.begin() + half},
-                                            std::make_unique<MuonOptions>(kMuon)),
+                                            std::make_unique<MuonOptions>(first)),
           torch::optim::OptimizerParamGroup({p.begin() + half, p.end()},
                                             std::make_unique<MuonOptions>(second))};
 }
@@ -260,6 +275,15 @@ void expect_states_equal(Sharded& s, const Reference& r, const std::string& what
         EXPECT_EQ(mine.step(), theirs.step()) << what << " " << name;
         EXPECT_TRUE(at::equal(mine.momentum_buffer(), slice(theirs.momentum_buffer())))
             << what << ": momentum of " << name;
+        // NorMuon: this rank keeps the rows whose first element it holds (docs/DESIGN.md §6).
+        ASSERT_EQ(mine.normuon_variance().defined(), theirs.normuon_variance().defined())
+            << what << " " << name;
+        if (theirs.normuon_variance().defined()) {
+          const auto [first, last] = detail::rows_starting_in({a, b}, ref.size(1));
+          EXPECT_TRUE(
+              at::equal(mine.normuon_variance(), theirs.normuon_variance().slice(0, first, last)))
+              << what << ": NorMuon state of " << name << " on rank " << world().rank();
+        }
       } else {
         auto& mine = static_cast<torch::optim::AdamWParamState&>(
             *s.adamw->state().at(p.unsafeGetTensorImpl()));
@@ -310,6 +334,9 @@ void write_reference_text(const Reference& r, const std::string& path) {
     if (m != r.muon->state().end()) {
       auto& st = static_cast<MuonParamState&>(*m->second);
       write(name + ".momentum_buffer", st.momentum_buffer());
+      if (st.normuon_variance().defined()) {
+        write(name + ".normuon_variance", st.normuon_variance());
+      }
       write(name + ".step", at::scalar_tensor(st.step(), at::kLong));
     }
     auto a = r.adamw->state().find(t.unsafeGetTensorImpl());
@@ -345,6 +372,13 @@ TEST(CheckpointSave, ShardedCheckpointAndExportAfterThreeSteps) {
   export_full_checkpoint(dir + "/export.pt", s.groups, s.optimizers());
   if (world().rank() == 0) write_reference_text(r, dir + "/export_reference.txt");
   world().barrier();
+  if (with_normuon()) {
+    // The full export holds NorMuon's whole per-row state; an import gives each rank its rows.
+    Sharded t = make_sharded(99);
+    import_full_checkpoint(dir + "/export.pt", t.groups, t.optimizers());
+    expect_equal(t, r, "imported");
+    expect_states_equal(t, r, "imported");
+  }
 }
 
 // ---- loads at world sizes 1-4 ----
