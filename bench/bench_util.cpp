@@ -112,8 +112,9 @@ std::vector<fsdp_muon::PlanGroup> plan_groups(const ModelShapes& model, int worl
   std::vector<fsdp_muon::PlanGroup> groups;
   groups.reserve(model.groups.size());
   for (const auto& [name, shapes] : model.groups) {
-    groups.push_back(
-        fsdp_muon::plan_group_from_shapes(name, shapes, world_size, ns_steps, compute_dtype, 16));
+    groups.push_back(fsdp_muon::plan_group_from_shapes(
+        name, shapes, world_size, fsdp_muon::NewtonSchulzOptions().steps(ns_steps), compute_dtype,
+        16));
   }
   return groups;
 }
@@ -140,7 +141,7 @@ fsdp_muon::OwnerPlan round_robin_plan(const std::vector<fsdp_muon::PlanGroup>& g
       const auto& m = matrices[i];
       if (m.rows * m.cols == 0) continue;
       const int o = static_cast<int>(next++ % world_size);
-      const int64_t cost = fsdp_muon::newton_schulz_flops(m.rows, m.cols, m.ns_steps);
+      const int64_t cost = fsdp_muon::plan_matrix_flops(m);
       plan.owner[g][i] = o;
       plan.cost[g][i] = cost;
       plan.cost_per_rank[o] += cost;

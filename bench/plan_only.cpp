@@ -206,7 +206,7 @@ int run_plan_only(Flags& flags) {
       const auto groups = plan_groups(model, 1, ns_steps);
       for (const auto& g : groups) {
         for (const auto& m : g.matrices) {
-          total_flops += fsdp_muon::newton_schulz_flops(m.rows, m.cols, m.ns_steps);
+          total_flops += fsdp_muon::plan_matrix_flops(m);
         }
       }
     }

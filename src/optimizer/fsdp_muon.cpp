@@ -259,9 +259,11 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     pm.name = slot.name;
     pm.rows = m.rows;
     pm.cols = m.cols;
-    pm.ns_steps = muon_options_of(self.param_groups_[a.param_group], a.param_group).ns_steps();
+    const MuonOptions& options = muon_options_of(self.param_groups_[a.param_group], a.param_group);
+    pm.newton_schulz = options.newton_schulz_options();
+    pm.normuon = options.normalization() == Normalization::kNorMuon;
     for (int r = 0; r < w; ++r) pm.held.push_back(group.held_range(a.index, r));
-    placement[a.group_ordinal].push_back(MatrixPlacement{-1, pm.held});
+    placement[a.group_ordinal].push_back(MatrixPlacement{-1, pm.held, m.cols});
     group_matrices[a.group_ordinal].push_back(matrices.size());
     matrix_of.emplace(a.param.unsafeGetTensorImpl(), matrices.size());
     matrices.push_back(std::move(m));

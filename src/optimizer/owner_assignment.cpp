@@ -174,7 +174,7 @@ void rebalance(const std::vector<PlanGroup>& groups, double max_bytes, OwnerPlan
   const auto delta = [&](const Owned& m, int from, int to) {
     const PlanMatrix& pm = groups[m.group].matrices[m.index];
     const int64_t eb = group_element_bytes(groups[m.group], plan);
-    const int64_t numel = pm.rows * pm.cols;
+    const int64_t numel = moved_numel(pm);
     return std::make_pair((2 * held_numel(pm, from) - numel) * eb,
                           (numel - 2 * held_numel(pm, to)) * eb);
   };
@@ -284,7 +284,7 @@ void assign_within_bytes(const std::vector<PlanGroup>& groups, double max_bytes,
   for (const Candidate& c : all) {
     const PlanMatrix& m = groups[c.group].matrices[c.index];
     const int64_t eb = group_element_bytes(groups[c.group], plan);
-    const int64_t numel = m.rows * m.cols;
+    const int64_t numel = moved_numel(m);
     holders.clear();
     int most = -1;
     for (int r = 0; r < world_size; ++r) {

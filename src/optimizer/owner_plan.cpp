@@ -6,6 +6,7 @@
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include <c10/core/ScalarType.h>
@@ -31,8 +32,8 @@ using detail::window_peak_bytes;
 void validate_matrix(const PlanMatrix& m, size_t g, size_t i, int world_size) {
   TORCH_CHECK(m.rows >= 0 && m.cols >= 0, "fsdp_muon::plan_owners: matrix '", m.name, "' (group ",
               g, ", index ", i, ") has negative shape [", m.rows, ", ", m.cols, "]");
-  TORCH_CHECK(m.ns_steps >= 1, "fsdp_muon::plan_owners: matrix '", m.name, "' has ns_steps ",
-              m.ns_steps, "; it needs at least 1");
+  TORCH_CHECK(m.newton_schulz.steps() >= 1, "fsdp_muon::plan_owners: matrix '", m.name, "' has ",
+              m.newton_schulz.steps(), " Newton-Schulz steps; it needs at least 1");
   TORCH_CHECK(static_cast<int>(m.held.size()) == world_size, "fsdp_muon::plan_owners: matrix '",
               m.name, "' has ", m.held.size(), " held ranges; it needs one per rank (", world_size,
               ")");
@@ -78,7 +79,7 @@ OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
     for (size_t i = 0; i < matrices.size(); ++i) {
       const PlanMatrix& m = matrices[i];
       validate_matrix(m, g, i, world_size);
-      plan.cost[g][i] = newton_schulz_flops(m.rows, m.cols, m.ns_steps);
+      plan.cost[g][i] = plan_matrix_flops(m);
     }
   }
   return plan;
@@ -225,6 +226,10 @@ int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps) {
   return steps * (4 * m * m * n + 2 * m * m * m);
 }
 
+int64_t plan_matrix_flops(const PlanMatrix& m) {
+  return static_cast<int64_t>(std::llround(newton_schulz_flops(m.rows, m.cols, m.newton_schulz)));
+}
+
 OwnerPlanOptions::OwnerPlanOptions() : OwnerPlanOptions(FsdpMuonConfig()) {}
 
 OwnerPlanOptions::OwnerPlanOptions(const FsdpMuonConfig& config)
@@ -274,7 +279,8 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
 PlanGroup plan_group_from_shapes(
     const std::string& name,
     const std::vector<std::pair<std::string, std::vector<int64_t>>>& named_shapes, int world_size,
-    int64_t ns_steps, c10::ScalarType compute_dtype, int64_t alignment_bytes) {
+    const NewtonSchulzOptions& newton_schulz, c10::ScalarType compute_dtype,
+    int64_t alignment_bytes) {
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(compute_dtype));
   const int64_t alignment = std::max<int64_t>(1, alignment_bytes / element_size);
   const fsdp::FlatLayout layout = fsdp::compute_flat_layout(named_shapes, alignment, world_size);
@@ -287,7 +293,7 @@ PlanGroup plan_group_from_shapes(
     m.name = slot.name;
     m.rows = slot.shape[0];
     m.cols = slot.shape[1];
-    m.ns_steps = ns_steps;
+    m.newton_schulz = newton_schulz;
     for (int r = 0; r < world_size; ++r) m.held.push_back(layout.held_range(i, r));
     group.matrices.push_back(std::move(m));
   }

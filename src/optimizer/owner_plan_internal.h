@@ -11,6 +11,8 @@
 
 #include <fsdp_muon/optimizer/owner_plan.h>
 
+#include "muon/row_state.h"
+
 namespace fsdp_muon::detail {
 
 // The byte limits max_bytes_ratio(kBytesRatioByCost) chooses among, smallest first (the last: no
@@ -18,8 +20,18 @@ namespace fsdp_muon::detail {
 constexpr double kCostModelBytesRatios[] = {
     1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, std::numeric_limits<double>::infinity()};
 
+// What `rank` sends of `m` to its owner (and receives back): its elements and, with NorMuon,
+// the per-row state of the rows that start in them (docs/DESIGN.md §3).
 inline int64_t held_numel(const PlanMatrix& m, int rank) {
-  return m.held[rank].second - m.held[rank].first;
+  const int64_t rows = m.normuon ? rows_starting_in(m.held[rank], m.cols).second -
+                                       rows_starting_in(m.held[rank], m.cols).first
+                                 : 0;
+  return m.held[rank].second - m.held[rank].first + rows;
+}
+
+// What an owner holding none of `m` receives: all of held_numel over the ranks.
+inline int64_t moved_numel(const PlanMatrix& m) {
+  return m.rows * m.cols + (m.normuon ? m.rows : 0);
 }
 
 inline double ratio(double value, double ideal) { return ideal > 0 ? value / ideal : 1.0; }

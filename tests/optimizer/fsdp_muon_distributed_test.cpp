@@ -30,6 +30,7 @@
 #include "common/distributed_main.h"
 #include "common/model_specs.h"
 #include "common/test_util.h"
+#include "muon/row_state.h"
 
 namespace fsdp_muon {
 namespace {
@@ -281,36 +282,50 @@ TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
             .owner_schedule(OwnerSchedule::kWindows)
             .owner_policy(OwnerPolicy::kAnyRank)
             .prefetch_budget_bytes(0)}) {
-    const OwnerPolicy policy = config.owner_policy();
-    SCOPED_TRACE(std::string(to_string(policy)) + " " + to_string(config.owner_schedule()) +
-                 " budget " + std::to_string(config.prefetch_budget_bytes()));
-    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), config);
-    std::vector<PlanGroup> groups;
-    for (const auto& specs : model_specs()) {
-      std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
-      for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
-      groups.push_back(plan_group_from_shapes("", shapes, world().size()));
-    }
-    // The planning API is the single source of truth for what runs.
-    const OwnerPlan expected = plan_owners(groups, world().size(), config.owner_plan_options());
-    EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
-    EXPECT_EQ(fsdp.owner_plan().windows, expected.windows);
-    EXPECT_EQ(fsdp.owner_plan().rounds, expected.rounds);
-    EXPECT_EQ(fsdp.owner_plan().refresh_after_round, expected.refresh_after_round);
-    EXPECT_EQ(fsdp.owner_plan().critical_path_planned(), expected.critical_path_planned());
-    EXPECT_EQ(fsdp.owner_plan().schedule, config.owner_schedule());
-    EXPECT_EQ(fsdp.owner_plan().critical_path_ratio_planned(),
-              expected.critical_path_ratio_planned());
-    EXPECT_EQ(fsdp.owner_plan().cost_per_rank, expected.cost_per_rank);
-    EXPECT_EQ(fsdp.owner_plan().gather_bytes_per_rank, expected.gather_bytes_per_rank);
-    for (const FsdpMuonMatrix& m : fsdp.matrices()) {
-      EXPECT_EQ(fsdp.owner_of(m.sharded_parameter), m.owner);
-      if (policy == OwnerPolicy::kHoldersOnly) {
-        const auto [first, second] = m.group->held_range(m.index, m.owner);
-        EXPECT_LT(first, second) << m.name << " is owned by a rank that holds none of it";
+    // The plan counts what runs (docs/DESIGN.md §7): Gram where kAuto picks it, NorMuon's rows.
+    for (const MuonOptions& options :
+         {MuonOptions(), MuonOptions()
+                             .ns_method(NsMethod::kAuto)
+                             .ns_preconditioning(NsPreconditioning::kAol)
+                             .normalization(Normalization::kNorMuon)}) {
+      const OwnerPolicy policy = config.owner_policy();
+      SCOPED_TRACE(std::string(to_string(policy)) + " " + to_string(config.owner_schedule()) +
+                   " budget " + std::to_string(config.prefetch_budget_bytes()) + " " +
+                   to_string(options.ns_method()));
+      FsdpMuon fsdp(sharded_matrices(model), options, config);
+      std::vector<PlanGroup> groups;
+      for (const auto& specs : model_specs()) {
+        std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+        for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
+        groups.push_back(
+            plan_group_from_shapes("", shapes, world().size(), options.newton_schulz_options()));
+        for (PlanMatrix& pm : groups.back().matrices) {
+          pm.normuon = options.normalization() == Normalization::kNorMuon;
+        }
       }
+      // The planning API is the single source of truth for what runs.
+      const OwnerPlan expected = plan_owners(groups, world().size(), config.owner_plan_options());
+      EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
+      EXPECT_EQ(fsdp.owner_plan().windows, expected.windows);
+      EXPECT_EQ(fsdp.owner_plan().rounds, expected.rounds);
+      EXPECT_EQ(fsdp.owner_plan().refresh_after_round, expected.refresh_after_round);
+      EXPECT_EQ(fsdp.owner_plan().critical_path_planned(), expected.critical_path_planned());
+      EXPECT_EQ(fsdp.owner_plan().schedule, config.owner_schedule());
+      EXPECT_EQ(fsdp.owner_plan().critical_path_ratio_planned(),
+                expected.critical_path_ratio_planned());
+      EXPECT_EQ(fsdp.owner_plan().cost_per_rank, expected.cost_per_rank);
+      EXPECT_EQ(fsdp.owner_plan().gather_bytes_per_rank, expected.gather_bytes_per_rank);
+      for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+        EXPECT_EQ(fsdp.owner_of(m.sharded_parameter), m.owner);
+        if (policy == OwnerPolicy::kHoldersOnly) {
+          const auto [first, second] = m.group->held_range(m.index, m.owner);
+          EXPECT_LT(first, second) << m.name << " is owned by a rank that holds none of it";
+        }
+      }
+      EXPECT_EQ(fsdp.owner_of(model.groups[0]->sharded_parameter(1)), -1);  // 1-D, not given
+      EXPECT_EQ(fsdp.owner_plan().cost, expected.cost);
+      EXPECT_EQ(fsdp.owner_plan().scatter_bytes_per_rank, expected.scatter_bytes_per_rank);
     }
-    EXPECT_EQ(fsdp.owner_of(model.groups[0]->sharded_parameter(1)), -1);  // 1-D, not given
   }
 }
 
@@ -567,6 +582,146 @@ TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
         EXPECT_TRUE(at::allclose(model.groups[g]->sharded_parameter(i), expected, 0, 1e-3))
             << model.groups[g]->slot(i).name;
       }
+    }
+  }
+}
+
+// NorMuon (docs/DESIGN.md §3, §4): each holder keeps the per-row state of the rows whose first
+// element it holds, sends it to the owner with its piece of the matrix and takes it back with
+// the update. Every run equals single-device Muon with NorMuon bit for bit, state included, at
+// every W: plain, with Gram, restarts, AOL and Turbo-Muon's 4 steps, bf16 Newton–Schulz, under
+// every owner policy and schedule, batched (MoE experts) and not; and under holders-only the
+// bytes sent are the plan's and the hand count (elements plus row starts held by non-owners).
+TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) {
+  ASSERT_EQ(at::get_num_threads(), 1);
+  const int me = world().rank();
+  const int w = world().size();
+  const MuonOptions normuon = MuonOptions(0.02)
+                                  .weight_decay(0.05)
+                                  .normalization(Normalization::kNorMuon)
+                                  .ns_dtype(at::kFloat);
+  struct Run {
+    std::string name;
+    MuonOptions options;
+    FsdpMuonConfig config;
+    bool moe = false;
+  };
+  const auto holders_rounds =
+      FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly).prefetch_budget_bytes(300);
+  std::vector<Run> runs = {
+      {"defaults", normuon, FsdpMuonConfig()},
+      {"beta2_eps_holders_only_rounds",
+       MuonOptions(normuon).normuon_beta2(0.5).normuon_eps(1e-3).nesterov(false), holders_rounds},
+      {"gram_restarts_any_rank_windows",
+       MuonOptions(normuon).ns_method(NsMethod::kGram).gram_restarts({1, 3}),
+       FsdpMuonConfig()
+           .owner_policy(OwnerPolicy::kAnyRank)
+           .owner_schedule(OwnerSchedule::kWindows)
+           .prefetch_budget_bytes(0)},
+      {"gram_aol_turbo_4_steps_no_overlap",
+       MuonOptions(normuon)
+           .ns_method(NsMethod::kGram)
+           .ns_preconditioning(NsPreconditioning::kAol)
+           .custom_coefficients({{4.6051, -9.6552, 5.6769},
+                                 {4.7505, -6.0861, 2.1790},
+                                 {2.7763, -2.3190, 0.5523},
+                                 {2.4231, -2.2861, 0.8193}})
+           .ns_steps(4),
+       FsdpMuonConfig().overlap_communication(false).prefetch_budget_bytes(400)},
+      {"auto_aol_bf16",
+       MuonOptions(normuon)
+           .ns_method(NsMethod::kAuto)
+           .ns_preconditioning(NsPreconditioning::kAol)
+           .ns_dtype(at::kBFloat16),
+       FsdpMuonConfig()},
+      {"moe_batched", normuon, FsdpMuonConfig(), true},
+      {"moe_batched_gram_aol",
+       MuonOptions(normuon).ns_method(NsMethod::kGram).ns_preconditioning(NsPreconditioning::kAol),
+       FsdpMuonConfig().prefetch_budget_bytes(2000), true},
+  };
+  for (const Run& run : runs) {
+    SCOPED_TRACE(run.name);
+    Model model = run.moe ? make_model(41, moe_specs()) : make_model(41);
+    FsdpMuon fsdp(split_groups(sharded_matrices(model), run.options), run.options, run.config);
+    Muon muon(split_groups(reference_matrices(model), run.options), run.options);
+    // docs/DESIGN.md §7 with NorMuon: each element and each row start held by a non-owner goes
+    // to its owner and back once (4 bytes each: fp32 main weights and state).
+    int64_t gather_min = 0;
+    int64_t scatter_min = 0;
+    for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+      for (int r = 0; r < w; ++r) {
+        if (r == m.owner) continue;
+        const auto held = m.group->held_range(m.index, r);
+        const auto rows = detail::rows_starting_in(held, m.cols);
+        const int64_t bytes = (held.second - held.first + rows.second - rows.first) * 4;
+        if (r == me) gather_min += bytes;
+        if (m.owner == me) scatter_min += bytes;
+      }
+    }
+    int64_t calls = 0;
+    for (int step = 0; step < 4; ++step) {
+      feed_gradients(model, 4100 + step);
+      fsdp.step();
+      muon.step();
+      const FsdpMuonStepStats& stats = fsdp.last_step_stats();
+      EXPECT_EQ(stats.gather_bytes, fsdp.owner_plan().gather_bytes_per_rank[me]);
+      EXPECT_EQ(stats.scatter_bytes, fsdp.owner_plan().scatter_bytes_per_rank[me]);
+      if (run.config.owner_policy() == OwnerPolicy::kHoldersOnly) {
+        EXPECT_EQ(stats.gather_bytes, gather_min);
+        EXPECT_EQ(stats.scatter_bytes, scatter_min);
+      }
+      calls += stats.newton_schulz_calls - stats.orthogonalized_matrices;
+    }
+    if (run.name == "moe_batched" && w <= 2) {
+      // Few ranks own many same-shape experts in one round: NorMuon's batches really ran.
+      EXPECT_LT(calls, 0) << "the experts were batched";
+    }
+    expect_matches_reference(model, run.name);
+    // The state: the momentum slice and the rows this rank keeps of the reference's per-row
+    // second moment, bit for bit.
+    for (size_t g = 0; g < model.groups.size(); ++g) {
+      const auto& group = model.groups[g];
+      for (size_t i = 0; i < group->num_parameters(); ++i) {
+        const ParameterSlot& slot = group->slot(i);
+        if (slot.shape.size() != 2) continue;
+        const at::Tensor& p = group->sharded_parameter(i);
+        const at::Tensor& ref = model.reference[g][i];
+        const auto& mine =
+            static_cast<const MuonParamState&>(*fsdp.state().at(p.unsafeGetTensorImpl()));
+        const auto& theirs =
+            static_cast<const MuonParamState&>(*muon.state().at(ref.unsafeGetTensorImpl()));
+        const auto held = group->held_range(i);
+        const auto [first, last] = detail::rows_starting_in(held, slot.shape[1]);
+        ASSERT_TRUE(mine.normuon_variance().defined()) << slot.name;
+        EXPECT_TRUE(
+            at::equal(mine.normuon_variance(), theirs.normuon_variance().slice(0, first, last)))
+            << run.name << ": NorMuon state of " << slot.name << " on rank " << me;
+        EXPECT_TRUE(at::equal(mine.momentum_buffer(), theirs.momentum_buffer().reshape({-1}).slice(
+                                                          0, held.first, held.second)))
+            << run.name << ": momentum of " << slot.name;
+        EXPECT_GT(theirs.normuon_variance().abs().sum().item<double>(), 0) << slot.name;
+      }
+    }
+  }
+}
+
+// The rows a rank keeps NorMuon state for tile every matrix in rank order, whatever the layout:
+// a rank may hold elements and no row start, never the other way round.
+TEST(FsdpMuonNorMuon, RowStateTilesEveryMatrix) {
+  Model model = make_model(43);
+  for (const auto& group : model.groups) {
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const ParameterSlot& slot = group->slot(i);
+      if (slot.shape.size() != 2) continue;
+      int64_t next = 0;
+      for (int r = 0; r < world().size(); ++r) {
+        const auto held = group->held_range(i, r);
+        const auto [first, last] = detail::rows_starting_in(held, slot.shape[1]);
+        EXPECT_EQ(first, next) << slot.name << " rank " << r;
+        EXPECT_LE(last - first, held.second - held.first) << slot.name << " rank " << r;
+        next = last;
+      }
+      EXPECT_EQ(next, slot.shape[0]) << slot.name;
     }
   }
 }

@@ -50,6 +50,115 @@ OwnerPlanOptions holders_only() {
 // The schedule in windows of groups (OwnerSchedule::kWindows), each exchange alone in flight.
 OwnerPlanOptions windows() { return holders_only().owner_schedule(OwnerSchedule::kWindows); }
 
+// docs/DESIGN.md §7: the planner counts what runs on each matrix. For an m × km matrix (either
+// orientation), by hand from the iterations (docs/DESIGN.md §4):
+//   standard, 5 steps: per step A = X·Xᵀ (2k·m³), A·A (2m³), B·X (2k·m³): 5·(4k + 2)·m³;
+//   Gram, 5 steps, restart before step 2: R = X·Xᵀ (2k·m³), then per step Z = b·R + c·R²
+//     (2m³), Q ← Q·Z + a·Q (2m³, not on the step after a (re)start), R ← (Z + aI)·R·(Z + aI)
+//     (4m³, not before a restart nor after the last step), the restart X ← Q·X, R ← X·Xᵀ
+//     (4k·m³) and the final Q·X (2k·m³): (5·8 − 2·2 − 2·4)·m³ + 8k·m³ = (28 + 8k)·m³;
+//   restarts before steps 1 and 3: (5·8 − 3·2 − 3·4)·m³ + 12k·m³ = (22 + 12k)·m³;
+//   AOL reuses its X·Xᵀ as the first step's A (standard) or as R_0 (Gram): no extra GEMM.
+TEST(OwnerPlanTest, PlanMatrixFlopsCountWhatRuns) {
+  const int64_t m = 64;
+  const int64_t m3 = m * m * m;
+  const auto flops = [](int64_t rows, int64_t cols, const NewtonSchulzOptions& ns) {
+    PlanMatrix pm;
+    pm.rows = rows;
+    pm.cols = cols;
+    pm.newton_schulz = ns;
+    return plan_matrix_flops(pm);
+  };
+  const NewtonSchulzOptions standard;
+  const NewtonSchulzOptions gram = NewtonSchulzOptions().method(NsMethod::kGram);
+  const NewtonSchulzOptions auto_ = NewtonSchulzOptions().method(NsMethod::kAuto);
+  for (const int64_t k : {1, 2, 4}) {
+    SCOPED_TRACE("k = " + std::to_string(k));
+    EXPECT_EQ(flops(m, k * m, standard), 5 * (4 * k + 2) * m3);
+    EXPECT_EQ(flops(k * m, m, standard), 5 * (4 * k + 2) * m3);
+    EXPECT_EQ(flops(m, k * m, standard), newton_schulz_flops(m, k * m, 5));
+    EXPECT_EQ(flops(m, k * m, gram), (28 + 8 * k) * m3);
+    EXPECT_EQ(flops(k * m, m, gram), (28 + 8 * k) * m3);
+    EXPECT_EQ(flops(m, k * m, NewtonSchulzOptions(gram).gram_restarts({1, 3})), (22 + 12 * k) * m3);
+    EXPECT_EQ(flops(m, k * m, NewtonSchulzOptions().preconditioning(NsPreconditioning::kAol)),
+              5 * (4 * k + 2) * m3);
+    EXPECT_EQ(flops(m, k * m, NewtonSchulzOptions(gram).preconditioning(NsPreconditioning::kAol)),
+              (28 + 8 * k) * m3);
+    // One step fewer with AOL (Turbo-Muon's 4-step schedule): 4 standard steps, or Gram with 4
+    // steps: (4·8 − 2·2 − 2·4)·m³ + 8k·m³.
+    const NewtonSchulzOptions turbo = NewtonSchulzOptions()
+                                          .preconditioning(NsPreconditioning::kAol)
+                                          .custom_coefficients({{4.6051, -9.6552, 5.6769},
+                                                                {4.7505, -6.0861, 2.1790},
+                                                                {2.7763, -2.3190, 0.5523},
+                                                                {2.4231, -2.2861, 0.8193}})
+                                          .steps(4);
+    EXPECT_EQ(flops(m, k * m, turbo), 4 * (4 * k + 2) * m3);
+    EXPECT_EQ(flops(m, k * m, NewtonSchulzOptions(turbo).method(NsMethod::kGram)),
+              (20 + 8 * k) * m3);
+  }
+  // kAuto takes the cheaper per shape, with the function newton_schulz() decides by: standard
+  // for a square (30 < 36), Gram from aspect 2 (44 < 50); at aspect 1.5 both count 40·m³ and a
+  // tie stays standard.
+  EXPECT_EQ(flops(m, m, auto_), 30 * m3);
+  EXPECT_EQ(flops(m, 2 * m, auto_), 44 * m3);
+  EXPECT_EQ(flops(4 * m, m, auto_), 60 * m3);
+  EXPECT_EQ(resolve_ns_method(m, 3 * m / 2, auto_), NsMethod::kStandard);
+  EXPECT_EQ(flops(m, 3 * m / 2, auto_), 40 * m3);
+  EXPECT_EQ(flops(m, 3 * m / 2, gram), 40 * m3);
+  // The plan's cost is this count.
+  PlanMatrix wide = matrix("wide", m, 4 * m, 1, {{0, 4 * m * m}});
+  wide.newton_schulz = gram;
+  const OwnerPlan plan = plan_owners({{"g", {wide}}}, 1, holders_only());
+  EXPECT_EQ(plan.cost[0][0], (28 + 32) * m3);
+}
+
+// W = 2, each matrix split evenly: a square A (64×64) and two wide B (32×512, aspect 16). Costed
+// as standard quintic, B (330·32³ = 10.8 M) outweighs A (30·64³ = 7.9 M): B1 → rank 0, B2 →
+// rank 1, A → rank 0 (tie, lowest rank). With Gram, B (156·32³ = 5.1 M) is cheaper than A (9.4 M
+// as Gram, 7.9 M as standard under kAuto): A → rank 0, then both B on rank 1.
+TEST(OwnerPlanTest, PlanBalancesByTheMethodThatRuns) {
+  const auto model = [](const NewtonSchulzOptions& ns) {
+    std::vector<PlanMatrix> matrices = {matrix("A", 64, 64, 2, {{0, 2048}, {1, 2048}}),
+                                        matrix("B1", 32, 512, 2, {{0, 8192}, {1, 8192}}),
+                                        matrix("B2", 32, 512, 2, {{0, 8192}, {1, 8192}})};
+    for (PlanMatrix& pm : matrices) pm.newton_schulz = ns;
+    return std::vector<PlanGroup>{{"g", matrices}};
+  };
+  const OwnerPlan standard = plan_owners(model(NewtonSchulzOptions()), 2, holders_only());
+  EXPECT_EQ(standard.cost[0], (std::vector<int64_t>{30 * 262144, 330 * 32768, 330 * 32768}));
+  EXPECT_EQ(standard.owner[0], (std::vector<int>{0, 0, 1}));
+  EXPECT_EQ(standard.cost_per_rank, (std::vector<int64_t>{30 * 262144 + 330 * 32768, 330 * 32768}));
+
+  const OwnerPlan gram =
+      plan_owners(model(NewtonSchulzOptions().method(NsMethod::kGram)), 2, holders_only());
+  EXPECT_EQ(gram.cost[0], (std::vector<int64_t>{36 * 262144, 156 * 32768, 156 * 32768}));
+  EXPECT_EQ(gram.owner[0], (std::vector<int>{0, 1, 1}));
+
+  const OwnerPlan by_shape =
+      plan_owners(model(NewtonSchulzOptions().method(NsMethod::kAuto)), 2, holders_only());
+  EXPECT_EQ(by_shape.cost[0], (std::vector<int64_t>{30 * 262144, 156 * 32768, 156 * 32768}));
+  EXPECT_EQ(by_shape.owner[0], (std::vector<int>{0, 1, 1}));
+  EXPECT_LT(by_shape.critical_path_planned(), standard.critical_path_planned());
+}
+
+// NorMuon's per-row state travels with its matrix (docs/DESIGN.md §3): a non-owner sends its
+// elements and one value per row that starts in them. A 3 × 4 matrix split 5 / 7 at W = 2: rank
+// 0 holds the starts of rows 0 and 1, rank 1 that of row 2 (element 8); rank 0 owns it (equal
+// load, lowest rank), so rank 1 sends 7 elements and 1 row and gets as many back.
+TEST(OwnerPlanTest, NorMuonRowStateIsCountedInTheBytes) {
+  PlanMatrix pm = matrix("m", 3, 4, 2, {{0, 5}, {1, 7}});
+  const OwnerPlan plain = plan_owners({{"g", {pm}}}, 2, holders_only());
+  pm.normuon = true;
+  const OwnerPlan normuon = plan_owners({{"g", {pm}}}, 2, holders_only());
+  ASSERT_EQ(plain.owner[0][0], 0);
+  EXPECT_EQ(normuon.owner[0][0], 0);
+  EXPECT_EQ(plain.gather_bytes_per_rank, (std::vector<int64_t>{0, 7 * 4}));
+  EXPECT_EQ(normuon.gather_bytes_per_rank, (std::vector<int64_t>{0, (7 + 1) * 4}));
+  EXPECT_EQ(normuon.scatter_bytes_per_rank, (std::vector<int64_t>{(7 + 1) * 4, 0}));
+  EXPECT_EQ(normuon.cost, plain.cost);  // NorMuon adds no GEMM
+}
+
 TEST(OwnerPlanTest, NewtonSchulzFlopsUsesMinAndMaxSide) {
   EXPECT_EQ(newton_schulz_flops(4, 4, 5), 5 * (4 * 4 * 4 * 4 + 2 * 4 * 4 * 4));
   EXPECT_EQ(newton_schulz_flops(2, 8, 5), 720);
@@ -207,7 +316,7 @@ TEST(OwnerPlanTest, WindowedPlanBalancesEachWindow) {
       {"g0", {matrix("X", 4, 4, 2, {{0, 8}, {1, 8}}), matrix("Y", 4, 4, 2, {{0, 8}, {1, 8}})}},
       {"g1", {matrix("Z", 4, 5, 2, {{0, 10}, {1, 10}})}}};
   for (auto& g : groups) {
-    for (auto& m : g.matrices) m.ns_steps = 1;
+    for (auto& m : g.matrices) m.newton_schulz.steps(1);
   }
   const OwnerPlan carried = plan_owners(groups, 2, windows());
   EXPECT_EQ(carried.cost[0], (std::vector<int64_t>{384, 384}));
@@ -265,7 +374,7 @@ std::vector<PlanGroup> llama3_8b(int world_size) {
                                              {p + "mlp.down_proj.weight", {h, ffn}},
                                              {p + "input_layernorm.weight", {h}},
                                              {p + "post_attention_layernorm.weight", {h}}},
-                                            world_size, 5, at::kBFloat16, 16));
+                                            world_size, NewtonSchulzOptions(), at::kBFloat16, 16));
   }
   return groups;
 }
@@ -475,7 +584,8 @@ std::vector<PlanGroup> model_groups(const std::string& which, int world_size) {
                                                {p + "ln_2.weight", {d}},
                                                {p + "mlp.c_fc.weight", {4 * d, d}},
                                                {p + "mlp.c_proj.weight", {d, 4 * d}}},
-                                              world_size, 5, at::kBFloat16, 16));
+                                              world_size, NewtonSchulzOptions(), at::kBFloat16,
+                                              16));
     }
     return groups;
   }
@@ -494,7 +604,8 @@ std::vector<PlanGroup> model_groups(const std::string& which, int world_size) {
       shapes.push_back({x + "w2", {d, ffn}});
     }
     shapes.push_back({p + "norm", {d}});
-    groups.push_back(plan_group_from_shapes(p, shapes, world_size, 5, at::kBFloat16, 16));
+    groups.push_back(
+        plan_group_from_shapes(p, shapes, world_size, NewtonSchulzOptions(), at::kBFloat16, 16));
   }
   return groups;
 }

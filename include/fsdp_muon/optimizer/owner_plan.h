@@ -12,6 +12,8 @@
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
+#include <fsdp_muon/newton_schulz/newton_schulz.h>
+
 namespace fsdp_muon {
 
 enum class OwnerPolicy {
@@ -48,8 +50,9 @@ const char* to_string(OwnerSchedule schedule);
 // A prefetch budget that gathers every group before orthogonalizing any.
 constexpr int64_t kUnlimitedPrefetch = std::numeric_limits<int64_t>::max();
 
-// Newton–Schulz FLOPs of a rows x cols matrix: steps * (4*m*m*n + 2*m*m*m), m = min side,
-// n = max side (docs/DESIGN.md §7).
+// Newton–Schulz FLOPs of a rows x cols matrix under standard quintic-style iterations:
+// steps * (4*m*m*n + 2*m*m*m), m = min side, n = max side (docs/DESIGN.md §7). The planner
+// counts what runs instead (plan_matrix_flops); this is its value for default options.
 int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps);
 
 // One 2-D parameter as the planner sees it.
@@ -57,11 +60,22 @@ struct PlanMatrix {
   std::string name;  // for reports and errors only
   int64_t rows = 0;
   int64_t cols = 0;
-  int64_t ns_steps = 5;
+  // The Newton–Schulz options that run on it (MuonOptions::newton_schulz_options()): steps,
+  // schedule, method (kAuto resolved per shape), restarts and preconditioning decide its cost.
+  NewtonSchulzOptions newton_schulz;
   // One entry per rank: elements [first, second) of the flattened matrix that the rank holds;
   // first == second when it holds none. The ranges tile [0, rows*cols) in rank order.
   std::vector<std::pair<int64_t, int64_t>> held;
+  // MuonOptions::normalization(kNorMuon): the per-row state travels with the matrix, one element
+  // per row whose first element a non-owner holds (docs/DESIGN.md §3), and the bytes count it.
+  bool normuon = false;
 };
+
+// The cost the planner gives a matrix (docs/DESIGN.md §7): the GEMM FLOPs of its Newton–Schulz,
+// newton_schulz_flops(rows, cols, m.newton_schulz) — Gram's where the method is or resolves
+// to kGram for this shape (resolve_ns_method, the decision newton_schulz() itself makes), AOL's
+// product reused as the first step's — rounded to an integer. NorMuon adds no GEMM.
+int64_t plan_matrix_flops(const PlanMatrix& m);
 
 // The 2-D parameters of one FsdpParameterGroup that the optimizer updates, in group order.
 struct PlanGroup {
@@ -196,6 +210,7 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
 PlanGroup plan_group_from_shapes(
     const std::string& name,
     const std::vector<std::pair<std::string, std::vector<int64_t>>>& named_shapes, int world_size,
-    int64_t ns_steps = 5, c10::ScalarType compute_dtype = at::kFloat, int64_t alignment_bytes = 16);
+    const NewtonSchulzOptions& newton_schulz = NewtonSchulzOptions(),
+    c10::ScalarType compute_dtype = at::kFloat, int64_t alignment_bytes = 16);
 
 }  // namespace fsdp_muon
