@@ -71,9 +71,17 @@ const char* kUsage =
   --ns-dtype bf16|fp32     Newton-Schulz compute dtype (default bf16)
   --ns-method M            standard|gram|auto (MuonOptions::ns_method; default standard)
   --ns-preconditioning P   none|aol (MuonOptions::ns_preconditioning; default none)
-  --ns-steps N             Newton-Schulz iterations (default 5; keep 5 with
-                           --ns-preconditioning aol: quintic at 4 steps with AOL is not a
-                           validated pair, README "Gram, AOL and NorMuon")
+  --ns-coefficients C      the (a, b, c) schedule: a preset (quintic, the default; simple,
+                           polar_express, cans, aol, deepseek_v4, cubic5) or turbo_muon:
+                           Turbo-Muon's 4 tuples as custom_coefficients, the schedule built
+                           for --ns-preconditioning aol
+  --ns-steps N             Newton-Schulz iterations (default 5). With --ns-preconditioning
+                           aol, one step fewer is validated only with --ns-coefficients
+                           turbo_muon --ns-steps 4 (quintic at 4 steps with AOL is not;
+                           README "Gram, AOL and NorMuon")
+  --normalization N        none|normuon (MuonOptions::normalization; default none): normuon
+                           divides each row of the orthogonalized update by the root of an
+                           EMA of its mean square (NorMuon), then restores its norm
   --eval-every N           validation loss every N steps (default 100; 0: only at the end)
   --log-every N            progress line every N steps when stderr is not a terminal
                            (default steps / 10)
@@ -110,6 +118,9 @@ struct Flags {
   fsdp_muon::NsMethod ns_method = fsdp_muon::NsMethod::kStandard;
   fsdp_muon::NsPreconditioning ns_preconditioning = fsdp_muon::NsPreconditioning::kNone;
   int64_t ns_steps = 5;
+  fsdp_muon::NsCoefficients ns_coefficients = fsdp_muon::NsCoefficients::kQuintic;
+  fsdp_muon::NsCoefficientList ns_custom_coefficients;  // turbo_muon
+  fsdp_muon::Normalization normalization = fsdp_muon::Normalization::kNone;
   int64_t eval_every = 100;
   int64_t log_every = 0;
   uint64_t seed = 1234;
@@ -198,6 +209,33 @@ Flags parse_flags(int argc, char** argv) {
     f.ns_preconditioning = *parsed;
   }
   take("ns-steps", f.ns_steps);
+  text.clear();
+  take_string("ns-coefficients", text);
+  if (text == "turbo_muon") {
+    f.ns_custom_coefficients = {{4.6051, -9.6552, 5.6769},
+                                {4.7505, -6.0861, 2.1790},
+                                {2.7763, -2.3190, 0.5523},
+                                {2.4231, -2.2861, 0.8193}};
+  } else if (!text.empty()) {
+    const auto parsed = fsdp_muon::parse_ns_coefficients(text);
+    TORCH_CHECK(parsed.has_value(),
+                "char_gpt: --ns-coefficients must be a preset (quintic, simple, polar_express, "
+                "cans, aol, deepseek_v4, cubic5) or turbo_muon, got '",
+                text, "'");
+    f.ns_coefficients = *parsed;
+  }
+  text.clear();
+  take_string("normalization", text);
+  if (!text.empty()) {
+    bool known = false;
+    for (const auto n : {fsdp_muon::Normalization::kNone, fsdp_muon::Normalization::kNorMuon}) {
+      if (text == fsdp_muon::to_string(n)) {
+        f.normalization = n;
+        known = true;
+      }
+    }
+    TORCH_CHECK(known, "char_gpt: --normalization must be none or normuon, got '", text, "'");
+  }
   take("eval-every", f.eval_every);
   take("log-every", f.log_every);
   take("seed", f.seed);
@@ -442,7 +480,10 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
                          .ns_dtype(flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
                          .ns_method(flags.ns_method)
                          .ns_preconditioning(flags.ns_preconditioning)
-                         .ns_steps(flags.ns_steps));
+                         .ns_steps(flags.ns_steps)
+                         .coefficients(flags.ns_coefficients)
+                         .custom_coefficients(flags.ns_custom_coefficients)
+                         .normalization(flags.normalization));
   }
 
   if (rank0) {
