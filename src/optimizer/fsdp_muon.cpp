@@ -116,7 +116,8 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
                 "fsdp_muon::FsdpMuon: non_finite_gradients(",
                 to_string(impl_->config.non_finite_gradients()),
                 ") needs check_gradient_agreement(true): the ranks learn of a NaN or Inf through "
-                "its all-reduce");
+                "its all-reduce. With check_gradient_agreement(false) also set "
+                "non_finite_gradients(NonFiniteGradients::kIgnore) (kSkipStep is the default)");
     for (const auto& group : param_groups) add_group(group);
     build();
   };

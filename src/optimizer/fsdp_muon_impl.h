@@ -73,6 +73,7 @@ struct FsdpMuon::Impl {
   // for the step's work, so a step nobody profiles never waits).
   std::unique_ptr<detail::PhaseTimer> timer;
   int64_t skipped_steps = 0;
+  int64_t step_calls = 0;  // step() calls since construction, the one running included
   // Full-matrix bytes alive now on this rank, for FsdpMuonStepStats::max_transient_bytes.
   int64_t live_full_bytes = 0;
 
@@ -92,7 +93,7 @@ struct FsdpMuon::Impl {
 
   // ---- the step's phases, in order ----
   detail::StepRun agree_on_gradients(FsdpMuon& self);
-  void reject_non_finite(const std::vector<int64_t>& sums, detail::StepRun& s);
+  void reject_non_finite(const std::vector<int64_t>& ranks_per_matrix, detail::StepRun& s);
   detail::RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const detail::StepRun& s);
   void start_gather(detail::RoundInFlight& f, detail::StepRun& s);
   void assemble_owned(detail::RoundInFlight& f, detail::StepRun& s);

@@ -30,6 +30,7 @@
 #include "common/distributed_main.h"
 #include "common/model_specs.h"
 #include "common/test_util.h"
+#include "muon/muon_test_util.h"
 
 namespace fsdp_muon {
 namespace {
@@ -174,11 +175,12 @@ std::vector<Case> exactness_cases() {
   // Gram Newton-Schulz and AOL (docs/DESIGN.md §4): the owner runs them on the full matrix as
   // Muon does, so the bits are Muon's at every W.
   cases.push_back({"gram", MuonOptions(0.02).ns_method(NsMethod::kGram).ns_dtype(at::kFloat)});
-  cases.push_back({"gram_restarts_1_3_polar_express", MuonOptions(0.02)
-                                                          .ns_method(NsMethod::kGram)
-                                                          .gram_restarts({1, 3})
-                                                          .coefficients(NsCoefficients::kPolarExpress)
-                                                          .ns_dtype(at::kFloat)});
+  cases.push_back(
+      {"gram_restarts_1_3_polar_express", MuonOptions(0.02)
+                                              .ns_method(NsMethod::kGram)
+                                              .gram_restarts({1, 3})
+                                              .coefficients(NsCoefficients::kPolarExpress)
+                                              .ns_dtype(at::kFloat)});
   cases.push_back({"auto_aol_turbo", MuonOptions(0.02)
                                          .ns_method(NsMethod::kAuto)
                                          .ns_preconditioning(NsPreconditioning::kAol)
@@ -920,6 +922,80 @@ TEST(FsdpMuonErrors, AddParamGroupAfterConstruction) {
                                       std::to_string(world().size())});
 }
 
+// A backward through every group's module parameters (a loss whose gradients every rank gets
+// alike), without reduce-scattering them.
+void backward_through(const Model& model) {
+  at::Tensor loss = at::zeros({});
+  for (const auto& group : model.groups) {
+    for (const at::Tensor& p : group->model_parameters()) loss = loss + (p * p).sum();
+  }
+  loss.backward();
+}
+
+// ZeRO-1 (the default strategy) keeps a backward's gradients in the group until
+// reduce_scatter_grads(); a step before it would train on stale gradient shards. It is an error on
+// every rank naming the fix; micro-batches (several backwards, one reduce-scatter) and zero_grad()
+// are fine.
+TEST(FsdpMuonErrors, ZeroOneStepWithoutReduceScatterIsAnError) {
+  Model model = make_model(41);
+  for (const auto& group : model.groups) {
+    ASSERT_EQ(group->sharding_strategy(), ShardingStrategy::kOptim);
+  }
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  const auto shards = [&] {
+    std::vector<at::Tensor> out;
+    for (const auto& group : model.groups) out.push_back(group->main_weight_shard().clone());
+    return out;
+  };
+  const auto expect_shards = [&](const std::vector<at::Tensor>& expected, bool equal) {
+    const auto now = shards();
+    for (size_t g = 0; g < now.size(); ++g) {
+      if (now[g].numel() > 0) EXPECT_EQ(at::equal(now[g], expected[g]), equal) << g;
+    }
+  };
+  const std::string w = std::to_string(world().size());
+  // Forgotten everywhere: every rank refuses, nothing changes.
+  for (const auto& group : model.groups) group->zero_grad();
+  backward_through(model);
+  for (const auto& group : model.groups) EXPECT_TRUE(group->has_unreduced_gradients());
+  const std::vector<at::Tensor> start = shards();
+  expect_error([&] { fsdp.step(); },
+               {"fsdp_muon::FsdpMuon: a backward wrote gradients that were never reduce-scattered",
+                "'g0' on " + w + " of " + w + " rank(s), 'g1' on " + w + " of " + w +
+                    " rank(s), 'g2' on " + w + " of " + w + " rank(s)",
+                "call group->reduce_scatter_grads() after backward"});
+  expect_shards(start, true);
+  EXPECT_TRUE(fsdp.state().empty());
+  // Forgotten for one group: only that one is named.
+  model.groups[0]->reduce_scatter_grads();
+  model.groups[1]->reduce_scatter_grads();
+  EXPECT_FALSE(model.groups[0]->has_unreduced_gradients());
+  expect_error([&] { fsdp.step(); },
+               {"never reduce-scattered into the gradient shards of FSDP group(s) 'g2' on " + w +
+                " of " + w + " rank(s) (sharding"});
+  expect_shards(start, true);
+  // Done: the step runs.
+  model.groups[2]->reduce_scatter_grads();
+  fsdp.step();
+  EXPECT_EQ(fsdp.last_step_stats().active_parameters, 8);
+  const std::vector<at::Tensor> after_one = shards();
+  expect_shards(start, false);
+  // Two micro-batches, one reduce-scatter: legal.
+  for (const auto& group : model.groups) group->zero_grad();
+  backward_through(model);
+  backward_through(model);
+  for (const auto& group : model.groups) group->reduce_scatter_grads();
+  fsdp.step();
+  expect_shards(after_one, false);
+  // zero_grad() after a backward drops its gradients: nothing is left unreduced.
+  backward_through(model);
+  for (const auto& group : model.groups) {
+    group->zero_grad();
+    EXPECT_FALSE(group->has_unreduced_gradients());
+  }
+  fsdp.step();
+}
+
 // A NaN in one rank's piece of one gradient: under each NonFiniteGradients mode every rank
 // reaches the same outcome (the check rides on the agreement all-reduce).
 TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
@@ -973,6 +1049,69 @@ TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
   }
 }
 
+// The default (kSkipStep): a NaN on one rank skips the step on every rank, leaving weights and
+// momentum bit for bit as they were, and rank 0 alone warns once, naming the step and the
+// parameter; the next finite step runs and warns nothing.
+TEST(FsdpMuonNonFinite, DefaultSkipsTheStepAndWarnsOnRankZero) {
+  EXPECT_EQ(FsdpMuonConfig().non_finite_gradients(), NonFiniteGradients::kSkipStep);
+  const int w = world().size();
+  const int me = world().rank();
+  Model model = make_model(51);
+  const std::shared_ptr<FsdpParameterGroup>& group = model.groups[1];
+  const size_t index = 2;  // 'b.big', 17 x 6
+  int holder = -1;         // the last rank that holds part of it
+  for (int r = 0; r < w; ++r) {
+    if (group->held_range(index, r).second > group->held_range(index, r).first) holder = r;
+  }
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  test::WarningCollector warnings;
+  feed_gradients(model, 5100);
+  fsdp.step();  // step 1: finite, creates the momentum
+  const auto snapshot = [&] {
+    std::vector<at::Tensor> out;
+    for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+      out.push_back(m.sharded_parameter.detach().clone());
+      const auto& state = static_cast<const MuonParamState&>(
+          *fsdp.state().at(m.sharded_parameter.unsafeGetTensorImpl()));
+      out.push_back(state.momentum_buffer().clone());
+      out.push_back(at::tensor(state.step()));
+    }
+    for (const auto& g : model.groups) out.push_back(g->model_weights().clone());
+    return out;
+  };
+  const std::vector<at::Tensor> before = snapshot();
+  feed_gradients(model, 5101);
+  if (me == holder)
+    group->sharded_parameter(index).grad()[0] = std::numeric_limits<float>::infinity();
+  fsdp.step();  // step 2: skipped everywhere
+  EXPECT_TRUE(fsdp.last_step_stats().skipped);
+  EXPECT_EQ(fsdp.last_step_stats().non_finite_parameters, 1);
+  EXPECT_EQ(fsdp.skipped_steps(), 1);
+  const std::vector<at::Tensor> after = snapshot();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t k = 0; k < after.size(); ++k) EXPECT_TRUE(at::equal(after[k], before[k])) << k;
+  if (me == 0) {
+    ASSERT_EQ(warnings.messages.size(), 1u);
+    const std::string& line = warnings.messages[0];
+    for (const std::string& needle :
+         {std::string("fsdp_muon::FsdpMuon: skipped step 2 "), std::string("1 skipped so far"),
+          "NaN or Inf in the gradient of 'b.big' on 1 of " + std::to_string(w) + " rank(s)",
+          std::string("weights and momentum are unchanged")}) {
+      EXPECT_NE(line.find(needle), std::string::npos) << "'" << needle << "' not in: " << line;
+    }
+    EXPECT_EQ(line.find('\n'), std::string::npos) << "not one line: " << line;
+  } else {
+    EXPECT_TRUE(warnings.messages.empty()) << "rank " << me << " warned: " << warnings.messages[0];
+  }
+  feed_gradients(model, 5102);
+  fsdp.step();  // step 3: finite again, runs, warns nothing
+  EXPECT_FALSE(fsdp.last_step_stats().skipped);
+  EXPECT_EQ(fsdp.skipped_steps(), 1);
+  EXPECT_EQ(warnings.messages.size(), me == 0 ? 1u : 0u);
+  const at::Tensor& first = fsdp.matrices()[0].sharded_parameter;
+  if (first.numel() > 0) EXPECT_FALSE(at::equal(first, before[0]));
+}
+
 // Without the agreement all-reduce (for loops that guarantee agreement) the step gives the same
 // bits and sends nothing for the check; the non-finite check, which needs it, is refused.
 TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
@@ -981,7 +1120,8 @@ TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
   Model unchecked = make_model(90);
   FsdpMuon with(sharded_matrices(checked), options);
   FsdpMuon without(sharded_matrices(unchecked), options,
-                   FsdpMuonConfig().check_gradient_agreement(false));
+                   FsdpMuonConfig().check_gradient_agreement(false).non_finite_gradients(
+                       NonFiniteGradients::kIgnore));
   for (int step = 0; step < 3; ++step) {
     feed_gradients(checked, 9000 + step);
     feed_gradients(unchecked, 9000 + step);
@@ -1004,6 +1144,14 @@ TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
                      NonFiniteGradients::kSkipStep));
       },
       {"non_finite_gradients(skip_step) needs check_gradient_agreement(true)"});
+  // The default is kSkipStep, so turning the agreement off alone names the fix.
+  expect_error(
+      [&] {
+        FsdpMuon(sharded_matrices(checked), options,
+                 FsdpMuonConfig().check_gradient_agreement(false));
+      },
+      {"non_finite_gradients(skip_step) needs check_gradient_agreement(true)",
+       "non_finite_gradients(NonFiniteGradients::kIgnore)"});
 }
 
 }  // namespace
