@@ -6,6 +6,8 @@
 
 #include <fsdp_muon/comm/communicator.h>
 
+#include "comm/launch_environment.h"
+
 namespace fsdp_muon::detail {
 
 // Exactly one visible device: that one, whatever the local rank says (srun --gpus-per-task=1 or
