@@ -950,7 +950,9 @@ TEST(FsdpMuonErrors, ZeroOneStepWithoutReduceScatterIsAnError) {
   const auto expect_shards = [&](const std::vector<at::Tensor>& expected, bool equal) {
     const auto now = shards();
     for (size_t g = 0; g < now.size(); ++g) {
-      if (now[g].numel() > 0) EXPECT_EQ(at::equal(now[g], expected[g]), equal) << g;
+      if (now[g].numel() > 0) {
+        EXPECT_EQ(at::equal(now[g], expected[g]), equal) << g;
+      }
     }
   };
   const std::string w = std::to_string(world().size());
@@ -1109,7 +1111,9 @@ TEST(FsdpMuonNonFinite, DefaultSkipsTheStepAndWarnsOnRankZero) {
   EXPECT_EQ(fsdp.skipped_steps(), 1);
   EXPECT_EQ(warnings.messages.size(), me == 0 ? 1u : 0u);
   const at::Tensor& first = fsdp.matrices()[0].sharded_parameter;
-  if (first.numel() > 0) EXPECT_FALSE(at::equal(first, before[0]));
+  if (first.numel() > 0) {
+    EXPECT_FALSE(at::equal(first, before[0]));
+  }
 }
 
 // Without the agreement all-reduce (for loops that guarantee agreement) the step gives the same
