@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +21,14 @@ namespace detail {
 
 // The MuonOptions of parameter group `index`; a clear error for another optimizer's options.
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index);
+
+// "<hexfloat> (<decimal>)": exact, so a one-ulp difference between ranks shows, and readable.
+std::string exact_double(double value);
+
+// Every field of `options` as (name, value), values exact (doubles by exact_double), in the
+// order of muon_options.h: what the construction agreement compares and what the step's
+// fingerprint hashes. A field added to MuonOptions belongs here.
+std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& options);
 
 // A 2-D parameter accepted at construction, before matrices are put in plan order.
 struct AcceptedMatrix {
@@ -85,7 +94,8 @@ struct FsdpMuon::Impl {
   // ---- construction (fsdp_muon.cpp) ----
   std::vector<detail::AcceptedMatrix> accept_parameters(FsdpMuon& self);
   void plan_matrices(FsdpMuon& self, std::vector<detail::AcceptedMatrix> accepted);
-  std::string describe_parameters(const FsdpMuon& self) const;
+  // One "<key> = <value>" line per setting, option and parameter every rank must have alike.
+  std::vector<std::string> describe_parameters(const FsdpMuon& self) const;
 
   // ---- the step (fsdp_muon_step.cpp): its two schedules (docs/DESIGN.md §3) ----
   void run_sequential(FsdpMuon& self, detail::StepRun& s);

@@ -8,7 +8,9 @@
 // module test averages real per-rank gradients and hands the reference the averaged shards.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -24,6 +26,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/schedulers/step_lr.h>
 
 #include <fsdp_muon/fsdp_muon.h>
 
@@ -231,6 +234,33 @@ TEST(FsdpMuonExactness, EqualsSingleDeviceMuonBitwise) {
     }
     ++seed;
   }
+}
+
+// A scheduler changing lr (and an edit of momentum and weight decay) on every rank alike after
+// construction: still exactly single-device Muon with those options.
+TEST(FsdpMuonExactness, OptionsChangedAlikeOnEveryRankEqualSingleDeviceMuon) {
+  Model model = make_model(78);
+  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options);
+  Muon muon(split_groups(reference_matrices(model), options), options);
+  torch::optim::StepLR fsdp_schedule(fsdp, /*step_size=*/2, /*gamma=*/0.3);
+  torch::optim::StepLR muon_schedule(muon, /*step_size=*/2, /*gamma=*/0.3);
+  for (int step = 0; step < 6; ++step) {
+    feed_gradients(model, 7800 + step);
+    if (step == 3) {
+      for (torch::optim::Optimizer* opt : {static_cast<torch::optim::Optimizer*>(&fsdp),
+                                           static_cast<torch::optim::Optimizer*>(&muon)}) {
+        static_cast<MuonOptions&>(opt->param_groups()[0].options()).momentum(0.8);
+        static_cast<MuonOptions&>(opt->param_groups()[1].options()).weight_decay(0.1);
+      }
+    }
+    fsdp.step();
+    muon.step();
+    fsdp_schedule.step();
+    muon_schedule.step();
+  }
+  EXPECT_NE(fsdp.param_groups()[0].options().get_lr(), 0.02);  // the schedule did act
+  expect_matches_reference(model, "options changed alike");
 }
 
 // Parameters without gradients (on every rank) are left alone, as single-device Muon does.
@@ -854,7 +884,11 @@ TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
     auto params = sharded_matrices(model);
     if (odd) std::reverse(params.begin(), params.end());
     expect_error([&] { FsdpMuon(params, MuonOptions()); },
-                 {"parameter lists differ across ranks", "rank(s) 1"});
+                 {"fsdp_muon::FsdpMuon: the ranks constructed different optimizers (rank(s) 1 "
+                  "differ from rank 0; this is rank " +
+                      std::to_string(world().rank()),
+                  "first difference, parameter group 0 parameter 0: rank 0 has FSDP group 'g0' ",
+                  "'a.w1' [5, 7], rank 1 has FSDP group 'g2' ", "'c.w' [6, 6]"});
   }
   // Names and shapes: the groups themselves differ, so FsdpParameterGroup refuses them on every
   // rank before FsdpMuon sees them.
@@ -876,8 +910,168 @@ TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
     Model model = make_model(38);
     auto params = sharded_matrices(model);
     if (odd) params.pop_back();
-    expect_error([&] { FsdpMuon(params, MuonOptions()); }, {"parameter lists differ across ranks"});
+    expect_error([&] { FsdpMuon(params, MuonOptions()); },
+                 {"the ranks constructed different optimizers",
+                  "parameter group 0 parameters: rank 0 has 8, rank 1 has 7"});
   }
+}
+
+// Every option that changes the math (and every distribution setting) differing on one rank,
+// down to one ulp of a double, is refused at construction on every rank, naming the option.
+TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
+  if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
+  const int odd = world().size() - 1;  // the rank that differs
+  const bool here = world().rank() == odd;
+  const std::string r = "rank " + std::to_string(odd) + " has ";
+  struct OptionCase {
+    std::string needle;  // after "first difference, "
+    std::function<void(MuonOptions&)> change;
+  };
+  const std::vector<OptionCase> option_cases = {
+      {"parameter group 0 lr: rank 0 has 0x1.47ae147ae147bp-6 (0.02), " + r +
+           "0x1.47ae147ae147cp-6 (0.02)",
+       [](MuonOptions& o) { o.lr(std::nextafter(0.02, 1.0)); }},
+      {"parameter group 0 momentum: rank 0 has 0x1.e666666666666p-1 (0.95), " + r +
+           "0x1.ccccccccccccdp-1 (0.9)",
+       [](MuonOptions& o) { o.momentum(0.9); }},
+      {"parameter group 0 nesterov: rank 0 has true, " + r + "false",
+       [](MuonOptions& o) { o.nesterov(false); }},
+      {"parameter group 0 weight_decay: rank 0 has 0x0p+0 (0), " + r + "0x1.999999999999ap-4 (0.1)",
+       [](MuonOptions& o) { o.weight_decay(0.1); }},
+      {"parameter group 0 weight_decay_method: rank 0 has decoupled, " + r + "l2",
+       [](MuonOptions& o) { o.weight_decay_method(WeightDecayMethod::kL2); }},
+      {"parameter group 0 ns_steps: rank 0 has 5, " + r + "6",
+       [](MuonOptions& o) { o.ns_steps(6); }},
+      {"parameter group 0 coefficients: rank 0 has quintic, " + r + "polar_express",
+       [](MuonOptions& o) { o.coefficients(NsCoefficients::kPolarExpress); }},
+      {"parameter group 0 custom_coefficients: rank 0 has {}, " + r + "{(0x1p+1, -0x1p+0, 0x0p+0)}",
+       [](MuonOptions& o) {
+         o.custom_coefficients({{2.0, -1.0, 0.0}});
+       }},
+      {"parameter group 0 scale_mode: rank 0 has shape_scaling, " + r + "spectral",
+       [](MuonOptions& o) { o.scale_mode(ScaleMode::kSpectral); }},
+      {"parameter group 0 extra_scale_factor: rank 0 has 0x1p+0 (1), " + r + "0x1p-1 (0.5)",
+       [](MuonOptions& o) { o.extra_scale_factor(0.5); }},
+      {"parameter group 0 eps: rank 0 has ", [](MuonOptions& o) { o.eps(1e-6); }},
+      {"parameter group 0 ns_dtype: rank 0 has BFloat16, " + r + "Float",
+       [](MuonOptions& o) { o.ns_dtype(at::kFloat); }},
+      {"parameter group 0 skip_non_matrix: rank 0 has false, " + r + "true",
+       [](MuonOptions& o) { o.skip_non_matrix(true); }},
+      {"parameter group 0 ns_method: rank 0 has standard, " + r + "gram",
+       [](MuonOptions& o) { o.ns_method(NsMethod::kGram); }},
+      {"parameter group 0 gram_restarts: rank 0 has {2}, " + r + "{1, 3}",
+       [](MuonOptions& o) {
+         o.gram_restarts({1, 3});
+       }},
+      {"parameter group 0 ns_preconditioning: rank 0 has none, " + r + "aol",
+       [](MuonOptions& o) { o.ns_preconditioning(NsPreconditioning::kAol); }},
+      {"parameter group 0 normalization: rank 0 has none, " + r + "normuon",
+       [](MuonOptions& o) { o.normalization(Normalization::kNorMuon); }},
+      {"parameter group 0 normuon_beta2: rank 0 has 0x1.e666666666666p-1 (0.95), " + r +
+           "0x1.ccccccccccccdp-1 (0.9)",
+       [](MuonOptions& o) { o.normuon_beta2(0.9); }},
+      {"parameter group 0 normuon_eps: rank 0 has ", [](MuonOptions& o) { o.normuon_eps(1e-6); }},
+  };
+  Model model = make_model(42);
+  const auto params = sharded_matrices(model);
+  for (const OptionCase& c : option_cases) {
+    MuonOptions options;
+    if (here) c.change(options);
+    expect_error([&] { FsdpMuon(params, options); },
+                 {"fsdp_muon::FsdpMuon: the ranks constructed different optimizers (rank(s) " +
+                      std::to_string(odd) + " differ from rank 0",
+                  "first difference, " + c.needle + ". Every rank must construct"},
+                 c.needle);
+  }
+  // The second of two parameter groups.
+  {
+    MuonOptions options;
+    auto groups = split_groups(params, options);
+    if (here) static_cast<MuonOptions&>(groups[1].options()).lr(0.5);
+    expect_error(
+        [&] { FsdpMuon(groups, options); },
+        {"first difference, parameter group 1 lr: rank 0 has 0x1.47ae147ae147bp-7 (0.01), " + r +
+         "0x1p-1 (0.5)"});
+  }
+  // A distribution setting.
+  {
+    FsdpMuonConfig config;
+    if (here) config.batch_newton_schulz(NewtonSchulzBatching::kNever);
+    expect_error(
+        [&] { FsdpMuon(params, MuonOptions(), config); },
+        {"first difference, batch_newton_schulz: rank 0 has where_bitwise, " + r + "never"});
+  }
+  // Alike everywhere, any of them is fine.
+  FsdpMuon alike(params, MuonOptions(std::nextafter(0.02, 1.0)).ns_method(NsMethod::kGram));
+}
+
+// Options changed after construction (a scheduler stepped on one rank only, an edit on one rank)
+// make the next step an error on every rank, naming the option and both values, before anything
+// changes; stepped alike again, training goes on.
+TEST(FsdpMuonErrors, OptionsChangedOnOneRankFailTheStep) {
+  if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
+  const int odd = world().size() - 1;
+  const bool here = world().rank() == odd;
+  Model model = make_model(43);
+  FsdpMuon fsdp(split_groups(sharded_matrices(model), MuonOptions(0.02)), MuonOptions(0.02));
+  // LibTorch's StepLR changes nothing on its first step(), then halves the lrs at every one.
+  torch::optim::StepLR schedule(fsdp, /*step_size=*/1, /*gamma=*/0.5);
+  feed_gradients(model, 4300);
+  fsdp.step();
+  schedule.step();
+  const auto shards = [&] {
+    std::vector<at::Tensor> out;
+    for (const auto& group : model.groups) out.push_back(group->main_weight_shard().clone());
+    return out;
+  };
+  const auto unchanged = [&](const std::vector<at::Tensor>& before) {
+    const auto now = shards();
+    for (size_t g = 0; g < now.size(); ++g) EXPECT_TRUE(at::equal(now[g], before[g])) << g;
+  };
+  const std::vector<at::Tensor> before = shards();
+  auto& group0 = static_cast<MuonOptions&>(fsdp.param_groups()[0].options());
+  auto& group1 = static_cast<MuonOptions&>(fsdp.param_groups()[1].options());
+  if (here) schedule.step();  // lr 0.02 -> 0.01 and 0.01 -> 0.005 on one rank
+  feed_gradients(model, 4301);
+  const std::string mine_lr0 = here ? "0x1.47ae147ae147bp-7 (0.01)" : "0x1.47ae147ae147bp-6 (0.02)";
+  const std::string mine_lr1 =
+      here ? "0x1.47ae147ae147bp-8 (0.005)" : "0x1.47ae147ae147bp-7 (0.01)";
+  expect_error([&] { fsdp.step(); },
+               {"fsdp_muon::FsdpMuon: the optimizer options differ across ranks at step() call 2: "
+                "lr of parameter group 0 (rank 0 has 0x1.47ae147ae147bp-6 (0.02), this rank has " +
+                    mine_lr0 +
+                    "); lr of parameter group 1 (rank 0 has 0x1.47ae147ae147bp-7 (0.01), this "
+                    "rank has " +
+                    mine_lr1 + ")",
+                "step every scheduler on every rank", "Nothing was changed"});
+  unchanged(before);
+  // The others catch up: alike again, the step runs.
+  if (!here) schedule.step();
+  fsdp.step();
+  EXPECT_EQ(fsdp.last_step_stats().active_parameters, 8);
+  const std::vector<at::Tensor> later = shards();
+  // Momentum and weight decay, one rank.
+  if (here) group0.momentum(0.9);
+  if (here) group1.weight_decay(0.25);
+  feed_gradients(model, 4302);
+  expect_error([&] { fsdp.step(); },
+               {"momentum of parameter group 0 (rank 0 has 0x1.e666666666666p-1 (0.95), this rank "
+                "has " +
+                std::string(here ? "0x1.ccccccccccccdp-1 (0.9)" : "0x1.e666666666666p-1 (0.95)") +
+                "); weight_decay of parameter group 1 (rank 0 has 0x0p+0 (0), this rank has " +
+                (here ? "0x1p-2 (0.25)" : "0x0p+0 (0)") + ")"});
+  unchanged(later);
+  if (here) group0.momentum(0.95);
+  if (here) group1.weight_decay(0.0);
+  // Any other option, e.g. the Newton-Schulz dtype of the second group.
+  if (here) group1.ns_dtype(at::kFloat);
+  expect_error([&] { fsdp.step(); },
+               {"another option of parameter group 1 (not lr, momentum or weight_decay; this "
+                "rank's options " +
+                std::string(here ? "differ from" : "equal") + " rank 0's)"});
+  unchanged(later);
+  if (here) group1.ns_dtype(at::kBFloat16);
+  fsdp.step();
 }
 
 TEST(FsdpMuonErrors, RanksDisagreeOnGradients) {

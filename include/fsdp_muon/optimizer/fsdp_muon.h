@@ -99,11 +99,15 @@ struct FsdpMuonConfig {
   // needs check_gradient_agreement; kIgnore turns it off.
   TORCH_ARG(NonFiniteGradients, non_finite_gradients) = NonFiniteGradients::kSkipStep;
   // Each step starts with one small all-reduce that makes a rank mismatch (different gradients
-  // present, edited parameter groups, a local error) the same error on every rank instead of a
-  // hang, at the price of a host synchronization (a second one with the non-finite check, whose
-  // flags are copied to the host first). false skips it for loops that guarantee
-  // agreement: step() then never waits on the host (on CUDA), and a mismatch hangs or fails
-  // on some ranks only. The non-finite check needs it: with false, set
+  // present, edited parameter groups, options changed on some ranks only, unreduced ZeRO-1
+  // gradients, a local error) the same error on every rank instead of a hang or a silent
+  // divergence, at the price of a host synchronization (a second one with the non-finite check,
+  // whose flags are copied to the host first). false skips it for loops that guarantee
+  // agreement: step() then never waits on the host (on CUDA), a mismatch hangs or fails on some
+  // ranks only, and only what a rank sees alone is checked (valid options, unedited groups,
+  // reduced ZeRO-1 gradients, gradient shapes): not which gradients the other ranks have, not
+  // that options changed after construction (lr, momentum, weight decay, the rest) are alike on
+  // every rank. The non-finite check needs it: with false, set
   // non_finite_gradients(NonFiniteGradients::kIgnore) too.
   TORCH_ARG(bool, check_gradient_agreement) = true;
   // See NewtonSchulzBatching. Matrices batch together when they have the same shape, dtype and
@@ -169,11 +173,13 @@ struct FsdpMuonMatrix {
 // parameter of, so call the other optimizer's step() first; refresh a group FsdpMuon holds no
 // parameter of yourself (group->refresh_model_weights()).
 //
-// Every rank must construct it with the same parameters in the same order, and must agree on
-// which parameters have gradients at each step; both are checked (a clear error on every rank,
-// not a hang). Under ShardingStrategy::kOptim a step after a backward whose gradients were not
-// reduce-scattered (group->reduce_scatter_grads()) is such an error too. The parameter groups are
-// frozen at construction: add_param_group(), or editing param_groups() afterwards, is an error.
+// Every rank must construct it with the same parameters in the same order, the same
+// MuonOptions per parameter group and the same config, keep the options alike on every rank
+// afterwards (schedulers stepped on every rank), and agree on which parameters have gradients at
+// each step; all are checked (a clear error on every rank naming what differs, not a hang). Under
+// ShardingStrategy::kOptim a step after a backward whose gradients were not reduce-scattered
+// (group->reduce_scatter_grads()) is such an error too. The parameter groups are frozen at
+// construction: add_param_group(), or editing param_groups() afterwards, is an error.
 //
 // Limitations: one data-parallel dimension (no tensor or pipeline parallelism inside the
 // groups); non-2-D parameters are an error unless MuonOptions::skip_non_matrix(true).
