@@ -952,7 +952,9 @@ TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
        [](MuonOptions& o) { o.scale_mode(ScaleMode::kSpectral); }},
       {"parameter group 0 extra_scale_factor: rank 0 has 0x1p+0 (1), " + r + "0x1p-1 (0.5)",
        [](MuonOptions& o) { o.extra_scale_factor(0.5); }},
-      {"parameter group 0 eps: rank 0 has ", [](MuonOptions& o) { o.eps(1e-6); }},
+      {"parameter group 0 eps: rank 0 has 0x1.ad7f29abcaf48p-24 (1e-07), " + r +
+           "0x1.0c6f7a0b5ed8dp-20 (1e-06)",
+       [](MuonOptions& o) { o.eps(1e-6); }},
       {"parameter group 0 ns_dtype: rank 0 has BFloat16, " + r + "Float",
        [](MuonOptions& o) { o.ns_dtype(at::kFloat); }},
       {"parameter group 0 skip_non_matrix: rank 0 has false, " + r + "true",
@@ -970,7 +972,9 @@ TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
       {"parameter group 0 normuon_beta2: rank 0 has 0x1.e666666666666p-1 (0.95), " + r +
            "0x1.ccccccccccccdp-1 (0.9)",
        [](MuonOptions& o) { o.normuon_beta2(0.9); }},
-      {"parameter group 0 normuon_eps: rank 0 has ", [](MuonOptions& o) { o.normuon_eps(1e-6); }},
+      {"parameter group 0 normuon_eps: rank 0 has 0x1.5798ee2308c3ap-27 (1e-08), " + r +
+           "0x1.0c6f7a0b5ed8dp-20 (1e-06)",
+       [](MuonOptions& o) { o.normuon_eps(1e-6); }},
   };
   Model model = make_model(42);
   const auto params = sharded_matrices(model);
