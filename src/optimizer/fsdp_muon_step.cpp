@@ -48,6 +48,7 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
   d.timer->reset();
   try {
     StepRun s = d.agree_on_gradients(*this);
+    d.advance_states(*this, s);
     d.live_full_bytes = 0;
     s.stats.rounds = static_cast<int64_t>(d.plan.rounds.size());
     if (d.config.overlap_communication()) {
@@ -142,6 +143,12 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
       s.options[gi] = &muon_options_of(self.param_groups_[gi], gi);
       s.options[gi]->validate();  // may have been edited
+      TORCH_CHECK(s.options[gi]->matrix_layout() == frozen_layouts[gi],
+                  "fsdp_muon::FsdpMuon: the matrix_layout of parameter group ", gi, " is now ",
+                  s.options[gi]->matrix_layout().to_string(), " but the owner plan was made for ",
+                  frozen_layouts[gi].to_string(),
+                  " at construction (edited options, or a checkpoint saved with another layout); "
+                  "construct a new FsdpMuon with the layout you want");
     }
     std::vector<size_t> checked;
     std::vector<at::Tensor> not_finite;
@@ -158,7 +165,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       mine[m + 1] = 1;
       if (check_finite) {
         checked.push_back(m);
-        not_finite.push_back(at::logical_not(at::isfinite(g)).any());
+        not_finite.push_back(at::logical_not(at::isfinite(piece(g, m))).any());
       }
     }
     if (checked.empty()) return;
@@ -231,6 +238,16 @@ void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& sums, StepRun
   ++skipped_steps;
 }
 
+// Each active parameter's state, created on its first step and its step counted once, before
+// any round runs: a parameter's matrices may sit in different rounds (docs/DESIGN.md §3).
+void FsdpMuon::Impl::advance_states(FsdpMuon& self, const StepRun& s) {
+  for (size_t m = 0; m < matrices.size(); ++m) {
+    if (s.active[m] && matrices[m].block == 0) {
+      detail::advance_muon_state(self.state_, matrices[m].sharded_parameter);
+    }
+  }
+}
+
 // Weight decay, momentum and the Nesterov input on each local shard of the round's matrices;
 // owners keep theirs, the rest is packed into the gather's send buffer.
 RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, const StepRun& s) {
@@ -249,12 +266,16 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
   for (size_t j = 0; j < mine.size(); ++j) {
     if (!f.active[j]) continue;
     const FsdpMuonMatrix& mat = matrices[mine[j]];
+    if (local_piece[mine[j]].second == 0) continue;  // this rank holds none of it
     const at::Tensor& p = mat.sharded_parameter;
-    MuonParamState& state = detail::advance_muon_state(self.state_, p);
-    if (p.numel() == 0) continue;  // this rank holds none of it
+    auto& state =
+        static_cast<MuonParamState&>(*self.state_.at(p.unsafeGetTensorImpl()));  // advance_states
     const MuonOptions& options = s.options_of(mat);
-    at::Tensor buffer = state.momentum_buffer();
-    at::Tensor u = detail::muon_momentum_input(p, p.grad(), buffer, options);
+    // The elementwise steps on this matrix's piece of the shard: they round once per element,
+    // so pieces give the whole parameter's bits (muon_math.h).
+    at::Tensor buffer = piece(state.momentum_buffer(), mine[j]);
+    at::Tensor u =
+        detail::muon_momentum_input(piece(p, mine[j]), piece(p.grad(), mine[j]), buffer, options);
     if (mat.owner == me) {
       f.own[j] = std::move(u);
     } else {
@@ -397,13 +418,13 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
   const auto& mine = round_matrices[f.round];
   for (size_t j = 0; j < mine.size(); ++j) {
     const FsdpMuonMatrix& mat = matrices[mine[j]];
-    const at::Tensor& p = mat.sharded_parameter;
-    if (!f.active[j] || p.numel() == 0) continue;
+    const int64_t len = local_piece[mine[j]].second;
+    if (!f.active[j] || len == 0) continue;
     const MuonOptions& options = s.options_of(mat);
     const at::Tensor update =
-        mat.owner == me ? f.full[j].narrow(0, round_placement[f.round][j].held[me].first, p.numel())
-                        : f.send.narrow(0, x.send_offset[j], p.numel());
-    detail::muon_apply_update(p, update, options);
+        mat.owner == me ? f.full[j].narrow(0, round_placement[f.round][j].held[me].first, len)
+                        : f.send.narrow(0, x.send_offset[j], len);
+    detail::muon_apply_update(piece(mat.sharded_parameter, mine[j]), update, options);
   }
   live_full_bytes -= f.full_bytes;
   f = RoundInFlight{};
