@@ -13,5 +13,7 @@
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/muon/muon_options.h>
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
+#include <fsdp_muon/optimizer/clip_grad_norm.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 #include <fsdp_muon/optimizer/owner_plan.h>
+#include <fsdp_muon/optimizer/qk_clip.h>

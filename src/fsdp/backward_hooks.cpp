@@ -27,9 +27,13 @@ BackwardParticipant* find_participant(int64_t id) {
   return it == participants().end() ? nullptr : it->second;
 }
 
-// Identity forward; backward tells the group first (the C++ counterpart of FSDP2's
-// pre-backward hook, which LibTorch modules lack).
-struct PreBackward : public torch::autograd::Function<PreBackward> {
+// An identity on the tensors given whose backward calls `Hook` on the group. Autograd runs it
+// before the backward of what consumes the outputs (PreBackward: on a forward()'s outputs, the
+// C++ counterpart of FSDP2's pre-backward hook, which LibTorch modules lack) or once the
+// gradients of all the inputs are computed (PostBackward: on a forward()'s inputs, so the
+// group learns that this call's backward is done).
+template <void (BackwardParticipant::*Hook)()>
+struct NotifyInBackward : public torch::autograd::Function<NotifyInBackward<Hook>> {
   // A TensorList, which Function::apply counts as differentiable inputs (a std::vector it
   // would not).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
@@ -43,32 +47,14 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     if (BackwardParticipant* p = find_participant(ctx->saved_data["participant"].toInt())) {
-      p->pre_backward();
+      (p->*Hook)();
     }
     grads.emplace_back();  // for `id`, which has no gradient
     return grads;
   }
 };
-
-// Identity forward on a forward()'s inputs; backward, which autograd runs once the gradients of
-// all of them are computed, tells the group that this call's backward is done.
-struct PostBackward : public torch::autograd::Function<PostBackward> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                at::TensorList inputs, int64_t id) {
-    ctx->saved_data["participant"] = id;
-    ctx->set_materialize_grads(false);
-    return inputs.vec();
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    if (BackwardParticipant* p = find_participant(ctx->saved_data["participant"].toInt())) {
-      p->post_backward();
-    }
-    grads.emplace_back();  // for `id`, which has no gradient
-    return grads;
-  }
-};
+using PreBackward = NotifyInBackward<&BackwardParticipant::pre_backward>;
+using PostBackward = NotifyInBackward<&BackwardParticipant::post_backward>;
 
 // `tensors` with the differentiable ones replaced, in order, by `wrapped`.
 std::vector<at::Tensor> replace_differentiable(const std::vector<at::Tensor>& tensors,

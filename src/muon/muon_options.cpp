@@ -235,6 +235,12 @@ constexpr detail::EnumName<WeightDecayMethod> kWeightDecayNames[] = {
 };
 static_assert(detail::rows_in_enumerator_order(kWeightDecayNames));
 
+constexpr detail::EnumName<Normalization> kNormalizationNames[] = {
+    {Normalization::kNone, "none"},
+    {Normalization::kNorMuon, "normuon"},
+};
+static_assert(detail::rows_in_enumerator_order(kNormalizationNames));
+
 }  // namespace
 
 const char* to_string(ScaleMode mode) { return detail::name_of(kScaleModeNames, mode); }
@@ -244,13 +250,7 @@ const char* to_string(WeightDecayMethod method) {
 }
 
 const char* to_string(Normalization normalization) {
-  switch (normalization) {
-    case Normalization::kNone:
-      return "none";
-    case Normalization::kNorMuon:
-      return "normuon";
-  }
-  return "unknown";
+  return detail::name_of(kNormalizationNames, normalization);
 }
 
 }  // namespace fsdp_muon

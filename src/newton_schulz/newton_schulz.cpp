@@ -18,6 +18,7 @@
 
 #include <fsdp_muon/config.h>
 
+#include "common/enum_names.h"
 #include "newton_schulz/newton_schulz_internal.h"
 
 namespace fsdp_muon {
@@ -59,6 +60,19 @@ Tuple repeat_last(const std::vector<Tuple>& tuples, int64_t i) {
   return tuples[std::min(static_cast<size_t>(i), tuples.size() - 1)];
 }
 
+constexpr detail::EnumName<NsMethod> kNsMethodNames[] = {
+    {NsMethod::kStandard, "standard"},
+    {NsMethod::kGram, "gram"},
+    {NsMethod::kAuto, "auto"},
+};
+static_assert(detail::rows_in_enumerator_order(kNsMethodNames));
+
+constexpr detail::EnumName<NsPreconditioning> kNsPreconditioningNames[] = {
+    {NsPreconditioning::kNone, "none"},
+    {NsPreconditioning::kAol, "aol"},
+};
+static_assert(detail::rows_in_enumerator_order(kNsPreconditioningNames));
+
 }  // namespace
 
 const char* to_string(NsCoefficients coefficients) {
@@ -73,40 +87,18 @@ std::optional<NsCoefficients> parse_ns_coefficients(std::string_view name) {
   return std::nullopt;
 }
 
-const char* to_string(NsMethod method) {
-  switch (method) {
-    case NsMethod::kStandard:
-      return "standard";
-    case NsMethod::kGram:
-      return "gram";
-    case NsMethod::kAuto:
-      return "auto";
-  }
-  return "unknown";
-}
+const char* to_string(NsMethod method) { return detail::name_of(kNsMethodNames, method); }
 
 const char* to_string(NsPreconditioning preconditioning) {
-  switch (preconditioning) {
-    case NsPreconditioning::kNone:
-      return "none";
-    case NsPreconditioning::kAol:
-      return "aol";
-  }
-  return "unknown";
+  return detail::name_of(kNsPreconditioningNames, preconditioning);
 }
 
 std::optional<NsMethod> parse_ns_method(std::string_view name) {
-  for (NsMethod method : {NsMethod::kStandard, NsMethod::kGram, NsMethod::kAuto}) {
-    if (name == to_string(method)) return method;
-  }
-  return std::nullopt;
+  return detail::value_named(kNsMethodNames, name);
 }
 
 std::optional<NsPreconditioning> parse_ns_preconditioning(std::string_view name) {
-  for (NsPreconditioning p : {NsPreconditioning::kNone, NsPreconditioning::kAol}) {
-    if (name == to_string(p)) return p;
-  }
-  return std::nullopt;
+  return detail::value_named(kNsPreconditioningNames, name);
 }
 
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options) {

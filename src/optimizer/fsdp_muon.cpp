@@ -12,6 +12,7 @@
 #include <torch/serialize/archive.h>
 
 #include "comm/agreement.h"
+#include "common/enum_names.h"
 #include "optimizer/fsdp_muon_impl.h"
 
 namespace fsdp_muon {
@@ -66,31 +67,25 @@ std::shared_ptr<Communicator> communicator_of(
   return nullptr;
 }
 
+constexpr detail::EnumName<NonFiniteGradients> kNonFiniteNames[] = {
+    {NonFiniteGradients::kIgnore, "ignore"},
+    {NonFiniteGradients::kSkipStep, "skip_step"},
+    {NonFiniteGradients::kThrow, "throw"},
+};
+static_assert(detail::rows_in_enumerator_order(kNonFiniteNames));
+
+constexpr detail::EnumName<NewtonSchulzBatching> kBatchingNames[] = {
+    {NewtonSchulzBatching::kWhereBitwise, "where_bitwise"},
+    {NewtonSchulzBatching::kAlways, "always"},
+    {NewtonSchulzBatching::kNever, "never"},
+};
+static_assert(detail::rows_in_enumerator_order(kBatchingNames));
+
 }  // namespace
 
-const char* to_string(NonFiniteGradients mode) {
-  switch (mode) {
-    case NonFiniteGradients::kIgnore:
-      return "ignore";
-    case NonFiniteGradients::kSkipStep:
-      return "skip_step";
-    case NonFiniteGradients::kThrow:
-      return "throw";
-  }
-  return "?";
-}
+const char* to_string(NonFiniteGradients mode) { return detail::name_of(kNonFiniteNames, mode); }
 
-const char* to_string(NewtonSchulzBatching mode) {
-  switch (mode) {
-    case NewtonSchulzBatching::kWhereBitwise:
-      return "where_bitwise";
-    case NewtonSchulzBatching::kAlways:
-      return "always";
-    case NewtonSchulzBatching::kNever:
-      return "never";
-  }
-  return "?";
-}
+const char* to_string(NewtonSchulzBatching mode) { return detail::name_of(kBatchingNames, mode); }
 
 OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const { return OwnerPlanOptions(*this); }
 

@@ -11,6 +11,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include "common/enum_names.h"
 #include "fsdp/flat_layout.h"
 #include "optimizer/owner_plan_internal.h"
 
@@ -195,29 +196,24 @@ OwnerPlan plan_in_windows(const std::vector<PlanGroup>& groups, const OwnerPlan&
   return windowed.critical_path_planned() < carried.critical_path_planned() ? windowed : carried;
 }
 
+constexpr detail::EnumName<OwnerSchedule> kScheduleNames[] = {
+    {OwnerSchedule::kWindows, "windows"},
+    {OwnerSchedule::kRounds, "rounds"},
+};
+static_assert(detail::rows_in_enumerator_order(kScheduleNames));
+
+constexpr detail::EnumName<OwnerPolicy> kPolicyNames[] = {
+    {OwnerPolicy::kHoldersOnly, "holders_only"},
+    {OwnerPolicy::kAnyRank, "any_rank"},
+    {OwnerPolicy::kBalanced, "balanced"},
+};
+static_assert(detail::rows_in_enumerator_order(kPolicyNames));
+
 }  // namespace
 
-const char* to_string(OwnerSchedule schedule) {
-  switch (schedule) {
-    case OwnerSchedule::kWindows:
-      return "windows";
-    case OwnerSchedule::kRounds:
-      return "rounds";
-  }
-  return "unknown";
-}
+const char* to_string(OwnerSchedule schedule) { return detail::name_of(kScheduleNames, schedule); }
 
-const char* to_string(OwnerPolicy policy) {
-  switch (policy) {
-    case OwnerPolicy::kHoldersOnly:
-      return "holders_only";
-    case OwnerPolicy::kAnyRank:
-      return "any_rank";
-    case OwnerPolicy::kBalanced:
-      return "balanced";
-  }
-  return "unknown";
-}
+const char* to_string(OwnerPolicy policy) { return detail::name_of(kPolicyNames, policy); }
 
 int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps) {
   const int64_t m = std::min(rows, cols);

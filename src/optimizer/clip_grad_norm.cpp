@@ -1,0 +1,70 @@
+#include <fsdp_muon/optimizer/clip_grad_norm.h>
+
+#include <cmath>
+#include <limits>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace fsdp_muon {
+
+double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                      double max_norm, double norm_type, NonFiniteGradients non_finite) {
+  const char* api = "fsdp_muon::clip_grad_norm: ";
+  TORCH_CHECK(!groups.empty(), api, "no groups given");
+  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, api,
+              "max_norm must be a positive number, got ", max_norm);
+  const bool inf_norm = std::isinf(norm_type) && norm_type > 0;
+  TORCH_CHECK(inf_norm || (std::isfinite(norm_type) && norm_type > 0), api,
+              "norm_type must be positive (2.0 for the Euclidean norm, "
+              "std::numeric_limits<double>::infinity() for the largest element), got ",
+              norm_type);
+  std::unordered_set<const FsdpParameterGroup*> seen;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    TORCH_CHECK(groups[i] != nullptr, api, "group ", i, " is null");
+    TORCH_CHECK(seen.insert(groups[i].get()).second, api, "group '", groups[i]->name(),
+                "' is given twice; its gradient would count twice in the norm");
+    TORCH_CHECK(groups[i]->communicator() == groups[0]->communicator(), api, "group '",
+                groups[i]->name(), "' is on another communicator than group '", groups[0]->name(),
+                "'; clip the groups of each communicator in a call of their own");
+  }
+  Communicator& comm = *groups[0]->communicator();
+
+  // This rank's part of the norm, in double whatever the gradients' dtype.
+  std::vector<at::Tensor> grads;
+  at::Tensor local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(comm.device()));
+  for (const auto& group : groups) {
+    for (const at::Tensor& p : group->sharded_parameters()) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined() || g.numel() == 0) continue;
+      grads.push_back(g);
+      const at::Tensor magnitude = g.to(at::kDouble).abs();
+      if (inf_norm) {
+        local = at::maximum(local, magnitude.max().reshape({1}));
+      } else {
+        local.add_(norm_type == 2.0 ? magnitude.square().sum() : magnitude.pow(norm_type).sum());
+      }
+    }
+  }
+  comm.all_reduce(local, inf_norm ? ReduceOp::kMax : ReduceOp::kSum);
+  const double reduced = comm.to_host(local).item<double>();
+  const double total =
+      inf_norm ? reduced
+               : (norm_type == 2.0 ? std::sqrt(reduced) : std::pow(reduced, 1.0 / norm_type));
+
+  if (!std::isfinite(total)) {
+    TORCH_CHECK(non_finite != NonFiniteGradients::kThrow, api, "the gradients' total norm is ",
+                total,
+                " (a NaN or Inf gradient on some rank); nothing was clipped. Find the parameter "
+                "with FsdpMuon's non_finite_gradients(kThrow), or pass kSkipStep to skip the step");
+    if (non_finite == NonFiniteGradients::kSkipStep) return total;
+  }
+  // torch's rule: scale by max_norm / (norm + 1e-6), never up.
+  const double coefficient = std::min(max_norm / (total + 1e-6), 1.0);
+  if (!(coefficient < 1.0) && !std::isnan(coefficient)) return total;
+  for (at::Tensor& g : grads) g.mul_(coefficient);
+  return total;
+}
+
+}  // namespace fsdp_muon

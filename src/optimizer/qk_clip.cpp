@@ -1,0 +1,174 @@
+#include <fsdp_muon/optimizer/qk_clip.h>
+
+#include <cmath>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include "comm/agreement.h"
+
+namespace fsdp_muon {
+namespace {
+
+constexpr const char* kApi = "fsdp_muon::qk_clip: ";
+
+struct Located {
+  FsdpParameterGroup* group = nullptr;
+  size_t index = 0;
+};
+
+Located locate(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+               const std::string& name, size_t layer, const char* role, size_t dims) {
+  for (const auto& g : groups) {
+    for (size_t i = 0; i < g->num_parameters(); ++i) {
+      if (g->slot(i).name != name) continue;
+      TORCH_CHECK(g->slot(i).shape.size() == dims, kApi, "layer ", layer, "'s ", role, " '", name,
+                  "' has ", g->slot(i).shape.size(), " dimensions; a ", role, " has ", dims);
+      return {g.get(), i};
+    }
+  }
+  TORCH_CHECK(false, kApi, "layer ", layer, "'s ", role, " '", name,
+              "' is in none of the groups given; pass the groups that hold it, by the name "
+              "shard_module gives it (its path in the module)");
+  return {};
+}
+
+// Multiplies rows [first_row, first_row + factors.size()) of the parameter's main weights by
+// `factors` (one per row), on the slice this rank holds.
+void scale_rows(const Located& where, int64_t first_row, const std::vector<double>& factors) {
+  const ParameterSlot& slot = where.group->slot(where.index);
+  const int64_t cols = slot.shape.size() == 2 ? slot.shape[1] : 1;
+  const auto [first, second] = where.group->held_range(where.index);
+  if (first == second) return;
+  at::Tensor shard = where.group->sharded_parameter(where.index);
+  std::vector<double> per_row(static_cast<size_t>(slot.shape[0]), 1.0);
+  for (size_t r = 0; r < factors.size(); ++r) per_row[first_row + r] = factors[r];
+  const at::Tensor rows = at::arange(first, second, at::kLong).div(cols, "floor");
+  const at::Tensor row_factor =
+      at::tensor(per_row, at::kDouble).index_select(0, rows).to(shard.options());
+  shard.mul_(row_factor);
+}
+
+}  // namespace
+
+QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                     const std::vector<QkClipLayer>& layers, double threshold,
+                     const at::Tensor& max_logits) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(!groups.empty(), kApi, "no groups given");
+  for (const auto& g : groups) {
+    TORCH_CHECK(g != nullptr, kApi, "a group is null");
+    TORCH_CHECK(g->communicator() == groups[0]->communicator(), kApi, "group '", g->name(),
+                "' is on another communicator than group '", groups[0]->name(), "'");
+  }
+  Communicator& comm = *groups[0]->communicator();
+
+  struct Resolved {
+    Located query, key, query_bias, key_bias;
+  };
+  std::vector<Resolved> resolved(layers.size());
+  int64_t heads = 0;
+  // Every check before the first collective, agreed, so a rank with a bad argument fails them all.
+  detail::run_agreed(comm, "fsdp_muon::qk_clip", [&] {
+    TORCH_CHECK(std::isfinite(threshold) && threshold > 0, kApi,
+                "threshold must be a positive number, got ", threshold);
+    TORCH_CHECK(!layers.empty(), kApi, "no layers given");
+    heads = layers[0].num_heads();
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const QkClipLayer& layer = layers[l];
+      TORCH_CHECK(layer.num_heads() > 0 && layer.head_dim() > 0, kApi, "layer ", l,
+                  ": num_heads and head_dim must be positive, got ", layer.num_heads(), " and ",
+                  layer.head_dim());
+      TORCH_CHECK(layer.num_heads() == heads, kApi, "layer ", l, " has ", layer.num_heads(),
+                  " heads and layer 0 has ", heads, "; max_logits is [layers, heads], one count");
+      const int64_t kv = layer.num_kv_heads() == 0 ? layer.num_heads() : layer.num_kv_heads();
+      TORCH_CHECK(kv > 0 && layer.num_heads() % kv == 0, kApi, "layer ", l, ": num_kv_heads (", kv,
+                  ") must divide num_heads (", layer.num_heads(), ")");
+      Resolved& r = resolved[l];
+      r.query = locate(groups, layer.query_weight(), l, "query weight", 2);
+      r.key = locate(groups, layer.key_weight(), l, "key weight", 2);
+      const auto check_rows = [&](const Located& w, int64_t offset, int64_t count,
+                                  const std::string& name, const char* role) {
+        const int64_t rows = w.group->slot(w.index).shape[0];
+        TORCH_CHECK(offset >= 0 && offset + count <= rows, kApi, "layer ", l, "'s ", role,
+                    " rows [", offset, ", ", offset + count, ") do not fit '", name, "' with ",
+                    rows, " rows; check the row offset, num_heads and head_dim");
+      };
+      check_rows(r.query, layer.query_row_offset(), layer.num_heads() * layer.head_dim(),
+                 layer.query_weight(), "query");
+      check_rows(r.key, layer.key_row_offset(), kv * layer.head_dim(), layer.key_weight(), "key");
+      if (!layer.query_bias().empty()) {
+        r.query_bias = locate(groups, layer.query_bias(), l, "query bias", 1);
+        check_rows(r.query_bias, layer.query_row_offset(), layer.num_heads() * layer.head_dim(),
+                   layer.query_bias(), "query bias");
+      }
+      if (!layer.key_bias().empty()) {
+        r.key_bias = locate(groups, layer.key_bias(), l, "key bias", 1);
+        check_rows(r.key_bias, layer.key_row_offset(), kv * layer.head_dim(), layer.key_bias(),
+                   "key bias");
+      }
+    }
+    TORCH_CHECK(max_logits.defined() && max_logits.dim() == 2 &&
+                    max_logits.size(0) == static_cast<int64_t>(layers.size()) &&
+                    max_logits.size(1) == heads,
+                kApi, "max_logits must be [layers, heads] = [", layers.size(), ", ", heads,
+                "], got ", max_logits.defined() ? max_logits.sizes() : at::IntArrayRef{});
+  });
+
+  at::Tensor reduced = max_logits.to(comm.device(), at::kDouble).flatten().clone();
+  comm.all_reduce(reduced, ReduceOp::kMax);
+  reduced = comm.to_host(reduced).view(max_logits.sizes());
+  TORCH_CHECK(at::isfinite(reduced).all().item<bool>(), kApi,
+              "a maximum logit is NaN or Inf on some rank; nothing was clipped");
+
+  QkClipResult result;
+  result.max_logits = reduced;
+  result.factors = at::ones_like(reduced);
+  std::set<FsdpParameterGroup*> touched;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const QkClipLayer& layer = layers[l];
+    const int64_t dh = layer.head_dim();
+    const int64_t kv = layer.num_kv_heads() == 0 ? layer.num_heads() : layer.num_kv_heads();
+    const bool own_key = kv == layer.num_heads();
+    std::vector<double> query_rows(static_cast<size_t>(heads * dh), 1.0);
+    std::vector<double> key_rows(static_cast<size_t>(kv * dh), 1.0);
+    bool any = false;
+    for (int64_t h = 0; h < heads; ++h) {
+      const double s = reduced[l][h].item<double>();
+      if (s <= threshold) continue;
+      const double gamma = threshold / s;
+      result.factors[l][h] = gamma;
+      ++result.clipped_heads;
+      any = true;
+      const double q = own_key ? std::sqrt(gamma) : gamma;
+      for (int64_t i = 0; i < dh; ++i) query_rows[h * dh + i] = q;
+      if (own_key) {
+        for (int64_t i = 0; i < dh; ++i) key_rows[h * dh + i] = std::sqrt(gamma);
+      }
+    }
+    if (!any) continue;
+    const Resolved& r = resolved[l];
+    scale_rows(r.query, layer.query_row_offset(), query_rows);
+    scale_rows(r.key, layer.key_row_offset(), key_rows);
+    touched.insert(r.query.group);
+    touched.insert(r.key.group);
+    if (r.query_bias.group != nullptr) {
+      scale_rows(r.query_bias, layer.query_row_offset(), query_rows);
+      touched.insert(r.query_bias.group);
+    }
+    if (r.key_bias.group != nullptr) {
+      scale_rows(r.key_bias, layer.key_row_offset(), key_rows);
+      touched.insert(r.key_bias.group);
+    }
+  }
+  // The same set on every rank (it depends only on the reduced maxima), refreshed in the order
+  // the groups were given, so the collectives match.
+  for (const auto& g : groups) {
+    if (touched.count(g.get()) != 0) g->refresh_model_weights();
+  }
+  return result;
+}
+
+}  // namespace fsdp_muon

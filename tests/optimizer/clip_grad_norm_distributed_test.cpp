@@ -1,0 +1,208 @@
+// clip_grad_norm across real processes (torchrun / mpirun, W = 1-4, Gloo on CPU): the norm and the
+// clipped gradient shards against torch::nn::utils::clip_grad_norm_ on the full, rank-averaged
+// (DDP) gradients of an unsharded copy of the model, under every sharding strategy, for the
+// 2-norm, another p and the inf-norm; a NaN gradient under each non-finite mode; bad arguments.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <fsdp_muon/fsdp_muon.h>
+
+#include "common/distributed_main.h"
+#include "common/test_util.h"
+
+namespace fsdp_muon {
+namespace {
+
+using testing::world;
+using testing::world_ptr;
+
+// A row of 1, a column of 1 and sizes no world size up to 4 divides: at W >= 2 some rank holds
+// nothing of some parameter.
+const std::vector<int64_t> kDims = {6, 11, 1, 7, 3};
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t in, int64_t out) {
+    fc = register_module("fc", torch::nn::Linear(in, out));
+    gain = register_parameter("gain", at::ones({out}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::tanh(fc(x)) * gain; }
+  torch::nn::Linear fc{nullptr};
+  at::Tensor gain;
+};
+TORCH_MODULE(Block);
+
+struct StackImpl : torch::nn::Module {
+  StackImpl() {
+    for (size_t i = 0; i + 1 < kDims.size(); ++i) {
+      blocks.push_back(register_module("b" + std::to_string(i), Block(kDims[i], kDims[i + 1])));
+    }
+  }
+  at::Tensor forward(at::Tensor h) {
+    for (auto& b : blocks) h = b->forward(h);
+    return h;
+  }
+  std::vector<Block> blocks;
+};
+TORCH_MODULE(Stack);
+
+at::Tensor input_of(int rank) {
+  at::manual_seed(700 + rank);
+  return at::randn({4, kDims.front()});
+}
+
+// The sharded model after one backward and reduce_scatter_grads(), and an unsharded copy with
+// the gradients DDP would have (the mean over ranks of each rank's gradients).
+struct ShardedModel {
+  explicit ShardedModel(ShardingStrategy strategy, double gradient_scale = 1.0) {
+    at::manual_seed(5);
+    net = Stack();
+    at::manual_seed(5);
+    reference = Stack();
+    groups = shard_module(*net, world_ptr(),
+                          ShardModuleOptions().group_options(
+                              FsdpParameterGroupOptions().sharding_strategy(strategy)));
+    for (auto& g : groups) g->zero_grad();
+    at::Tensor h = input_of(world().rank());
+    for (size_t k = 0; k < groups.size(); ++k) {
+      Block block = net->blocks[k];
+      h = groups[k]->forward([&](const at::Tensor& x) { return block->forward(x); }, h);
+    }
+    (h.pow(2).mean() * gradient_scale).backward();
+    for (auto& g : groups) g->reduce_scatter_grads();
+
+    const int w = world().size();
+    for (int r = 0; r < w; ++r) {
+      (reference->forward(input_of(r)).pow(2).mean() * gradient_scale / w).backward();
+    }
+  }
+
+  // The slice of the reference gradient each sharded parameter of this rank holds.
+  std::vector<std::pair<std::string, std::pair<at::Tensor, at::Tensor>>> shard_and_reference() {
+    std::map<std::string, at::Tensor> full;
+    for (const auto& item : reference->named_parameters()) full[item.key()] = item.value().grad();
+    std::vector<std::pair<std::string, std::pair<at::Tensor, at::Tensor>>> pairs;
+    for (const auto& g : groups) {
+      for (size_t i = 0; i < g->num_parameters(); ++i) {
+        const std::string& name = g->slot(i).name;
+        EXPECT_TRUE(full.count(name)) << "no reference parameter '" << name << "'";
+        const auto [first, second] = g->held_range(i);
+        pairs.push_back(
+            {name, {g->sharded_parameter(i).grad(), full[name].flatten().slice(0, first, second)}});
+      }
+    }
+    return pairs;
+  }
+
+  Stack net{nullptr};
+  Stack reference{nullptr};
+  std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
+};
+
+double relative(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+const ShardingStrategy kStrategies[] = {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
+                                        ShardingStrategy::kOptimGradsParams};
+
+void expect_matches_torch(ShardingStrategy strategy, double max_norm, double norm_type) {
+  SCOPED_TRACE(std::string("strategy ") + to_string(strategy) + ", max_norm " +
+               std::to_string(max_norm) + ", norm_type " + std::to_string(norm_type));
+  ShardedModel s(strategy);
+  const double norm = clip_grad_norm(s.groups, max_norm, norm_type);
+  const double expected =
+      torch::nn::utils::clip_grad_norm_(s.reference->parameters(), max_norm, norm_type);
+  EXPECT_LE(relative(norm, expected), 1e-6) << norm << " vs " << expected;
+  for (const auto& [name, tensors] : s.shard_and_reference()) {
+    const auto& [shard, want] = tensors;
+    ASSERT_EQ(shard.numel(), want.numel()) << name;
+    if (want.numel() == 0) continue;
+    const double scale = std::max(want.abs().max().item<double>(), 1e-30);
+    EXPECT_LE((shard.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>() / scale,
+              1e-6)
+        << name << " on rank " << world().rank();
+  }
+}
+
+TEST(ClipGradNorm, TwoNormMatchesTorchOnTheFullGradientsUnderEveryStrategy) {
+  for (ShardingStrategy strategy : kStrategies) {
+    expect_matches_torch(strategy, /*max_norm=*/0.05, 2.0);  // clips
+    expect_matches_torch(strategy, /*max_norm=*/1e6, 2.0);   // leaves the gradients alone
+  }
+}
+
+TEST(ClipGradNorm, InfAndOtherNormsMatchTorch) {
+  for (ShardingStrategy strategy : kStrategies) {
+    expect_matches_torch(strategy, 0.01, std::numeric_limits<double>::infinity());
+    expect_matches_torch(strategy, 0.05, 3.0);
+  }
+}
+
+// A NaN gradient on the last rank only: every rank sees a NaN norm and acts on it the same way.
+TEST(ClipGradNorm, NonFiniteNormFollowsTheMode) {
+  const bool poisoned = world().rank() == world().size() - 1;
+  for (NonFiniteGradients mode :
+       {NonFiniteGradients::kSkipStep, NonFiniteGradients::kThrow, NonFiniteGradients::kIgnore}) {
+    SCOPED_TRACE(to_string(mode));
+    ShardedModel s(ShardingStrategy::kOptim);
+    // The last rank's first non-empty gradient shard gets a NaN.
+    at::Tensor poisoned_grad;
+    for (const auto& g : s.groups) {
+      for (const at::Tensor& p : g->sharded_parameters()) {
+        if (!poisoned_grad.defined() && p.grad().numel() > 0) poisoned_grad = p.grad();
+      }
+    }
+    ASSERT_TRUE(poisoned_grad.defined());
+    if (poisoned) poisoned_grad.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<at::Tensor> before;
+    for (const auto& g : s.groups) {
+      for (const at::Tensor& p : g->sharded_parameters()) before.push_back(p.grad().clone());
+    }
+    if (mode == NonFiniteGradients::kThrow) {
+      testing::expect_error(
+          [&] { clip_grad_norm(s.groups, 0.05, 2.0, mode); },
+          {"fsdp_muon::clip_grad_norm: the gradients' total norm is ", "a NaN or Inf gradient"});
+      continue;
+    }
+    const double norm = clip_grad_norm(s.groups, 0.05, 2.0, mode);
+    EXPECT_TRUE(std::isnan(norm));
+    size_t k = 0;
+    for (const auto& g : s.groups) {
+      for (const at::Tensor& p : g->sharded_parameters()) {
+        const at::Tensor& was = before[k++];
+        if (mode == NonFiniteGradients::kSkipStep) {
+          EXPECT_TRUE(at::allclose(p.grad(), was, 0, 0, /*equal_nan=*/true))
+              << "kSkipStep changed a gradient";
+        } else if (p.grad().numel() > 0) {
+          EXPECT_TRUE(p.grad().isnan().all().item<bool>()) << "kIgnore scales by NaN, as torch";
+        }
+      }
+    }
+  }
+}
+
+TEST(ClipGradNorm, BadArgumentsAreClearErrors) {
+  ShardedModel s(ShardingStrategy::kOptim);
+  testing::expect_error(
+      [&] { clip_grad_norm(std::vector<std::shared_ptr<FsdpParameterGroup>>{}, 1.0); },
+      {"fsdp_muon::clip_grad_norm: no groups"});
+  testing::expect_error([&] { clip_grad_norm(s.groups, 0.0); }, {"max_norm must be a positive"});
+  testing::expect_error([&] { clip_grad_norm(s.groups, 1.0, -1.0); },
+                        {"norm_type must be positive"});
+  testing::expect_error(
+      [&] {
+        clip_grad_norm(std::vector<std::shared_ptr<FsdpParameterGroup>>{s.groups[0], s.groups[0]},
+                       1.0);
+      },
+      {"is given twice"});
+}
+
+}  // namespace
+}  // namespace fsdp_muon
