@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -36,6 +37,7 @@
 #include <fsdp_muon/fsdp/shard_module.h>
 #include <fsdp_muon/muon/muon_options.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
+#include <fsdp_muon/optimizer/qk_clip.h>
 
 #include "checkpoint_hook.h"
 #include "corpus.h"
@@ -74,6 +76,10 @@ const char* kUsage =
   --ns-steps N             Newton-Schulz iterations (default 5; keep 5 with
                            --ns-preconditioning aol: quintic at 4 steps with AOL is not a
                            validated pair, README "Gram, AOL and NorMuon")
+  --qk-clip TAU            QK-clip (MuonClip) after every step: heads whose largest attention
+                           logit exceeded TAU are scaled back to it (fsdp_muon::qk_clip); the
+                           largest logit before and after the clip is logged, and the run fails
+                           if one stays above TAU (default 0: off)
   --eval-every N           validation loss every N steps (default 100; 0: only at the end)
   --log-every N            progress line every N steps when stderr is not a terminal
                            (default steps / 10)
@@ -110,6 +116,7 @@ struct Flags {
   fsdp_muon::NsMethod ns_method = fsdp_muon::NsMethod::kStandard;
   fsdp_muon::NsPreconditioning ns_preconditioning = fsdp_muon::NsPreconditioning::kNone;
   int64_t ns_steps = 5;
+  double qk_clip = 0;
   int64_t eval_every = 100;
   int64_t log_every = 0;
   uint64_t seed = 1234;
@@ -198,6 +205,7 @@ Flags parse_flags(int argc, char** argv) {
     f.ns_preconditioning = *parsed;
   }
   take("ns-steps", f.ns_steps);
+  take("qk-clip", f.qk_clip);
   take("eval-every", f.eval_every);
   take("log-every", f.log_every);
   take("seed", f.seed);
@@ -216,6 +224,8 @@ Flags parse_flags(int argc, char** argv) {
               "or fp32, got '", f.ns_dtype, "'");
   TORCH_CHECK(f.steps > 0 && f.batch > 0 && f.seq_len > 1, "char_gpt: --steps, --batch and ",
               "--seq-len must be positive (--seq-len at least 2)");
+  TORCH_CHECK(f.qk_clip >= 0.0 && std::isfinite(f.qk_clip),
+              "char_gpt: --qk-clip must be a positive threshold (0: off), got ", f.qk_clip);
   TORCH_CHECK(f.cooldown >= 0.0 && f.cooldown <= 1.0, "char_gpt: --cooldown must be in [0, 1]");
   TORCH_CHECK(!(f.compare && (!f.checkpoint.empty() || !f.resume.empty())),
               "char_gpt: --compare runs two trainings; use --checkpoint/--resume with one "
@@ -372,6 +382,9 @@ struct RunResult {
   double seconds = 0.0;
   double tokens_per_second = 0.0;
   int64_t steps_run = 0;
+  // --qk-clip: the largest attention logit measured right after a clip, and the heads clipped.
+  double largest_logit_after_clip = -std::numeric_limits<double>::infinity();
+  int64_t clipped_heads = 0;
 };
 
 RunResult train(const Flags& flags, const std::string& optimizer_name, const Corpus& corpus,
@@ -458,6 +471,17 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     progress.message(ss.str());
   }
 
+  // QK-clip's view of each block's fused QKV projection: queries in rows [0, d), keys in [d, 2d).
+  std::vector<fsdp_muon::QkClipLayer> qk_layers;
+  for (int64_t i = 0; i < config.n_layers; ++i) {
+    const std::string qkv = "blocks." + std::to_string(i) + ".qkv.";
+    qk_layers.push_back(fsdp_muon::QkClipLayer(qkv + "weight", qkv + "weight", config.n_heads,
+                                               config.d_model / config.n_heads)
+                            .key_row_offset(config.d_model)
+                            .query_bias(qkv + "bias")
+                            .key_bias(qkv + "bias"));
+  }
+
   TrainingState state;
   state.groups = groups;
   state.muon = muon.get();
@@ -523,6 +547,35 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     adamw.step();
     if (muon) muon->step();  // also refreshes the model weights of the groups it stepped
     for (const auto& group : refresh_after_step) group->refresh_model_weights();
+    if (flags.qk_clip > 0) {
+      // This batch's largest logit per head with the updated weights (one more forward, no
+      // gradient), recording each block's input; then the clip; then the same blocks on the
+      // same inputs with the clipped weights: no head may exceed τ any more.
+      model->record_max_logits(true);
+      {
+        at::NoGradGuard no_grad;
+        sharded_forward(model, parts, batch.inputs.to(device));
+      }
+      model->record_max_logits(false);
+      const fsdp_muon::QkClipResult clip =
+          fsdp_muon::qk_clip(groups, qk_layers, flags.qk_clip, model->max_logits());
+      for (const auto& block : parts.blocks) block->unshard();
+      at::Tensor after = model->recheck_max_logits().max().reshape({1}).to(at::kDouble);
+      for (const auto& block : parts.blocks) block->reshard();
+      comm->all_reduce(after, fsdp_muon::ReduceOp::kMax);
+      const double before_max = clip.max_logits.max().item<double>();
+      const double after_max = comm->to_host(after).item<double>();
+      result.largest_logit_after_clip = std::max(result.largest_logit_after_clip, after_max);
+      result.clipped_heads += clip.clipped_heads;
+      if (rank0 && (step + 1) % flags.log_every == 0) {
+        char line[160];
+        std::snprintf(line, sizeof(line),
+                      "step %lld: max logit %.3f -> %.3f after qk-clip (tau %.3g, %lld heads)",
+                      static_cast<long long>(step + 1), before_max, after_max, flags.qk_clip,
+                      static_cast<long long>(clip.clipped_heads));
+        progress.message(line);
+      }
+    }
     state.step = step + 1;
 
     const double l = loss.item<double>();
@@ -590,6 +643,15 @@ int run(int argc, char** argv) {
     const bool learned = (!full || r.final_val_loss < threshold) &&
                          (r.final_val_loss < r.initial_val_loss || r.steps_run == 0);
     ok = ok && learned;
+    // A clip scales a head's logits to τ exactly; rounding aside, none may stay above it.
+    const bool clipped = flags.qk_clip <= 0 || r.steps_run == 0 ||
+                         r.largest_logit_after_clip <= flags.qk_clip * (1 + 1e-4);
+    ok = ok && clipped;
+    if (rank0 && flags.qk_clip > 0) {
+      std::printf("%s: qk-clip tau %.4g: %lld head clips; largest logit after a clip %.4f: %s\n",
+                  name.c_str(), flags.qk_clip, static_cast<long long>(r.clipped_heads),
+                  r.largest_logit_after_clip, clipped ? "bounded" : "ABOVE TAU");
+    }
     if (rank0) {
       std::fflush(stderr);
       std::printf(

@@ -1,5 +1,9 @@
 #include "model.h"
 
+#include <cmath>
+#include <limits>
+#include <vector>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/init.h>
@@ -20,12 +24,30 @@ BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads) : n_heads_(n_heads) {
   mlp_out_ = register_module("mlp_out", torch::nn::Linear(4 * d_model, d_model));
 }
 
+at::Tensor BlockImpl::max_logits_on(const at::Tensor& x) {
+  at::NoGradGuard no_grad;
+  const int64_t batch = x.size(0), seq = x.size(1), d = x.size(2), dh = d / n_heads_;
+  auto heads = [&](const at::Tensor& t) {  // (B, T, d) -> (B, H, T, dh)
+    return t.reshape({batch, seq, n_heads_, dh}).transpose(1, 2).to(at::kFloat);
+  };
+  const auto qkv = qkv_->forward(attn_norm_->forward(x)).chunk(3, /*dim=*/2);
+  const at::Tensor future = at::ones({seq, seq}, x.options().dtype(at::kBool)).triu(1);
+  const at::Tensor logits = at::matmul(heads(qkv[0]), heads(qkv[1]).transpose(-2, -1))
+                                .div(std::sqrt(static_cast<double>(dh)))
+                                .masked_fill(future, -std::numeric_limits<float>::infinity());
+  return logits.amax({0, 2, 3});  // (B, H, T, T) -> [H]
+}
+
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
   const int64_t batch = x.size(0), seq = x.size(1), d = x.size(2);
   auto heads = [&](const at::Tensor& t) {  // (B, T, d) -> (B, H, T, d / H)
     return t.reshape({batch, seq, n_heads_, d / n_heads_}).transpose(1, 2);
   };
   const auto qkv = qkv_->forward(attn_norm_->forward(x)).chunk(3, /*dim=*/2);
+  if (record_max_logits_) {
+    recorded_input_ = x.detach();
+    max_logits_ = max_logits_on(x);
+  }
   const at::Tensor attended =
       at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
                                        /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
@@ -70,6 +92,32 @@ at::Tensor CharGptImpl::embed(const at::Tensor& tokens) {
 
 at::Tensor CharGptImpl::block(int64_t index, const at::Tensor& x) {
   return blocks_[index]->as<Block>()->forward(x);
+}
+
+void CharGptImpl::record_max_logits(bool on) {
+  for (int64_t i = 0; i < config_.n_layers; ++i) blocks_[i]->as<Block>()->record_max_logits(on);
+}
+
+at::Tensor CharGptImpl::max_logits() const {
+  std::vector<at::Tensor> per_layer;
+  for (int64_t i = 0; i < config_.n_layers; ++i) {
+    const at::Tensor& m = blocks_->ptr(i)->as<Block>()->max_logits();
+    TORCH_CHECK(m.defined(),
+                "char_gpt: no attention logits recorded; call record_max_logits(true) "
+                "before the forward");
+    per_layer.push_back(m);
+  }
+  return at::stack(per_layer);
+}
+
+at::Tensor CharGptImpl::recheck_max_logits() {
+  std::vector<at::Tensor> per_layer;
+  for (int64_t i = 0; i < config_.n_layers; ++i) {
+    auto* b = blocks_[i]->as<Block>();
+    TORCH_CHECK(b->recorded_input().defined(), "char_gpt: no block input recorded");
+    per_layer.push_back(b->max_logits_on(b->recorded_input()));
+  }
+  return at::stack(per_layer);
 }
 
 at::Tensor CharGptImpl::head(const at::Tensor& x) {

@@ -27,9 +27,18 @@ class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(int64_t d_model, int64_t n_heads);
   at::Tensor forward(const at::Tensor& x);
+  // While on, forward() keeps its input and each head's largest causal attention logit
+  // (q·k/√dh over the batch; [n_heads], float, no gradient), which QK-clip needs.
+  void record_max_logits(bool on) { record_max_logits_ = on; }
+  const at::Tensor& max_logits() const { return max_logits_; }
+  const at::Tensor& recorded_input() const { return recorded_input_; }
+  // Each head's largest causal attention logit on input x with the current weights.
+  at::Tensor max_logits_on(const at::Tensor& x);
 
  private:
   int64_t n_heads_;
+  bool record_max_logits_ = false;
+  at::Tensor max_logits_, recorded_input_;
   torch::nn::LayerNorm attn_norm_{nullptr}, mlp_norm_{nullptr};
   torch::nn::Linear qkv_{nullptr}, attn_out_{nullptr}, mlp_in_{nullptr}, mlp_out_{nullptr};
 };
@@ -46,6 +55,11 @@ class CharGptImpl : public torch::nn::Module {
   at::Tensor block(int64_t index, const at::Tensor& x);  // blocks.<index>
   at::Tensor head(const at::Tensor& x);                  // final norm + head -> logits
   const ModelConfig& config() const { return config_; }
+  // Every block's record_max_logits; max_logits() stacks the recorded maxima as [layers,
+  // heads]; recheck_max_logits() recomputes them on the recorded inputs with today's weights.
+  void record_max_logits(bool on);
+  at::Tensor max_logits() const;
+  at::Tensor recheck_max_logits();
 
  private:
   ModelConfig config_;
