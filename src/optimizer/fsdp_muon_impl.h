@@ -22,6 +22,14 @@ namespace detail {
 // The MuonOptions of parameter group `index`; a clear error for another optimizer's options.
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index);
 
+// "<hexfloat> (<decimal>)": exact, so a one-ulp difference between ranks shows, and readable.
+std::string exact_double(double value);
+
+// Every field of `options` as (name, value), values exact (doubles by exact_double), in the
+// order of muon_options.h: what the construction agreement compares and what the step's
+// fingerprint hashes. A field added to MuonOptions belongs here.
+std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& options);
+
 // A parameter accepted at construction (a matrix, or the matrices of its layout), before its
 // matrices are put in plan order.
 struct AcceptedMatrix {
@@ -80,6 +88,7 @@ struct FsdpMuon::Impl {
   // for the step's work, so a step nobody profiles never waits).
   std::unique_ptr<detail::PhaseTimer> timer;
   int64_t skipped_steps = 0;
+  int64_t step_calls = 0;  // step() calls since construction, the one running included
   // Full-matrix bytes alive now on this rank, for FsdpMuonStepStats::max_transient_bytes.
   int64_t live_full_bytes = 0;
 
@@ -96,7 +105,8 @@ struct FsdpMuon::Impl {
   // ---- construction (fsdp_muon.cpp) ----
   std::vector<detail::AcceptedMatrix> accept_parameters(FsdpMuon& self);
   void plan_matrices(FsdpMuon& self, std::vector<detail::AcceptedMatrix> accepted);
-  std::string describe_parameters(const FsdpMuon& self) const;
+  // One "<key> = <value>" line per setting, option and parameter every rank must have alike.
+  std::vector<std::string> describe_parameters(const FsdpMuon& self) const;
 
   // ---- the step (fsdp_muon_step.cpp): its two schedules (docs/DESIGN.md §3) ----
   void run_sequential(FsdpMuon& self, detail::StepRun& s);
@@ -105,7 +115,7 @@ struct FsdpMuon::Impl {
   // ---- the step's phases, in order ----
   detail::StepRun agree_on_gradients(FsdpMuon& self);
   void advance_states(FsdpMuon& self, const detail::StepRun& s);
-  void reject_non_finite(const std::vector<int64_t>& sums, detail::StepRun& s);
+  void reject_non_finite(const std::vector<int64_t>& ranks_per_matrix, detail::StepRun& s);
   detail::RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const detail::StepRun& s);
   void start_gather(detail::RoundInFlight& f, detail::StepRun& s);
   void assemble_owned(detail::RoundInFlight& f, detail::StepRun& s);

@@ -297,8 +297,8 @@ TEST(FsdpMuonLayouts, BadLayoutsAreAnErrorOnEveryRank) {
     const MatrixLayout mine = world().rank() == 1 ? MatrixLayout::row_blocks({4, 4, 4})
                                                   : MatrixLayout::row_blocks({6, 3, 3});
     expect_error([&] { FsdpMuon(with({q}, mine)); },
-                 {"parameter lists differ across ranks", "rank(s) 1", "matrix layout",
-                  world().rank() == 1 ? "row_blocks{4, 4, 4}" : "row_blocks{6, 3, 3}"});
+                 {"the ranks constructed different optimizers", "rank(s) 1", "matrix_layout",
+                  "row_blocks{4, 4, 4}", "row_blocks{6, 3, 3}"});
   }
   // A layout edited after construction no longer matches the plan: the next step says so on
   // every rank, before anything changes.
