@@ -93,7 +93,10 @@ at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& varianc
 
 at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& param,
                                  const MuonOptions& options) {
-  return muon_normuon_variance(state, param, param.size(0), options);
+  // One entry per row of the parameter: rows x cols, or E x m x n read as E·m rows
+  // (MatrixLayout::batched), so each matrix of a layout normalizes its own rows.
+  const int64_t rows = param.dim() == 3 ? param.size(0) * param.size(1) : param.size(0);
+  return muon_normuon_variance(state, param, rows, options);
 }
 
 at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& like, int64_t rows,

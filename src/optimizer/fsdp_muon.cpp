@@ -68,6 +68,7 @@ std::vector<std::pair<std::string, std::string>> option_entries(const MuonOption
       {"normalization", to_string(o.normalization())},
       {"normuon_beta2", exact_double(o.normuon_beta2())},
       {"normuon_eps", exact_double(o.normuon_eps())},
+      {"matrix_layout", o.matrix_layout().to_string()},
   };
 }
 
@@ -221,8 +222,10 @@ void FsdpMuon::add_param_group(const torch::optim::OptimizerParamGroup& /*param_
 
 void FsdpMuon::build() { impl_->plan_matrices(*this, impl_->accept_parameters(*this)); }
 
-// Checks every parameter given and collects the FSDP groups (in first-use order) and the 2-D
-// parameters. Non-2-D ones are an error unless skip_non_matrix, then a warning on rank 0.
+// Checks every parameter given and collects the FSDP groups (in first-use order) and the
+// parameters that are matrices under their layout. Under MatrixLayout::whole() non-2-D ones are
+// an error unless skip_non_matrix, then a warning on rank 0; a layout that does not fit the
+// parameter's shape is always an error.
 std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
   std::unordered_map<const FsdpParameterGroup*, size_t> ordinal_of;
   std::unordered_map<const c10::TensorImpl*, size_t> seen;
@@ -260,13 +263,18 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
         found = ordinal_of.emplace(&group, groups.size()).first;
         groups.push_back(info->group);
       }
-      if (slot.shape.size() != 2) {
+      const MatrixLayout& layout = options.matrix_layout();
+      if (layout.kind() == MatrixLayout::Kind::kWhole && slot.shape.size() != 2) {
         std::ostringstream& list = options.skip_non_matrix() ? skipped : non_matrix;
         if (list.tellp() > 0) list << ", ";
         list << "'" << slot.name << "' " << shape_string(slot.shape);
+        if (slot.shape.size() == 3)
+          list << " (3-D: MatrixLayout::batched() reads it as E matrices)";
         if (!options.skip_non_matrix()) ++non_matrix_count;
         continue;
       }
+      // A layout that does not fit the shape is an error whatever skip_non_matrix says.
+      (void)layout.blocks(slot.shape, "fsdp_muon::FsdpMuon: ", "'" + slot.name + "'");
       accepted.push_back({found->second, info->index, gi, p});
     }
   }
@@ -303,28 +311,53 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     const FsdpParameterGroup& group = *groups[a.group_ordinal];
     const ParameterSlot& slot = group.slot(a.index);
     if (slot.numel == 0) continue;  // nothing to orthogonalize
-    FsdpMuonMatrix m;
-    m.group = groups[a.group_ordinal];
-    m.group_ordinal = a.group_ordinal;
-    m.index = a.index;
-    m.param_group = a.param_group;
-    m.sharded_parameter = a.param;
-    m.name = slot.name;
-    m.rows = slot.shape[0];
-    m.cols = slot.shape[1];
-    PlanMatrix pm;
-    pm.name = slot.name;
-    pm.rows = m.rows;
-    pm.cols = m.cols;
     const MuonOptions& options = muon_options_of(self.param_groups_[a.param_group], a.param_group);
-    pm.newton_schulz = options.newton_schulz_options();
-    pm.normuon = options.normalization() == Normalization::kNorMuon;
-    for (int r = 0; r < w; ++r) pm.held.push_back(group.held_range(a.index, r));
-    placement[a.group_ordinal].push_back(MatrixPlacement{-1, pm.held, m.cols});
-    group_matrices[a.group_ordinal].push_back(matrices.size());
-    matrix_of.emplace(a.param.unsafeGetTensorImpl(), matrices.size());
-    matrices.push_back(std::move(m));
-    plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
+    const std::vector<MatrixBlock> blocks =
+        options.matrix_layout().blocks(slot.shape, "fsdp_muon::FsdpMuon: ", "'" + slot.name + "'");
+    const std::pair<int64_t, int64_t> mine = group.held_range(a.index, rank());
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      const MatrixBlock& block = blocks[b];
+      if (block.numel() == 0) continue;  // a batched [E, 0, n] parameter
+      FsdpMuonMatrix m;
+      m.group = groups[a.group_ordinal];
+      m.group_ordinal = a.group_ordinal;
+      m.index = a.index;
+      m.param_group = a.param_group;
+      m.sharded_parameter = a.param;
+      m.name = blocks.size() == 1 && options.matrix_layout().kind() == MatrixLayout::Kind::kWhole
+                   ? slot.name
+                   : slot.name + "[" + std::to_string(b) + "]";
+      m.rows = block.rows;
+      m.cols = block.cols;
+      m.block = b;
+      m.blocks = blocks.size();
+      m.offset = block.offset;
+      PlanMatrix pm;
+      pm.name = m.name;
+      pm.rows = m.rows;
+      pm.cols = m.cols;
+      pm.newton_schulz = options.newton_schulz_options();
+      pm.normuon = options.normalization() == Normalization::kNorMuon;
+      // docs/DESIGN.md §3, "Layouts": a block is a contiguous element range of its parameter, so
+      // what each rank holds of it is the parameter's held range clipped to the block; the
+      // clipped ranges still tile the block in rank order.
+      const int64_t end = block.offset + block.numel();
+      const auto clip = [&](int64_t at) {
+        return std::clamp(at, block.offset, end) - block.offset;
+      };
+      for (int r = 0; r < w; ++r) {
+        const auto [first, second] = group.held_range(a.index, r);
+        pm.held.emplace_back(clip(first), clip(second));
+      }
+      const int64_t local = pm.held[rank()].second - pm.held[rank()].first;
+      local_piece.emplace_back(local == 0 ? 0 : block.offset + pm.held[rank()].first - mine.first,
+                               local);
+      placement[a.group_ordinal].push_back(MatrixPlacement{-1, pm.held, m.cols});
+      group_matrices[a.group_ordinal].push_back(matrices.size());
+      matrix_of.emplace(a.param.unsafeGetTensorImpl(), matrices.size());  // its first matrix
+      matrices.push_back(std::move(m));
+      plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
+    }
   }
   plan = plan_owners(plan_groups, w, config.owner_plan_options());
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -352,6 +385,9 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   }
   exchanges.assign(plan.rounds.size(), ExchangeLayout{});
   timer = std::make_unique<detail::PhaseTimer>(comm->device());
+  for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
+    frozen_layouts.push_back(muon_options_of(self.param_groups_[gi], gi).matrix_layout());
+  }
   for (const auto& group : self.param_groups_) {
     std::vector<const c10::TensorImpl*> impls;
     for (const at::Tensor& p : group.params()) impls.push_back(p.unsafeGetTensorImpl());

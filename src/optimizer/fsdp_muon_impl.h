@@ -30,7 +30,8 @@ std::string exact_double(double value);
 // fingerprint hashes. A field added to MuonOptions belongs here.
 std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& options);
 
-// A 2-D parameter accepted at construction, before matrices are put in plan order.
+// A parameter accepted at construction (a matrix, or the matrices of its layout), before its
+// matrices are put in plan order.
 struct AcceptedMatrix {
   size_t group_ordinal;
   size_t index;
@@ -72,6 +73,11 @@ struct FsdpMuon::Impl {
   std::shared_ptr<Communicator> comm;
   std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
   std::vector<FsdpMuonMatrix> matrices;
+  // [matrix] this rank's piece of it: elements [first, first + second) of its parameter's shard
+  // (second == 0 where the rank holds none of the matrix).
+  std::vector<std::pair<int64_t, int64_t>> local_piece;
+  // [optimizer group] the matrix layout the plan was made for: step() refuses another.
+  std::vector<MatrixLayout> frozen_layouts;
   std::vector<std::vector<size_t>> group_matrices;  // [group] -> indices into matrices
   // [round] -> indices into matrices, and their placements, in the plan's round order.
   std::vector<std::vector<size_t>> round_matrices;
@@ -92,6 +98,11 @@ struct FsdpMuon::Impl {
   int64_t live_full_bytes = 0;
 
   int rank() const { return comm->rank(); }
+  // This rank's piece of matrix m in a tensor laid out like its parameter's shard (the shard, its
+  // gradient, its momentum).
+  at::Tensor piece(const at::Tensor& shard_like, size_t m) const {
+    return shard_like.narrow(0, local_piece[m].first, local_piece[m].second);
+  }
   int world() const { return comm->size(); }
 
   const detail::ExchangeLayout& exchange(size_t round, const std::vector<bool>& active,
@@ -109,6 +120,7 @@ struct FsdpMuon::Impl {
 
   // ---- the step's phases, in order ----
   detail::StepRun agree_on_gradients(FsdpMuon& self);
+  void advance_states(FsdpMuon& self, const detail::StepRun& s);
   void reject_non_finite(const std::vector<int64_t>& ranks_per_matrix, detail::StepRun& s);
   detail::RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const detail::StepRun& s);
   void start_gather(detail::RoundInFlight& f, detail::StepRun& s);

@@ -51,6 +51,7 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
   d.timer->reset();
   try {
     StepRun s = d.agree_on_gradients(*this);
+    d.advance_states(*this, s);
     d.live_full_bytes = 0;
     s.stats.rounds = static_cast<int64_t>(d.plan.rounds.size());
     if (d.config.overlap_communication()) {
@@ -219,6 +220,12 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
       s.options[gi] = &muon_options_of(self.param_groups_[gi], gi);
       s.options[gi]->validate();  // may have been edited
+      TORCH_CHECK(s.options[gi]->matrix_layout() == frozen_layouts[gi],
+                  "fsdp_muon::FsdpMuon: the matrix_layout of parameter group ", gi, " is now ",
+                  s.options[gi]->matrix_layout().to_string(), " but the owner plan was made for ",
+                  frozen_layouts[gi].to_string(),
+                  " at construction (edited options, or a checkpoint saved with another layout); "
+                  "construct a new FsdpMuon with the layout you want");
     }
     for (size_t g = 0; g < groups.size(); ++g) {
       mine[slot.unreduced(g)] = groups[g]->has_unreduced_gradients() ? 1 : 0;
@@ -245,7 +252,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       mine[slot.has_grad(m)] = 1;
       if (check_finite) {
         checked.push_back(m);
-        not_finite.push_back(at::logical_not(at::isfinite(g)).any());
+        not_finite.push_back(at::logical_not(at::isfinite(piece(g, m))).any());
       }
     }
     if (checked.empty()) return;
@@ -392,6 +399,22 @@ void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& ranks_per_mat
   }
 }
 
+// Each active parameter's state, created on its first step and its step counted once, before
+// any round runs: a parameter's matrices may sit in different rounds (docs/DESIGN.md §3).
+void FsdpMuon::Impl::advance_states(FsdpMuon& self, const StepRun& s) {
+  for (size_t m = 0; m < matrices.size(); ++m) {
+    if (s.active[m] && matrices[m].block == 0) {
+      const FsdpMuonMatrix& mat = matrices[m];
+      MuonParamState& state = detail::advance_muon_state(self.state_, mat.sharded_parameter);
+      // NorMuon: the parameter's rows that start in this rank's elements, [0] where none do, so
+      // that every rank saves the same state keys (docs/DESIGN.md §3).
+      const auto [first, last] =
+          detail::rows_starting_in(mat.group->held_range(mat.index, rank()), mat.cols);
+      detail::muon_normuon_variance(state, mat.sharded_parameter, last - first, s.options_of(mat));
+    }
+  }
+}
+
 // Weight decay, momentum and the Nesterov input on each local shard of the round's matrices;
 // owners keep theirs, the rest is packed into the gather's send buffer, each piece followed by
 // this rank's rows of the NorMuon state where it travels (docs/DESIGN.md §3).
@@ -418,16 +441,27 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
   for (size_t j = 0; j < mine.size(); ++j) {
     if (!f.active[j]) continue;
     const FsdpMuonMatrix& mat = matrices[mine[j]];
+    if (local_piece[mine[j]].second == 0) continue;  // this rank holds none of it
     const at::Tensor& p = mat.sharded_parameter;
-    MuonParamState& state = detail::advance_muon_state(self.state_, p);
+    auto& state =
+        static_cast<MuonParamState&>(*self.state_.at(p.unsafeGetTensorImpl()));  // advance_states
     const MuonOptions& options = s.options_of(mat);
-    // Every rank keeps the state, empty where it holds no row start, so that all ranks save the
-    // same state keys.
-    f.row_state[j] = detail::muon_normuon_variance(
-        state, p, round_placement[round][j].held_rows_numel(me), options);
-    if (p.numel() == 0) continue;  // this rank holds none of it
-    at::Tensor buffer = state.momentum_buffer();
-    at::Tensor u = detail::muon_momentum_input(p, p.grad(), buffer, options);
+    if (f.with_rows[j]) {
+      // This block's rows of the parameter's NorMuon state (docs/DESIGN.md §3): the state holds
+      // the parameter's rows starting in this rank's elements, the block's start at row
+      // offset / cols of the parameter.
+      const auto block_rows = round_placement[round][j].held_rows(me);
+      const int64_t first_row = detail::rows_starting_in(
+          mat.group->held_range(mat.index, me), mat.cols).first;
+      f.row_state[j] = state.normuon_variance().narrow(
+          0, mat.offset / mat.cols + block_rows.first - first_row,
+          block_rows.second - block_rows.first);
+    }
+    // The elementwise steps on this matrix's piece of the shard: they round once per element,
+    // so pieces give the whole parameter's bits (muon_math.h).
+    at::Tensor buffer = piece(state.momentum_buffer(), mine[j]);
+    at::Tensor u =
+        detail::muon_momentum_input(piece(p, mine[j]), piece(p.grad(), mine[j]), buffer, options);
     if (mat.owner == me) {
       f.own[j] = std::move(u);
     } else {
@@ -599,17 +633,17 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
   for (size_t j = 0; j < mine.size(); ++j) {
     const FsdpMuonMatrix& mat = matrices[mine[j]];
     const MatrixPlacement& where = round_placement[f.round][j];
-    const at::Tensor& p = mat.sharded_parameter;
-    if (!f.active[j] || p.numel() == 0) continue;
+    const int64_t len = local_piece[mine[j]].second;
+    if (!f.active[j] || len == 0) continue;
     const MuonOptions& options = s.options_of(mat);
     const bool owner = mat.owner == me;
-    const at::Tensor update = owner ? f.full[j].narrow(0, where.held[me].first, p.numel())
-                                    : f.send.narrow(0, x.send_offset[j], p.numel());
-    detail::muon_apply_update(p, update, options);
+    const at::Tensor update = owner ? f.full[j].narrow(0, where.held[me].first, len)
+                                    : f.send.narrow(0, x.send_offset[j], len);
+    detail::muon_apply_update(piece(mat.sharded_parameter, mine[j]), update, options);
     const int64_t rows = f.with_rows[j] ? f.row_state[j].numel() : 0;
     if (rows == 0) continue;
     f.row_state[j].copy_(owner ? f.variance[j].narrow(0, where.held_rows(me).first, rows)
-                               : f.send.narrow(0, x.send_offset[j] + p.numel(), rows));
+                               : f.send.narrow(0, x.send_offset[j] + len, rows));
   }
   live_full_bytes -= f.full_bytes;
   f = RoundInFlight{};

@@ -153,17 +153,25 @@ struct FsdpMuonStepStats {
   double refresh_seconds = 0;
 };
 
-// One matrix FsdpMuon updates, as planned at construction.
+// One matrix FsdpMuon updates, as planned at construction: a 2-D parameter, or one block of a
+// parameter its param group's MuonOptions::matrix_layout divides (docs/DESIGN.md §3, "Layouts").
 struct FsdpMuonMatrix {
   std::shared_ptr<FsdpParameterGroup> group;
-  size_t group_ordinal = 0;  // position of `group` in FsdpMuon::fsdp_groups()
-  size_t index = 0;          // parameter index inside `group`
-  size_t param_group = 0;    // index into FsdpMuon::param_groups() (its MuonOptions)
-  at::Tensor sharded_parameter;
+  size_t group_ordinal = 0;      // position of `group` in FsdpMuon::fsdp_groups()
+  size_t index = 0;              // parameter index inside `group`
+  size_t param_group = 0;        // index into FsdpMuon::param_groups() (its MuonOptions)
+  at::Tensor sharded_parameter;  // the whole parameter's shard, shared by its blocks
+  // The parameter's name, with "[b]" for block b of a row_blocks or batched parameter
+  // ("attn.qkv[1]", "experts.w1[7]").
   std::string name;
   int64_t rows = 0;
   int64_t cols = 0;
   int owner = -1;
+  // Block `block` of the parameter's `blocks` (0 of 1 under MatrixLayout::whole()): elements
+  // [offset, offset + rows * cols) of the flattened parameter.
+  size_t block = 0;
+  size_t blocks = 1;
+  int64_t offset = 0;
 };
 
 // Muon for the 2-D sharded parameters of FsdpParameterGroups on one 1-D data-parallel mesh
@@ -181,8 +189,14 @@ struct FsdpMuonMatrix {
 // (group->reduce_scatter_grads()) is such an error too. The parameter groups are frozen at
 // construction: add_param_group(), or editing param_groups() afterwards, is an error.
 //
+// A param group's MuonOptions::matrix_layout divides its parameters into matrices (row blocks of
+// a fused QKV weight, the experts of a 3-D [E, m, n] tensor); each is planned, owned, gathered,
+// orthogonalized and scattered on its own, and the result equals single-device Muon with the
+// same layout.
+//
 // Limitations: one data-parallel dimension (no tensor or pipeline parallelism inside the
-// groups); non-2-D parameters are an error unless MuonOptions::skip_non_matrix(true).
+// groups); parameters that are not matrices under their layout are an error unless
+// MuonOptions::skip_non_matrix(true).
 class FsdpMuon : public torch::optim::Optimizer {
  public:
   explicit FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults = MuonOptions(),
@@ -211,8 +225,9 @@ class FsdpMuon : public torch::optim::Optimizer {
   const OwnerPlan& owner_plan() const;
   const std::vector<std::shared_ptr<FsdpParameterGroup>>& fsdp_groups() const;
   const std::vector<FsdpMuonMatrix>& matrices() const;
-  // Owner of a sharded parameter this optimizer orthogonalizes; -1 for one it does not (a
-  // skipped non-2-D parameter, an empty matrix, or a tensor it does not know).
+  // Owner of a sharded parameter this optimizer orthogonalizes (of its first matrix when its
+  // layout makes several: matrices() lists each); -1 for one it does not (a skipped non-2-D
+  // parameter, an empty matrix, or a tensor it does not know).
   int owner_of(const at::Tensor& sharded_parameter) const;
   const FsdpMuonStepStats& last_step_stats() const;
   // Steps whose update NonFiniteGradients::kSkipStep skipped, since construction.
