@@ -282,12 +282,16 @@ int run_measure(Flags& flags) {
 
   // Overlap off/on x agreement check on/off, one after the other on the same groups
   // (docs/DESIGN.md §3): exposed communication = step - (elementwise + orthogonalize + apply).
+  // The check on is the config's (by default with the non-finite check); off is both off, since
+  // the non-finite check needs the agreement.
   std::vector<fsdp_muon::FsdpMuonConfig> settings;
   for (const bool check : {true, false}) {
     for (const bool overlap : {false, true}) {
-      settings.push_back(
+      fsdp_muon::FsdpMuonConfig setting =
           fsdp_muon::FsdpMuonConfig(config).overlap_communication(overlap).check_gradient_agreement(
-              check));
+              check);
+      if (!check) setting.non_finite_gradients(fsdp_muon::NonFiniteGradients::kIgnore);
+      settings.push_back(setting);
     }
   }
   comm->barrier();

@@ -9,6 +9,7 @@
 #include <fsdp_muon/comm/nccl_communicator.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>
+#include <fsdp_muon/muon/matrix_layout.h>
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/muon/muon_options.h>
 #include <fsdp_muon/newton_schulz/newton_schulz.h>

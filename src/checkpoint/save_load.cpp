@@ -13,6 +13,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <fsdp_muon/muon/muon_options.h>
+
 #include "checkpoint/compatibility.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/folder.h"
@@ -52,6 +54,17 @@ std::vector<std::vector<std::vector<char>>> checked_saved_options(
                                 " do not load: " + detail::current_exception_message(),
                             api);
       }
+      // The layout decides which matrices exist: FsdpMuon planned its owners for the live one,
+      // and single-device Muon would silently switch, so a different saved one is refused.
+      const auto* saved_muon = dynamic_cast<const MuonOptions*>(copy.get());
+      const auto* live_muon = dynamic_cast<const MuonOptions*>(&live[j].options());
+      TORCH_CHECK(saved_muon == nullptr || live_muon == nullptr ||
+                      saved_muon->matrix_layout() == live_muon->matrix_layout(),
+                  api, ": optimizer ", o, ", param group ", j, " was saved with matrix_layout ",
+                  saved_muon ? saved_muon->matrix_layout().to_string() : "",
+                  " but is now constructed with ",
+                  live_muon ? live_muon->matrix_layout().to_string() : "", " in ", saved.path,
+                  "; construct the optimizer with the saved layout to resume");
     }
   }
   return options;

@@ -103,6 +103,29 @@ std::string first_difference(const std::vector<std::string>& zero,
   return "the descriptions differ only in their hash";
 }
 
+std::string first_different_entry(const std::vector<std::string>& zero,
+                                  const std::vector<std::string>& other, int r) {
+  const std::string theirs = "rank " + std::to_string(r);
+  for (size_t i = 0; i < std::max(zero.size(), other.size()); ++i) {
+    const std::string a = i < zero.size() ? zero[i] : "";
+    const std::string b = i < other.size() ? other[i] : "";
+    if (a == b) continue;
+    const std::string sep = " = ";
+    const size_t ka = a.find(sep);
+    const size_t kb = b.find(sep);
+    if (ka != std::string::npos && kb != std::string::npos && a.compare(0, ka, b, 0, kb) == 0) {
+      return a.substr(0, ka) + ": rank 0 has " + a.substr(ka + sep.size()) + ", " + theirs +
+             " has " + b.substr(kb + sep.size());
+    }
+    const auto quoted = [](const std::string& line) {
+      return line.empty() ? std::string("nothing") : "'" + line + "'";
+    };
+    return "line " + std::to_string(i + 1) + ": rank 0 has " + quoted(a) + ", " + theirs + " has " +
+           quoted(b);
+  }
+  return "the descriptions differ only in their hash";
+}
+
 void agree_on_group(Communicator& comm, const std::vector<std::string>& description,
                     const std::string& who) {
   const std::string text = join_lines(description);

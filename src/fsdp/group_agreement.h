@@ -29,6 +29,12 @@ std::vector<std::string> gather_descriptions(Communicator& comm, const std::stri
 std::string first_difference(const std::vector<std::string>& zero,
                              const std::vector<std::string>& other, int r);
 
+// For descriptions written one "<key> = <value>" per line: the first line where rank r's
+// description differs from rank 0's, as "<key>: rank 0 has <value>, rank r has <value>" (a line
+// one rank lacks is "nothing"; lines with different keys are quoted whole).
+std::string first_different_entry(const std::vector<std::string>& zero,
+                                  const std::vector<std::string>& other, int r);
+
 // Every rank calls this with its description (describe_group's, or {"error", its own
 // validation message}) before the group's first collective. When some rank differs from rank
 // 0, every rank throws, naming the ranks that differ and the first difference; when all agree

@@ -159,6 +159,7 @@ void FsdpParameterGroup::zero_grad() {
     impl_->machine.zero_grad();
   } else {
     impl_->storage.zero_grad();
+    impl_->machine.mark_reduced();  // nothing unreduced is left to forget
   }
 }
 
@@ -168,8 +169,11 @@ void FsdpParameterGroup::reduce_scatter_grads() {
     impl_->machine.collect_grads();
   } else {
     impl_->storage.reduce_scatter_grads();
+    impl_->machine.mark_reduced();
   }
 }
+
+bool FsdpParameterGroup::has_unreduced_gradients() const { return impl_->machine.unreduced(); }
 
 void FsdpParameterGroup::refresh_model_weights() {
   at::NoGradGuard no_grad;

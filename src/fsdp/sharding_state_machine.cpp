@@ -31,13 +31,13 @@ void ShardingStateMachine::start(ShardingStrategy strategy) {
   strategy_ = strategy;
   schedule_ = ShardingSchedule::of(*s_.comm);
   account(held_bytes());
-  if (shards_grads()) {
-    participant_ = register_participant(this);
-    for (size_t i = 0; i < s_.params.size(); ++i) {
-      if (s_.params[i].requires_grad()) set_accumulate_hook(s_.params[i], participant_, i);
-    }
-    free_grads();
+  // Every strategy hooks the parameters: full sharding keeps their gradients in its buffers,
+  // kOptim only notes that a backward wrote some (unreduced()).
+  participant_ = register_participant(this);
+  for (size_t i = 0; i < s_.params.size(); ++i) {
+    if (s_.params[i].requires_grad()) set_accumulate_hook(s_.params[i], participant_, i);
   }
+  if (shards_grads()) free_grads();
   if (shards_weights()) {
     if (s_.options.main_dtype() != s_.compute_dtype) {
       compute_shard_ = s_.main_shard.to(s_.compute_dtype);
@@ -182,6 +182,11 @@ void ShardingStateMachine::pre_backward() {
 }
 
 void ShardingStateMachine::gradient_accumulated(size_t index) {
+  if (!shards_grads()) {
+    // kOptim: the gradient stays where autograd put it until reduce_scatter_grads().
+    unreduced_ = true;
+    return;
+  }
   at::NoGradGuard no_grad;
   TORCH_CHECK(pass_ != Pass::kIdle, s_.label(), "parameter '", s_.layout.slots[index].name,
               "' received a gradient outside the group's forward(): under sharding strategy ",

@@ -19,6 +19,9 @@
 //   backward: reduce-scatter issued, full gradients released to it--> kReduced
 //   kReduced --end_backward--> kIdle
 //   kAccumulating/kReduced --zero_grad() after a backward that threw--> kIdle
+// Under kOptim the machine only watches the gradients: the post-accumulate-grad hooks note that a
+// backward wrote full gradients that reduce_scatter_grads() has not yet averaged into the
+// gradient shard (unreduced()), so that an optimizer step on stale shards is an error.
 // Independent of Pass, at most one reduce-scatter in flight per group (`reduction_`):
 // finish_reduction() waits for it, writes or adds it into the gradient shard and frees what it
 // sent; the schedule calls it to bound how many are in flight.
@@ -61,6 +64,11 @@ class ShardingStateMachine final : public ScheduledGroup, public BackwardPartici
   bool shards_weights() const { return strategy_ == ShardingStrategy::kOptimGradsParams; }
   Weights weights() const { return weights_; }
   Pass pass() const { return pass_; }
+  // kOptim: a backward accumulated a gradient into the full gradients since the last
+  // reduce_scatter_grads() or zero_grad() (which call mark_reduced()). Always false under full
+  // sharding, which reduces during backward.
+  bool unreduced() const { return unreduced_; }
+  void mark_reduced() { unreduced_ = false; }
 
   // ---- the group's calls ----
   // Around the user's function in forward(): before_forward() records the forward order,
@@ -141,6 +149,7 @@ class ShardingStateMachine final : public ScheduledGroup, public BackwardPartici
   bool has_frozen_ = false;  // a parameter without requires_grad: its weights may be read by
                              // backward nodes after the others' gradients are complete
   bool shard_fresh_ = true;  // grad_shard zero since zero_grad(): the next reduction writes it
+  bool unreduced_ = false;   // kOptim: see unreduced()
   std::optional<Reduction> reduction_;
   int64_t cast_bytes_held_ = 0;
   int64_t peak_bytes_ = 0;

@@ -1,8 +1,10 @@
 #include <fsdp_muon/muon/muon.h>
 
+#include <map>
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -11,6 +13,7 @@
 #include <torch/serialize/archive.h>
 
 #include "muon/muon_math.h"
+#include "newton_schulz/newton_schulz_internal.h"
 
 namespace fsdp_muon {
 
@@ -49,6 +52,76 @@ std::string shape_string(const at::Tensor& t) {
   std::ostringstream out;
   out << t.sizes();
   return out.str();
+}
+
+// Whether Muon orthogonalizes `p` under its group's layout: a whole() parameter only when it is
+// 2-D (the others are skipped under skip_non_matrix or refused); the other layouts always (a
+// parameter their shape does not fit is an error).
+bool is_orthogonalized(const at::Tensor& p, const MuonOptions& options) {
+  return options.matrix_layout().kind() != MatrixLayout::Kind::kWhole || p.dim() == 2;
+}
+
+std::string parameter_label(size_t index, size_t group) {
+  return std::to_string(index) + " of group " + std::to_string(group);
+}
+
+// The update of a parameter of several matrices (docs/DESIGN.md §4, "Layouts"): each block of
+// U is orthogonalized and scaled on its own, in fresh storage as a separate parameter's U would
+// be, and NorMuon normalizes the block's rows of the parameter's per-row state. Same-shape
+// blocks go through one batched call only where the batched kernel gives every matrix the 2-D
+// call's bits, so the result equals Muon on the blocks as separate parameters.
+at::Tensor blockwise_update(const at::Tensor& u, const std::vector<MatrixBlock>& blocks,
+                            const MuonOptions& options, const at::Tensor& variance) {
+  // Bounds a batch's stacked copy and its Newton–Schulz workspace, as FsdpMuon's batches.
+  constexpr int64_t kMaxBatchElements = int64_t{1} << 25;
+  const at::Tensor flat = u.reshape({-1});
+  at::Tensor update = at::zeros_like(flat);
+  const bool may_batch = detail::batched_newton_schulz_is_bitwise(u.device(), options.ns_dtype());
+  std::vector<std::vector<const MatrixBlock*>> batches;
+  std::map<std::pair<int64_t, int64_t>, size_t> open_batch;  // shape -> batch still filling
+  for (const MatrixBlock& block : blocks) {
+    if (block.numel() == 0) continue;
+    const std::pair<int64_t, int64_t> shape{block.rows, block.cols};
+    auto open = may_batch ? open_batch.find(shape) : open_batch.end();
+    if (open != open_batch.end() &&
+        static_cast<int64_t>(batches[open->second].size() + 1) * block.numel() <=
+            kMaxBatchElements) {
+      batches[open->second].push_back(&block);
+      continue;
+    }
+    if (may_batch) open_batch[shape] = batches.size();
+    batches.push_back({&block});
+  }
+  const auto matrix_of = [&](const MatrixBlock& b) {
+    return flat.narrow(0, b.offset, b.numel()).view({b.rows, b.cols});
+  };
+  const auto rows_of = [&](const MatrixBlock& b) {
+    return variance.narrow(0, b.offset / b.cols, b.rows);
+  };
+  for (const auto& batch : batches) {
+    if (batch.size() == 1) {
+      const MatrixBlock& b = *batch.front();
+      const at::Tensor v = variance.defined() ? rows_of(b) : at::Tensor();
+      const at::Tensor result =
+          detail::muon_orthogonalized_update(matrix_of(b).clone(), options, v);
+      update.narrow(0, b.offset, b.numel()).copy_(result.reshape({-1}));
+      continue;
+    }
+    std::vector<at::Tensor> inputs;
+    std::vector<at::Tensor> rows;
+    for (const MatrixBlock* b : batch) {
+      inputs.push_back(matrix_of(*b));
+      if (variance.defined()) rows.push_back(rows_of(*b));
+    }
+    const at::Tensor v = variance.defined() ? at::stack(rows) : at::Tensor();
+    const at::Tensor result = detail::muon_orthogonalized_update(at::stack(inputs), options, v);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const auto k = static_cast<int64_t>(i);
+      update.narrow(0, batch[i]->offset, batch[i]->numel()).copy_(result[k].reshape({-1}));
+      if (variance.defined()) rows[i].copy_(v[k]);
+    }
+  }
+  return update.view(u.sizes());
 }
 
 }  // namespace
@@ -119,10 +192,13 @@ void Muon::check_group(size_t index, std::string& skipped) {
     const at::Tensor& p = group.params()[i];
     TORCH_CHECK(!p.is_complex(), "fsdp_muon::Muon: parameter ", i, " of group ", index,
                 " is complex; Muon supports real matrices only");
-    if (p.dim() != 2) {
+    if (!is_orthogonalized(p, options)) {
       non_matrix << (count++ ? ", " : "") << "group " << index << " parameter " << i << " shape "
-                 << shape_string(p);
+                 << shape_string(p)
+                 << (p.dim() == 3 ? " (3-D: MatrixLayout::batched() reads it as E matrices)" : "");
+      continue;
     }
+    (void)options.matrix_layout().blocks(p.sizes(), "fsdp_muon::Muon: ", parameter_label(i, index));
   }
   if (count == 0) {
     return;
@@ -143,15 +219,21 @@ at::Tensor Muon::step(LossClosure closure) {
     loss = closure();
   }
   // Every check first, so a bad gradient leaves all parameters and state untouched.
+  // [group][parameter] the matrices of each parameter that steps (empty for the others).
+  std::vector<std::vector<std::vector<MatrixBlock>>> blocks(param_groups_.size());
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     auto& group = param_groups_[gi];
-    muon_options_of(group, gi).validate();  // options may have been edited since construction
+    const MuonOptions& options = muon_options_of(group, gi);
+    options.validate();  // options may have been edited since construction
+    blocks[gi].resize(group.params().size());
     for (size_t i = 0; i < group.params().size(); ++i) {
       const at::Tensor& p = group.params()[i];
       const at::Tensor& g = p.grad();
-      if (!g.defined() || p.dim() != 2) {
+      if (!g.defined() || !is_orthogonalized(p, options)) {
         continue;
       }
+      blocks[gi][i] =
+          options.matrix_layout().blocks(p.sizes(), "fsdp_muon::Muon: ", parameter_label(i, gi));
       TORCH_CHECK(!g.is_sparse(), "fsdp_muon::Muon: parameter ", i, " of group ", gi,
                   " has a sparse gradient; Muon needs dense gradients (use a dense embedding or "
                   "give it to another optimizer)");
@@ -164,16 +246,19 @@ at::Tensor Muon::step(LossClosure closure) {
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     auto& group = param_groups_[gi];
     const MuonOptions& options = muon_options_of(group, gi);
-    for (const at::Tensor& p : group.params()) {
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& p = group.params()[i];
       const at::Tensor& g = p.grad();
-      if (!g.defined() || p.dim() != 2) {  // non-2-D only reach here with skip_non_matrix
+      if (blocks[gi][i].empty()) {  // no gradient, or not a matrix under skip_non_matrix
         continue;
       }
       MuonParamState& state = detail::advance_muon_state(state_, p);
       at::Tensor buffer = state.momentum_buffer();
       const at::Tensor u = detail::muon_momentum_input(p, g, buffer, options);
       at::Tensor variance = detail::muon_normuon_variance(state, p, options);
-      const at::Tensor update = detail::muon_orthogonalized_update(u, options, variance);
+      const at::Tensor update = options.matrix_layout().kind() == MatrixLayout::Kind::kWhole
+                                    ? detail::muon_orthogonalized_update(u, options, variance)
+                                    : blockwise_update(u, blocks[gi][i], options, variance);
       detail::muon_apply_update(p, update, options);
     }
   }

@@ -95,7 +95,10 @@ at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& param,
                                  const MuonOptions& options) {
   if (options.normalization() != Normalization::kNorMuon) return at::Tensor();
   if (!state.normuon_variance().defined()) {
-    state.normuon_variance(at::zeros({param.size(0)}, param.options()));
+    // One entry per row of the parameter: rows x cols, or E x m x n read as E·m rows
+    // (MatrixLayout::batched), so each matrix of a layout normalizes its own rows.
+    const int64_t rows = param.dim() == 3 ? param.size(0) * param.size(1) : param.size(0);
+    state.normuon_variance(at::zeros({rows}, param.options()));
   }
   return state.normuon_variance();
 }

@@ -1,6 +1,7 @@
 #include <fsdp_muon/muon/muon_options.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -77,6 +78,9 @@ void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
   write_enum(archive, "normalization", normalization());
   archive.write("normuon_beta2", c10::IValue(normuon_beta2()));
   archive.write("normuon_eps", c10::IValue(normuon_eps()));
+  write_enum(archive, "matrix_layout", matrix_layout().kind());
+  archive.write("matrix_layout_rows",
+                c10::IValue(at::tensor(matrix_layout().block_rows(), at::kLong)));
 }
 
 void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -119,6 +123,29 @@ void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
   read_enum(archive, "normalization", normalization_, 2);
   read_scalar(archive, "normuon_beta2", normuon_beta2_);
   read_scalar(archive, "normuon_eps", normuon_eps_);
+  MatrixLayout::Kind layout_kind = matrix_layout_.kind();
+  read_enum(archive, "matrix_layout", layout_kind, 3);
+  std::vector<int64_t> layout_rows;
+  c10::IValue rows_value;
+  if (archive.try_read("matrix_layout_rows", rows_value)) {
+    const at::Tensor rows = rows_value.toTensor().to(at::kLong).contiguous();
+    TORCH_CHECK(rows.dim() == 1,
+                "fsdp_muon::MuonOptions: archive entry 'matrix_layout_rows' must be a 1-D tensor, "
+                "got ",
+                rows.sizes());
+    layout_rows.assign(rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + rows.numel());
+  }
+  switch (layout_kind) {
+    case MatrixLayout::Kind::kWhole:
+      matrix_layout_ = MatrixLayout::whole();
+      break;
+    case MatrixLayout::Kind::kRowBlocks:
+      matrix_layout_ = MatrixLayout::row_blocks(std::move(layout_rows));
+      break;
+    case MatrixLayout::Kind::kBatched:
+      matrix_layout_ = MatrixLayout::batched();
+      break;
+  }
 }
 
 double MuonOptions::get_lr() const { return lr(); }
@@ -155,6 +182,7 @@ void MuonOptions::validate() const {
               "fsdp_muon::MuonOptions: invalid normuon_eps ", normuon_eps(),
               "; it guards NorMuon's divisions and must be a finite value > 0, e.g. "
               ".normuon_eps(1e-8)");
+  matrix_layout().validate("fsdp_muon::MuonOptions: ");
   // Coefficient problems (cubic5 with a step count other than 5, non-finite custom tuples) are
   // checked where the schedule is built, with messages naming the option.
   (void)detail::newton_schulz_schedule(newton_schulz_options(), "fsdp_muon::MuonOptions",
@@ -185,7 +213,7 @@ bool operator==(const MuonOptions& lhs, const MuonOptions& rhs) {
          lhs.ns_method() == rhs.ns_method() && lhs.gram_restarts() == rhs.gram_restarts() &&
          lhs.ns_preconditioning() == rhs.ns_preconditioning() &&
          lhs.normalization() == rhs.normalization() && lhs.normuon_beta2() == rhs.normuon_beta2() &&
-         lhs.normuon_eps() == rhs.normuon_eps();
+         lhs.normuon_eps() == rhs.normuon_eps() && lhs.matrix_layout() == rhs.matrix_layout();
 }
 
 namespace {

@@ -13,6 +13,7 @@
 
 #include "comm/agreement.h"
 #include "common/enum_names.h"
+#include "fsdp/group_agreement.h"
 #include "optimizer/fsdp_muon_impl.h"
 
 namespace fsdp_muon {
@@ -23,6 +24,52 @@ MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t in
   TORCH_CHECK(options != nullptr, "fsdp_muon::FsdpMuon: parameter group ", index,
               " has options of another optimizer; give it fsdp_muon::MuonOptions");
   return *options;
+}
+
+std::string exact_double(double value) {
+  std::ostringstream out;
+  out << std::hexfloat << value << std::defaultfloat << " (" << value << ")";
+  return out.str();
+}
+
+std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& o) {
+  const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
+  std::ostringstream custom;
+  custom << "{";
+  for (size_t i = 0; i < o.custom_coefficients().size(); ++i) {
+    const auto& abc = o.custom_coefficients()[i];
+    custom << (i ? ", " : "") << "(" << std::hexfloat << abc[0] << ", " << abc[1] << ", " << abc[2]
+           << ")";
+  }
+  custom << "}";
+  std::ostringstream restarts;
+  restarts << "{";
+  for (size_t i = 0; i < o.gram_restarts().size(); ++i) {
+    restarts << (i ? ", " : "") << o.gram_restarts()[i];
+  }
+  restarts << "}";
+  return {
+      {"lr", exact_double(o.lr())},
+      {"momentum", exact_double(o.momentum())},
+      {"nesterov", flag(o.nesterov())},
+      {"weight_decay", exact_double(o.weight_decay())},
+      {"weight_decay_method", to_string(o.weight_decay_method())},
+      {"ns_steps", std::to_string(o.ns_steps())},
+      {"coefficients", to_string(o.coefficients())},
+      {"custom_coefficients", custom.str()},
+      {"scale_mode", to_string(o.scale_mode())},
+      {"extra_scale_factor", exact_double(o.extra_scale_factor())},
+      {"eps", exact_double(o.eps())},
+      {"ns_dtype", c10::toString(o.ns_dtype())},
+      {"skip_non_matrix", flag(o.skip_non_matrix())},
+      {"ns_method", to_string(o.ns_method())},
+      {"gram_restarts", restarts.str()},
+      {"ns_preconditioning", to_string(o.ns_preconditioning())},
+      {"normalization", to_string(o.normalization())},
+      {"normuon_beta2", exact_double(o.normuon_beta2())},
+      {"normuon_eps", exact_double(o.normuon_eps())},
+      {"matrix_layout", o.matrix_layout().to_string()},
+  };
 }
 
 }  // namespace detail
@@ -48,6 +95,12 @@ std::string group_label(const FsdpParameterGroup& group, size_t ordinal) {
 std::string abbreviate(const std::string& text) {
   constexpr size_t kMax = 2000;
   return text.size() <= kMax ? text : text.substr(0, kMax) + " ...";
+}
+
+std::string abbreviate_lines(const std::vector<std::string>& lines) {
+  std::string text;
+  for (const std::string& line : lines) text += "\n  " + line;
+  return abbreviate(text);
 }
 
 std::string join(const std::vector<int>& ranks) {
@@ -111,7 +164,8 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
                 "fsdp_muon::FsdpMuon: non_finite_gradients(",
                 to_string(impl_->config.non_finite_gradients()),
                 ") needs check_gradient_agreement(true): the ranks learn of a NaN or Inf through "
-                "its all-reduce");
+                "its all-reduce. With check_gradient_agreement(false) also set "
+                "non_finite_gradients(NonFiniteGradients::kIgnore) (kSkipStep is the default)");
     for (const auto& group : param_groups) add_group(group);
     build();
   };
@@ -123,16 +177,25 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
   }
   // Every rank takes part in both exchanges, so a rank that fails makes all fail, none hang.
   detail::run_agreed(*comm, "fsdp_muon::FsdpMuon: construction", construct);
-  const std::string description = impl_->describe_parameters(*this);
-  const std::vector<int> differ = detail::ranks_that_differ(*comm, description);
-  TORCH_CHECK(
-      differ.empty(), "fsdp_muon::FsdpMuon: the parameter lists differ across ranks: ", "rank(s) ",
-      join(differ),
-      " disagree with rank 0 on the groups, order, names or shapes of the "
-      "parameters (or on ns_steps, owner policy, schedule or prefetch budget). Every rank must "
-      "construct FsdpMuon with the same sharded parameters in the same order. This "
-      "rank (",
-      comm->rank(), ") has:", abbreviate(description));
+  // Then the ranks compare everything that changes who computes what or the result: one 8-byte
+  // all-gather, and only when some rank differs the descriptions themselves, to name the first
+  // difference (docs/DESIGN.md §3).
+  const std::vector<std::string> description = impl_->describe_parameters(*this);
+  const std::string text = fsdp::join_lines(description);
+  const std::vector<int> differ = detail::ranks_that_differ(*comm, text);
+  if (!differ.empty()) {
+    const std::vector<std::string> texts = fsdp::gather_descriptions(*comm, text);
+    const int r = differ.front();
+    TORCH_CHECK(
+        false, "fsdp_muon::FsdpMuon: the ranks constructed different optimizers (rank(s) ",
+        join(differ), " differ from rank 0; this is rank ", comm->rank(), " of ", comm->size(),
+        "); first difference, ",
+        fsdp::first_different_entry(fsdp::split_lines(texts[0]), fsdp::split_lines(texts[r]), r),
+        ". Every rank must construct FsdpMuon with the same sharded parameters in the same "
+        "order, the same MuonOptions per parameter group (bit for bit: each rank would "
+        "otherwise compute its own update) and the same FsdpMuonConfig. This rank has:",
+        abbreviate_lines(description));
+  }
 }
 
 FsdpMuon::~FsdpMuon() = default;
@@ -159,8 +222,10 @@ void FsdpMuon::add_param_group(const torch::optim::OptimizerParamGroup& /*param_
 
 void FsdpMuon::build() { impl_->plan_matrices(*this, impl_->accept_parameters(*this)); }
 
-// Checks every parameter given and collects the FSDP groups (in first-use order) and the 2-D
-// parameters. Non-2-D ones are an error unless skip_non_matrix, then a warning on rank 0.
+// Checks every parameter given and collects the FSDP groups (in first-use order) and the
+// parameters that are matrices under their layout. Under MatrixLayout::whole() non-2-D ones are
+// an error unless skip_non_matrix, then a warning on rank 0; a layout that does not fit the
+// parameter's shape is always an error.
 std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
   std::unordered_map<const FsdpParameterGroup*, size_t> ordinal_of;
   std::unordered_map<const c10::TensorImpl*, size_t> seen;
@@ -198,13 +263,18 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
         found = ordinal_of.emplace(&group, groups.size()).first;
         groups.push_back(info->group);
       }
-      if (slot.shape.size() != 2) {
+      const MatrixLayout& layout = options.matrix_layout();
+      if (layout.kind() == MatrixLayout::Kind::kWhole && slot.shape.size() != 2) {
         std::ostringstream& list = options.skip_non_matrix() ? skipped : non_matrix;
         if (list.tellp() > 0) list << ", ";
         list << "'" << slot.name << "' " << shape_string(slot.shape);
+        if (slot.shape.size() == 3)
+          list << " (3-D: MatrixLayout::batched() reads it as E matrices)";
         if (!options.skip_non_matrix()) ++non_matrix_count;
         continue;
       }
+      // A layout that does not fit the shape is an error whatever skip_non_matrix says.
+      (void)layout.blocks(slot.shape, "fsdp_muon::FsdpMuon: ", "'" + slot.name + "'");
       accepted.push_back({found->second, info->index, gi, p});
     }
   }
@@ -241,26 +311,52 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     const FsdpParameterGroup& group = *groups[a.group_ordinal];
     const ParameterSlot& slot = group.slot(a.index);
     if (slot.numel == 0) continue;  // nothing to orthogonalize
-    FsdpMuonMatrix m;
-    m.group = groups[a.group_ordinal];
-    m.group_ordinal = a.group_ordinal;
-    m.index = a.index;
-    m.param_group = a.param_group;
-    m.sharded_parameter = a.param;
-    m.name = slot.name;
-    m.rows = slot.shape[0];
-    m.cols = slot.shape[1];
-    PlanMatrix pm;
-    pm.name = slot.name;
-    pm.rows = m.rows;
-    pm.cols = m.cols;
-    pm.ns_steps = muon_options_of(self.param_groups_[a.param_group], a.param_group).ns_steps();
-    for (int r = 0; r < w; ++r) pm.held.push_back(group.held_range(a.index, r));
-    placement[a.group_ordinal].push_back(MatrixPlacement{-1, pm.held});
-    group_matrices[a.group_ordinal].push_back(matrices.size());
-    matrix_of.emplace(a.param.unsafeGetTensorImpl(), matrices.size());
-    matrices.push_back(std::move(m));
-    plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
+    const MuonOptions& options = muon_options_of(self.param_groups_[a.param_group], a.param_group);
+    const std::vector<MatrixBlock> blocks =
+        options.matrix_layout().blocks(slot.shape, "fsdp_muon::FsdpMuon: ", "'" + slot.name + "'");
+    const std::pair<int64_t, int64_t> mine = group.held_range(a.index, rank());
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      const MatrixBlock& block = blocks[b];
+      if (block.numel() == 0) continue;  // a batched [E, 0, n] parameter
+      FsdpMuonMatrix m;
+      m.group = groups[a.group_ordinal];
+      m.group_ordinal = a.group_ordinal;
+      m.index = a.index;
+      m.param_group = a.param_group;
+      m.sharded_parameter = a.param;
+      m.name = blocks.size() == 1 && options.matrix_layout().kind() == MatrixLayout::Kind::kWhole
+                   ? slot.name
+                   : slot.name + "[" + std::to_string(b) + "]";
+      m.rows = block.rows;
+      m.cols = block.cols;
+      m.block = b;
+      m.blocks = blocks.size();
+      m.offset = block.offset;
+      PlanMatrix pm;
+      pm.name = m.name;
+      pm.rows = m.rows;
+      pm.cols = m.cols;
+      pm.ns_steps = options.ns_steps();
+      // docs/DESIGN.md §3, "Layouts": a block is a contiguous element range of its parameter, so
+      // what each rank holds of it is the parameter's held range clipped to the block; the
+      // clipped ranges still tile the block in rank order.
+      const int64_t end = block.offset + block.numel();
+      const auto clip = [&](int64_t at) {
+        return std::clamp(at, block.offset, end) - block.offset;
+      };
+      for (int r = 0; r < w; ++r) {
+        const auto [first, second] = group.held_range(a.index, r);
+        pm.held.emplace_back(clip(first), clip(second));
+      }
+      const int64_t local = pm.held[rank()].second - pm.held[rank()].first;
+      local_piece.emplace_back(local == 0 ? 0 : block.offset + pm.held[rank()].first - mine.first,
+                               local);
+      placement[a.group_ordinal].push_back(MatrixPlacement{-1, pm.held});
+      group_matrices[a.group_ordinal].push_back(matrices.size());
+      matrix_of.emplace(a.param.unsafeGetTensorImpl(), matrices.size());  // its first matrix
+      matrices.push_back(std::move(m));
+      plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
+    }
   }
   plan = plan_owners(plan_groups, w, config.owner_plan_options());
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -288,6 +384,9 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   }
   exchanges.assign(plan.rounds.size(), ExchangeLayout{});
   timer = std::make_unique<detail::PhaseTimer>(comm->device());
+  for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
+    frozen_layouts.push_back(muon_options_of(self.param_groups_[gi], gi).matrix_layout());
+  }
   for (const auto& group : self.param_groups_) {
     std::vector<const c10::TensorImpl*> impls;
     for (const at::Tensor& p : group.params()) impls.push_back(p.unsafeGetTensorImpl());
@@ -295,30 +394,44 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   }
 }
 
-// What every rank must have built identically: world, policy, budget, and per optimizer group
-// its ns_steps and parameters (FSDP group, position, name, shape).
-std::string FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
-  std::ostringstream desc;
-  desc << "world " << world() << "; policy " << to_string(config.owner_policy()) << "; schedule "
-       << to_string(config.owner_schedule()) << "; bytes ratio " << config.max_bytes_ratio()
-       << "; cost-model rates " << config.newton_schulz_flops_per_second() << " FLOP/s "
-       << config.bytes_per_second() << " B/s"
-       << "; budget " << config.prefetch_budget_bytes() << "; overlap "
-       << config.overlap_communication() << "; non-finite "
-       << to_string(config.non_finite_gradients()) << "; agreement "
-       << config.check_gradient_agreement() << ";";
+// What every rank must have built identically, one "<key> = <value>" line each: the world, every
+// FsdpMuonConfig setting, and per optimizer group every MuonOptions field (exact) and its
+// parameters (FSDP group, position, name, shape).
+std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
+  const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
+  std::vector<std::string> lines{
+      "world = " + std::to_string(world()),
+      std::string("owner_policy = ") + to_string(config.owner_policy()),
+      "max_bytes_ratio = " + detail::exact_double(config.max_bytes_ratio()),
+      "newton_schulz_flops_per_second = " +
+          detail::exact_double(config.newton_schulz_flops_per_second()),
+      "bytes_per_second = " + detail::exact_double(config.bytes_per_second()),
+      std::string("owner_schedule = ") + to_string(config.owner_schedule()),
+      "prefetch_budget_bytes = " + std::to_string(config.prefetch_budget_bytes()),
+      "overlap_communication = " + flag(config.overlap_communication()),
+      std::string("non_finite_gradients = ") + to_string(config.non_finite_gradients()),
+      "check_gradient_agreement = " + flag(config.check_gradient_agreement()),
+      std::string("batch_newton_schulz = ") + to_string(config.batch_newton_schulz()),
+      "parameter groups = " + std::to_string(self.param_groups_.size()),
+  };
   for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
+    const std::string group = "parameter group " + std::to_string(gi) + " ";
     const auto& options = static_cast<const MuonOptions&>(self.param_groups_[gi].options());
-    desc << " group " << gi << " ns_steps " << options.ns_steps() << " {";
-    for (const at::Tensor& p : self.param_groups_[gi].params()) {
-      const auto info = find_sharded_parameter(p);
-      const ParameterSlot& slot = info->slot();
-      desc << " " << info->group->name() << "/" << info->group->padded_numel() << "/" << info->index
-           << ":" << slot.name << shape_string(slot.shape);
+    for (const auto& [name, value] : detail::option_entries(options)) {
+      lines.push_back(group + name + " = " + value);
     }
-    desc << " }";
+    const auto& params = self.param_groups_[gi].params();
+    lines.push_back(group + "parameters = " + std::to_string(params.size()));
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto info = find_sharded_parameter(params[i]);
+      const ParameterSlot& slot = info->slot();
+      lines.push_back(group + "parameter " + std::to_string(i) + " = FSDP group '" +
+                      info->group->name() + "' (" + std::to_string(info->group->padded_numel()) +
+                      " elements) #" + std::to_string(info->index) + " '" + slot.name + "' " +
+                      shape_string(slot.shape));
+    }
   }
-  return desc.str();
+  return lines;
 }
 
 void FsdpMuon::save(torch::serialize::OutputArchive& archive) const {

@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -21,7 +22,16 @@ namespace detail {
 // The MuonOptions of parameter group `index`; a clear error for another optimizer's options.
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index);
 
-// A 2-D parameter accepted at construction, before matrices are put in plan order.
+// "<hexfloat> (<decimal>)": exact, so a one-ulp difference between ranks shows, and readable.
+std::string exact_double(double value);
+
+// Every field of `options` as (name, value), values exact (doubles by exact_double), in the
+// order of muon_options.h: what the construction agreement compares and what the step's
+// fingerprint hashes. A field added to MuonOptions belongs here.
+std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& options);
+
+// A parameter accepted at construction (a matrix, or the matrices of its layout), before its
+// matrices are put in plan order.
 struct AcceptedMatrix {
   size_t group_ordinal;
   size_t index;
@@ -58,6 +68,11 @@ struct FsdpMuon::Impl {
   std::shared_ptr<Communicator> comm;
   std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
   std::vector<FsdpMuonMatrix> matrices;
+  // [matrix] this rank's piece of it: elements [first, first + second) of its parameter's shard
+  // (second == 0 where the rank holds none of the matrix).
+  std::vector<std::pair<int64_t, int64_t>> local_piece;
+  // [optimizer group] the matrix layout the plan was made for: step() refuses another.
+  std::vector<MatrixLayout> frozen_layouts;
   std::vector<std::vector<size_t>> group_matrices;  // [group] -> indices into matrices
   // [round] -> indices into matrices, and their placements, in the plan's round order.
   std::vector<std::vector<size_t>> round_matrices;
@@ -73,10 +88,16 @@ struct FsdpMuon::Impl {
   // for the step's work, so a step nobody profiles never waits).
   std::unique_ptr<detail::PhaseTimer> timer;
   int64_t skipped_steps = 0;
+  int64_t step_calls = 0;  // step() calls since construction, the one running included
   // Full-matrix bytes alive now on this rank, for FsdpMuonStepStats::max_transient_bytes.
   int64_t live_full_bytes = 0;
 
   int rank() const { return comm->rank(); }
+  // This rank's piece of matrix m in a tensor laid out like its parameter's shard (the shard, its
+  // gradient, its momentum).
+  at::Tensor piece(const at::Tensor& shard_like, size_t m) const {
+    return shard_like.narrow(0, local_piece[m].first, local_piece[m].second);
+  }
   int world() const { return comm->size(); }
 
   const detail::ExchangeLayout& exchange(size_t round, const std::vector<bool>& active);
@@ -84,7 +105,8 @@ struct FsdpMuon::Impl {
   // ---- construction (fsdp_muon.cpp) ----
   std::vector<detail::AcceptedMatrix> accept_parameters(FsdpMuon& self);
   void plan_matrices(FsdpMuon& self, std::vector<detail::AcceptedMatrix> accepted);
-  std::string describe_parameters(const FsdpMuon& self) const;
+  // One "<key> = <value>" line per setting, option and parameter every rank must have alike.
+  std::vector<std::string> describe_parameters(const FsdpMuon& self) const;
 
   // ---- the step (fsdp_muon_step.cpp): its two schedules (docs/DESIGN.md §3) ----
   void run_sequential(FsdpMuon& self, detail::StepRun& s);
@@ -92,7 +114,8 @@ struct FsdpMuon::Impl {
 
   // ---- the step's phases, in order ----
   detail::StepRun agree_on_gradients(FsdpMuon& self);
-  void reject_non_finite(const std::vector<int64_t>& sums, detail::StepRun& s);
+  void advance_states(FsdpMuon& self, const detail::StepRun& s);
+  void reject_non_finite(const std::vector<int64_t>& ranks_per_matrix, detail::StepRun& s);
   detail::RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const detail::StepRun& s);
   void start_gather(detail::RoundInFlight& f, detail::StepRun& s);
   void assemble_owned(detail::RoundInFlight& f, detail::StepRun& s);

@@ -3,6 +3,8 @@
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -45,9 +47,11 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
     loss = closure();
   }
   Impl& d = *impl_;
+  ++d.step_calls;
   d.timer->reset();
   try {
     StepRun s = d.agree_on_gradients(*this);
+    d.advance_states(*this, s);
     d.live_full_bytes = 0;
     s.stats.rounds = static_cast<int64_t>(d.plan.rounds.size());
     if (d.config.overlap_communication()) {
@@ -116,8 +120,80 @@ const ExchangeLayout& FsdpMuon::Impl::exchange(size_t round, const std::vector<b
   return x;
 }
 
+namespace {
+
+// The options the step re-checks across ranks: those torch's schedulers change after
+// construction (lr; momentum and weight decay in schedules such as one-cycle), one by one so the
+// error can name them, and a hash of all the others (edits on one rank are rarer, but as wrong).
+constexpr size_t kScheduled = 3;
+constexpr const char* kScheduledNames[kScheduled] = {"lr", "momentum", "weight_decay"};
+constexpr size_t kFingerprints = kScheduled + 1;  // + the other options
+
+// FNV-1a, stable across processes (std::hash is not).
+uint64_t stable_hash(const std::string& text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// The values compared, as 64-bit patterns: the exact bits of the scheduled doubles, then the hash
+// of the other options' exact descriptions.
+std::array<uint64_t, kFingerprints> option_values(const MuonOptions& o) {
+  const auto bits = [](double v) {
+    uint64_t b = 0;
+    std::memcpy(&b, &v, sizeof b);
+    return b;
+  };
+  std::string others;
+  for (const auto& [name, value] : detail::option_entries(o)) {
+    if (name == "lr" || name == "momentum" || name == "weight_decay") continue;
+    others += name + " = " + value + "\n";
+  }
+  return {bits(o.lr()), bits(o.momentum()), bits(o.weight_decay()), stable_hash(others)};
+}
+
+// 40 well-mixed bits of a value (splitmix64's finalizer): summed over up to 2^23 ranks they
+// stay below 2^63, so the agreement's int64 sum never overflows.
+int64_t mix40(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return static_cast<int64_t>(x >> 24);
+}
+
+// Where each check sits in the vector the step's agreement sums over the ranks:
+// [groups edited, per matrix: has a gradient, per FSDP group: unreduced gradients,
+//  per optimizer group and fingerprint: mix40 of the value (every rank) and rank 0's value
+//  (rank 0 only), (checked:) per matrix: NaN/Inf]. The ranks agree on a fingerprint when the
+// sum of mix40 is W times mix40 of rank 0's value; every rank reads the same sums, so all
+// reach the same verdict, and knowing rank 0's exact value each can say how its own differs.
+struct CheckSlots {
+  size_t matrices = 0;
+  size_t fsdp_groups = 0;
+  size_t param_groups = 0;
+  bool finite = false;
+
+  static constexpr size_t changed() { return 0; }
+  size_t has_grad(size_t m) const { return 1 + m; }
+  size_t unreduced(size_t g) const { return 1 + matrices + g; }
+  size_t option_mix(size_t pg, size_t k) const {
+    return 1 + matrices + fsdp_groups + 2 * (kFingerprints * pg + k);
+  }
+  size_t option_of_rank0(size_t pg, size_t k) const { return option_mix(pg, k) + 1; }
+  size_t non_finite(size_t m) const {
+    return 1 + matrices + fsdp_groups + 2 * kFingerprints * param_groups + m;
+  }
+  size_t size() const { return non_finite(0) + (finite ? matrices : 0); }
+};
+
+}  // namespace
+
 // One all-reduce before anything changes: every rank learns whether any rank's parameter groups
-// were edited, whether any failed its checks, and which matrices have gradients everywhere.
+// were edited, whether any failed its checks, whether a ZeRO-1 group holds gradients that were
+// never reduce-scattered, and which matrices have gradients everywhere.
 StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   const auto phase = timer->measure(&Stats::check_seconds);
   const size_t n = matrices.size();
@@ -133,15 +209,32 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   }
   const NonFiniteGradients non_finite = config.non_finite_gradients();
   const bool check_finite = non_finite != NonFiniteGradients::kIgnore;
-  // [changed, has a gradient per matrix, (checked:) non-finite gradient per matrix]: this
-  // rank's view, summed over the ranks unless the loop guarantees agreement.
-  const size_t size = check_finite ? 2 * n + 1 : n + 1;
+  // Sized by what was constructed, so that every rank sums vectors of one size even when some
+  // rank's parameter groups were edited.
+  const CheckSlots slot{n, groups.size(), frozen.size(), check_finite};
+  // This rank's view, summed over the ranks unless the loop guarantees agreement.
   const auto local_checks = [&](std::vector<int64_t>& mine) {
-    mine[0] = changed ? 1 : 0;
+    mine[slot.changed()] = changed ? 1 : 0;
     if (changed) return;  // the checks below assume the constructed groups
     for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
       s.options[gi] = &muon_options_of(self.param_groups_[gi], gi);
       s.options[gi]->validate();  // may have been edited
+      TORCH_CHECK(s.options[gi]->matrix_layout() == frozen_layouts[gi],
+                  "fsdp_muon::FsdpMuon: the matrix_layout of parameter group ", gi, " is now ",
+                  s.options[gi]->matrix_layout().to_string(), " but the owner plan was made for ",
+                  frozen_layouts[gi].to_string(),
+                  " at construction (edited options, or a checkpoint saved with another layout); "
+                  "construct a new FsdpMuon with the layout you want");
+    }
+    for (size_t g = 0; g < groups.size(); ++g) {
+      mine[slot.unreduced(g)] = groups[g]->has_unreduced_gradients() ? 1 : 0;
+    }
+    for (size_t gi = 0; gi < s.options.size(); ++gi) {
+      const auto values = option_values(*s.options[gi]);
+      for (size_t k = 0; k < kFingerprints; ++k) {
+        mine[slot.option_mix(gi, k)] = mix40(values[k]);
+        if (rank() == 0) mine[slot.option_of_rank0(gi, k)] = static_cast<int64_t>(values[k]);
+      }
     }
     std::vector<size_t> checked;
     std::vector<at::Tensor> not_finite;
@@ -155,10 +248,10 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
                   p.dtype(),
                   "; FsdpMuon expects the group's gradient-shard slice "
                   "(FsdpParameterGroup::reduce_scatter_grads())");
-      mine[m + 1] = 1;
+      mine[slot.has_grad(m)] = 1;
       if (check_finite) {
         checked.push_back(m);
-        not_finite.push_back(at::logical_not(at::isfinite(g)).any());
+        not_finite.push_back(at::logical_not(at::isfinite(piece(g, m))).any());
       }
     }
     if (checked.empty()) return;
@@ -166,13 +259,13 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     // the wait is bounded by the communicator's timeout (docs/DESIGN.md §5).
     const at::Tensor flags = comm->to_host(at::stack(not_finite).to(at::kLong));
     for (size_t k = 0; k < checked.size(); ++k) {
-      mine[n + 1 + checked[k]] = flags.data_ptr<int64_t>()[k];
+      mine[slot.non_finite(checked[k])] = flags.data_ptr<int64_t>()[k];
     }
   };
-  std::vector<int64_t> sums(size, 0);
+  std::vector<int64_t> sums(slot.size(), 0);
   if (config.check_gradient_agreement()) {
     count_sent(*comm, &CommStats::all_reduce_bytes, s.stats.check_bytes, [&] {
-      sums = detail::agree_on_sum(*comm, "fsdp_muon::FsdpMuon::step", size, local_checks);
+      sums = detail::agree_on_sum(*comm, "fsdp_muon::FsdpMuon::step", slot.size(), local_checks);
     });
   } else {
     // Every rank is taken to see what this one sees.
@@ -180,17 +273,72 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     for (int64_t& count : sums) count *= world();
   }
   const int w = world();
-  TORCH_CHECK(sums[0] == 0,
+  TORCH_CHECK(sums[slot.changed()] == 0,
               "fsdp_muon::FsdpMuon: the parameter groups were changed after construction on ",
-              sums[0], " of ", w, " rank(s)", changed ? " (this one included)" : "",
+              sums[slot.changed()], " of ", w, " rank(s)", changed ? " (this one included)" : "",
               " — by add_param_group or add_parameters through the Optimizer base class, or by "
               "editing param_groups(). The owner plan covers the parameters given to the "
               "constructor; construct a new FsdpMuon instead");
+  // The options checked at construction may have been changed since, on some ranks only (a
+  // scheduler stepped on one rank): each rank would then apply its own update. Without the
+  // agreement there is nothing to compare against (a rank sees only its own values).
+  if (config.check_gradient_agreement()) {
+    std::ostringstream differing;
+    for (size_t gi = 0; gi < s.options.size(); ++gi) {
+      const auto mine = option_values(*s.options[gi]);
+      for (size_t k = 0; k < kFingerprints; ++k) {
+        const uint64_t zero = static_cast<uint64_t>(sums[slot.option_of_rank0(gi, k)]);
+        if (static_cast<uint64_t>(sums[slot.option_mix(gi, k)]) ==
+            static_cast<uint64_t>(w) * static_cast<uint64_t>(mix40(zero))) {
+          continue;
+        }
+        differing << (differing.tellp() > 0 ? "; " : "");
+        if (k < kScheduled) {
+          double zero_value = 0;
+          double my_value = 0;
+          std::memcpy(&zero_value, &zero, sizeof zero_value);
+          std::memcpy(&my_value, &mine[k], sizeof my_value);
+          differing << kScheduledNames[k] << " of parameter group " << gi << " (rank 0 has "
+                    << detail::exact_double(zero_value) << ", this rank has "
+                    << detail::exact_double(my_value) << ")";
+        } else {
+          differing << "another option of parameter group " << gi
+                    << " (not lr, momentum or weight_decay; this rank's options "
+                    << (mine[k] == zero ? "equal rank 0's" : "differ from rank 0's") << ")";
+        }
+      }
+    }
+    TORCH_CHECK(differing.tellp() == 0,
+                "fsdp_muon::FsdpMuon: the optimizer options differ across ranks at step() call ",
+                step_calls, ": ", differing.str(),
+                ". They were changed after construction on some ranks only, or to different values "
+                "(a learning-rate scheduler stepped on some ranks, param_groups() edited on one), "
+                "and each rank would apply its own update. Change them alike on every rank (step "
+                "every scheduler on every rank). Nothing was changed");
+  }
+  // ZeRO-1 keeps a backward's gradients in the full buffers until reduce_scatter_grads(): a step
+  // now would read the gradient shards of an earlier step (or zeros) and train on nothing.
+  std::ostringstream unreduced;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int64_t ranks = sums[slot.unreduced(g)];
+    if (ranks == 0) continue;
+    unreduced << (unreduced.tellp() > 0 ? ", " : "")
+              << (groups[g]->name().empty() ? "#" + std::to_string(g)
+                                            : "'" + groups[g]->name() + "'")
+              << " on " << ranks << " of " << w << " rank(s)";
+  }
+  TORCH_CHECK(unreduced.tellp() == 0,
+              "fsdp_muon::FsdpMuon: a backward wrote gradients that were never reduce-scattered "
+              "into the gradient shards of FSDP group(s) ",
+              unreduced.str(),
+              " (sharding strategy optim, ZeRO-1, where the full gradients stay in the group until "
+              "then); call group->reduce_scatter_grads() after backward, on every rank, for "
+              "every group, before step(). Nothing was changed");
   std::ostringstream disagree;
   int64_t disagreements = 0;
   s.active.assign(n, false);
   for (size_t m = 0; m < n; ++m) {
-    const int64_t holders = sums[m + 1];
+    const int64_t holders = sums[slot.has_grad(m)];
     s.active[m] = holders == w;
     if (holders == 0 || holders == w || disagreements++ >= 8) continue;
     const bool here = matrices[m].sharded_parameter.grad().defined();
@@ -203,17 +351,25 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
               ". Every rank must produce the same set of gradients (run backward on every rank, "
               "then FsdpParameterGroup::reduce_scatter_grads() on every rank)");
   s.stats.active_parameters = std::count(s.active.begin(), s.active.end(), true);
-  if (check_finite) reject_non_finite(sums, s);
+  if (check_finite) {
+    std::vector<int64_t> non_finite_ranks(n);
+    for (size_t m = 0; m < n; ++m) non_finite_ranks[m] = sums[slot.non_finite(m)];
+    reject_non_finite(non_finite_ranks, s);
+  }
   return s;
 }
 
 // Applies NonFiniteGradients to the agreed counts of ranks that saw NaN or Inf per matrix.
-void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& sums, StepRun& s) {
+void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& ranks_per_matrix, StepRun& s) {
   const size_t n = matrices.size();
   std::ostringstream names;
+  std::ostringstream first;  // the first such parameter, for kSkipStep's one-line warning
   for (size_t m = 0; m < n; ++m) {
-    const int64_t ranks = sums[n + 1 + m];
+    const int64_t ranks = ranks_per_matrix[m];
     if (ranks == 0) continue;
+    if (s.stats.non_finite_parameters == 0) {
+      first << "'" << matrices[m].name << "' on " << ranks << " of " << world() << " rank(s)";
+    }
     if (s.stats.non_finite_parameters++ < 8) {
       names << (s.stats.non_finite_parameters > 1 ? ", " : "") << "'" << matrices[m].name << "' on "
             << ranks << " of " << world() << " rank(s)";
@@ -229,6 +385,27 @@ void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& sums, StepRun
   s.active.assign(n, false);
   s.stats.skipped = true;
   ++skipped_steps;
+  // Never silent, and one line per skipped step from one rank: every rank knows the same counts.
+  if (rank() == 0) {
+    TORCH_WARN("fsdp_muon::FsdpMuon: skipped step ", step_calls,
+               " (step() calls since construction; ", skipped_steps,
+               " skipped so far): NaN or Inf in the gradient of ", first.str(),
+               s.stats.non_finite_parameters > 1
+                   ? " and " + std::to_string(s.stats.non_finite_parameters - 1) + " more"
+                   : std::string(),
+               "; FsdpMuon's weights and momentum are unchanged "
+               "(FsdpMuonConfig::non_finite_gradients)");
+  }
+}
+
+// Each active parameter's state, created on its first step and its step counted once, before
+// any round runs: a parameter's matrices may sit in different rounds (docs/DESIGN.md §3).
+void FsdpMuon::Impl::advance_states(FsdpMuon& self, const StepRun& s) {
+  for (size_t m = 0; m < matrices.size(); ++m) {
+    if (s.active[m] && matrices[m].block == 0) {
+      detail::advance_muon_state(self.state_, matrices[m].sharded_parameter);
+    }
+  }
 }
 
 // Weight decay, momentum and the Nesterov input on each local shard of the round's matrices;
@@ -249,12 +426,16 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
   for (size_t j = 0; j < mine.size(); ++j) {
     if (!f.active[j]) continue;
     const FsdpMuonMatrix& mat = matrices[mine[j]];
+    if (local_piece[mine[j]].second == 0) continue;  // this rank holds none of it
     const at::Tensor& p = mat.sharded_parameter;
-    MuonParamState& state = detail::advance_muon_state(self.state_, p);
-    if (p.numel() == 0) continue;  // this rank holds none of it
+    auto& state =
+        static_cast<MuonParamState&>(*self.state_.at(p.unsafeGetTensorImpl()));  // advance_states
     const MuonOptions& options = s.options_of(mat);
-    at::Tensor buffer = state.momentum_buffer();
-    at::Tensor u = detail::muon_momentum_input(p, p.grad(), buffer, options);
+    // The elementwise steps on this matrix's piece of the shard: they round once per element,
+    // so pieces give the whole parameter's bits (muon_math.h).
+    at::Tensor buffer = piece(state.momentum_buffer(), mine[j]);
+    at::Tensor u =
+        detail::muon_momentum_input(piece(p, mine[j]), piece(p.grad(), mine[j]), buffer, options);
     if (mat.owner == me) {
       f.own[j] = std::move(u);
     } else {
@@ -397,13 +578,13 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
   const auto& mine = round_matrices[f.round];
   for (size_t j = 0; j < mine.size(); ++j) {
     const FsdpMuonMatrix& mat = matrices[mine[j]];
-    const at::Tensor& p = mat.sharded_parameter;
-    if (!f.active[j] || p.numel() == 0) continue;
+    const int64_t len = local_piece[mine[j]].second;
+    if (!f.active[j] || len == 0) continue;
     const MuonOptions& options = s.options_of(mat);
     const at::Tensor update =
-        mat.owner == me ? f.full[j].narrow(0, round_placement[f.round][j].held[me].first, p.numel())
-                        : f.send.narrow(0, x.send_offset[j], p.numel());
-    detail::muon_apply_update(p, update, options);
+        mat.owner == me ? f.full[j].narrow(0, round_placement[f.round][j].held[me].first, len)
+                        : f.send.narrow(0, x.send_offset[j], len);
+    detail::muon_apply_update(piece(mat.sharded_parameter, mine[j]), update, options);
   }
   live_full_bytes -= f.full_bytes;
   f = RoundInFlight{};

@@ -871,6 +871,53 @@ TEST(CheckpointFailures, UserStateTravelsWithTheCheckpoint) {
       {"user_state key 'k' is both an integer and a string"}, "a key in both maps");
 }
 
+// Every MuonOptions field travels with the checkpoint, the Newton-Schulz method, restarts,
+// preconditioning and NorMuon's settings included: a load installs each param group's saved
+// options over the live ones (README, Checkpoints), on every rank alike, and training goes on.
+TEST(CheckpointFailures, EveryMuonOptionTravelsWithTheCheckpoint) {
+  const std::string dir = scratch("muon_options");
+  Sharded s = make_sharded(8);
+  // Changed alike on every rank after construction, as a schedule would.
+  static_cast<MuonOptions&>(s.muon->param_groups()[0].options())
+      .ns_method(NsMethod::kGram)
+      .gram_restarts({1, 3})
+      .ns_preconditioning(NsPreconditioning::kAol)
+      .ns_steps(4)
+      .normuon_beta2(0.9)
+      .normuon_eps(1e-6)
+      .scale_mode(ScaleMode::kSpectral)
+      .extra_scale_factor(0.75);
+  static_cast<MuonOptions&>(s.muon->param_groups()[1].options())
+      .ns_method(NsMethod::kAuto)
+      .custom_coefficients({{3.0, -3.2, 1.2}, {2.5, -2.0, 0.5}})
+      .weight_decay_method(WeightDecayMethod::kPalm)
+      .momentum(0.9)
+      .eps(1e-6);
+  train_step(&s, nullptr, 1);
+  save_checkpoint(dir, s.groups, s.optimizers());
+  Sharded t = make_sharded(99);
+  const auto options_of = [](const FsdpMuon& muon, size_t g) {
+    return static_cast<const MuonOptions&>(muon.param_groups()[g].options());
+  };
+  for (size_t g = 0; g < 2; ++g) EXPECT_FALSE(options_of(*t.muon, g) == options_of(*s.muon, g));
+  load_checkpoint(dir, t.groups, t.optimizers());
+  for (size_t g = 0; g < 2; ++g) {
+    EXPECT_TRUE(options_of(*t.muon, g) == options_of(*s.muon, g)) << "param group " << g;
+  }
+  EXPECT_EQ(options_of(*t.muon, 0).gram_restarts(), (NsRestartList{1, 3}));
+  EXPECT_EQ(options_of(*t.muon, 0).ns_preconditioning(), NsPreconditioning::kAol);
+  EXPECT_EQ(options_of(*t.muon, 0).normuon_eps(), 1e-6);
+  EXPECT_EQ(options_of(*t.muon, 1).custom_coefficients().size(), 2u);
+  // The loaded run and the saved one take the same next step (FsdpMuon's per-step option check
+  // passes: every rank installed the same options).
+  train_step(&s, nullptr, 2);
+  train_step(&t, nullptr, 2);
+  for (size_t g = 0; g < s.groups.size(); ++g) {
+    EXPECT_TRUE(at::equal(s.groups[g]->main_weight_shard(), t.groups[g]->main_weight_shard()))
+        << "group " << g;
+  }
+}
+
 // ---- second pass: load agreement, nested saves, save agreement, jobs, folder fsync ----
 
 std::string read_text(const std::string& path) {

@@ -92,6 +92,22 @@ TEST(GroupAgreement, FirstDifferenceOfBadDescriptions) {
   EXPECT_EQ(first_difference(ok, ok, 1), "the descriptions differ only in their hash");
 }
 
+// FsdpMuon's descriptions: one "<key> = <value>" per line, the first differing key named.
+TEST(GroupAgreement, FirstDifferentEntryNamesTheKeyAndBothValues) {
+  const Lines zero{"world = 2", "group 0 lr = 0x1p-6 (0.015625)", "group 0 ns_steps = 5"};
+  const Lines other{"world = 2", "group 0 lr = 0x1p-7 (0.0078125)", "group 0 ns_steps = 6"};
+  EXPECT_EQ(fsdp::first_different_entry(zero, other, 3),
+            "group 0 lr: rank 0 has 0x1p-6 (0.015625), rank 3 has 0x1p-7 (0.0078125)");
+  // Shifted lines (a parameter group more on one rank) are quoted whole; a missing one is
+  // "nothing".
+  EXPECT_EQ(fsdp::first_different_entry(Lines{"a = 1", "b = 2"}, Lines{"a = 1", "c = 2"}, 1),
+            "line 2: rank 0 has 'b = 2', rank 1 has 'c = 2'");
+  EXPECT_EQ(fsdp::first_different_entry(Lines{"a = 1"}, Lines{"a = 1", "b = 2"}, 1),
+            "line 2: rank 0 has nothing, rank 1 has 'b = 2'");
+  EXPECT_EQ(fsdp::first_different_entry(zero, zero, 1),
+            "the descriptions differ only in their hash");
+}
+
 TEST(GroupAgreement, AgreeingRanksPassAndAnAgreedErrorIsThrown) {
   testing::LocalCommunicator one;
   testing::LocalCommunicator two_of_four(/*rank=*/2, /*size=*/4);  // every rank as this one

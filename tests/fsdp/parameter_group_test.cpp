@@ -489,11 +489,11 @@ TEST(FsdpParameterGroup, AFailedGatherLeavesTheGroupResharded) {
   auto forward = [&] {
     group->forward([&](const at::Tensor& x) { return x.matmul(w); }, torch::ones({2, 3}));
   };
-  expect_error(forward, failed);
+  testing::expect_error(forward, {failed});
   group->reshard();
   group->zero_grad();
-  expect_error(forward, failed);
-  expect_error([&] { group->unshard(); }, failed);
+  testing::expect_error(forward, {failed});
+  testing::expect_error([&] { group->unshard(); }, {failed});
   group->reshard();
   group->zero_grad();
   EXPECT_EQ(group->unsharded_bytes(), 0);

@@ -39,6 +39,7 @@ TEST(MuonOptions, DefaultsAreTheDesignDefaults) {
   EXPECT_EQ(o.normalization(), Normalization::kNone);
   EXPECT_EQ(o.normuon_beta2(), 0.95);
   EXPECT_EQ(o.normuon_eps(), 1e-8);
+  EXPECT_EQ(o.matrix_layout(), MatrixLayout::whole());
   EXPECT_EQ(MuonOptions(0.5).lr(), 0.5);
   EXPECT_NO_THROW(o.validate());
 }
@@ -130,7 +131,8 @@ TEST(MuonOptions, ArchiveRoundTripKeepsEveryField) {
                                   .ns_preconditioning(NsPreconditioning::kAol)
                                   .normalization(Normalization::kNorMuon)
                                   .normuon_beta2(0.9)
-                                  .normuon_eps(1e-6);
+                                  .normuon_eps(1e-6)
+                                  .matrix_layout(MatrixLayout::row_blocks({8, 2, 2}));
   torch::serialize::OutputArchive out;
   written.serialize(out);
   std::stringstream bytes;
@@ -177,6 +179,7 @@ TEST(MuonOptions, EqualityComparesEveryField) {
   EXPECT_FALSE(base == MuonOptions().normalization(Normalization::kNorMuon));
   EXPECT_FALSE(base == MuonOptions().normuon_beta2(0.9));
   EXPECT_FALSE(base == MuonOptions().normuon_eps(1e-6));
+  EXPECT_FALSE(base == MuonOptions().matrix_layout(MatrixLayout::batched()));
 }
 
 TEST(MuonOptions, ArchiveWithoutTheNewFieldsKeepsTheirDefaults) {

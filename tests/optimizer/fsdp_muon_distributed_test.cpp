@@ -8,7 +8,9 @@
 // module test averages real per-rank gradients and hands the reference the averaged shards.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -24,12 +26,14 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/schedulers/step_lr.h>
 
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "common/distributed_main.h"
 #include "common/model_specs.h"
 #include "common/test_util.h"
+#include "muon/muon_test_util.h"
 
 namespace fsdp_muon {
 namespace {
@@ -174,11 +178,12 @@ std::vector<Case> exactness_cases() {
   // Gram Newton-Schulz and AOL (docs/DESIGN.md §4): the owner runs them on the full matrix as
   // Muon does, so the bits are Muon's at every W.
   cases.push_back({"gram", MuonOptions(0.02).ns_method(NsMethod::kGram).ns_dtype(at::kFloat)});
-  cases.push_back({"gram_restarts_1_3_polar_express", MuonOptions(0.02)
-                                                          .ns_method(NsMethod::kGram)
-                                                          .gram_restarts({1, 3})
-                                                          .coefficients(NsCoefficients::kPolarExpress)
-                                                          .ns_dtype(at::kFloat)});
+  cases.push_back(
+      {"gram_restarts_1_3_polar_express", MuonOptions(0.02)
+                                              .ns_method(NsMethod::kGram)
+                                              .gram_restarts({1, 3})
+                                              .coefficients(NsCoefficients::kPolarExpress)
+                                              .ns_dtype(at::kFloat)});
   cases.push_back({"auto_aol_turbo", MuonOptions(0.02)
                                          .ns_method(NsMethod::kAuto)
                                          .ns_preconditioning(NsPreconditioning::kAol)
@@ -229,6 +234,33 @@ TEST(FsdpMuonExactness, EqualsSingleDeviceMuonBitwise) {
     }
     ++seed;
   }
+}
+
+// A scheduler changing lr (and an edit of momentum and weight decay) on every rank alike after
+// construction: still exactly single-device Muon with those options.
+TEST(FsdpMuonExactness, OptionsChangedAlikeOnEveryRankEqualSingleDeviceMuon) {
+  Model model = make_model(78);
+  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options);
+  Muon muon(split_groups(reference_matrices(model), options), options);
+  torch::optim::StepLR fsdp_schedule(fsdp, /*step_size=*/2, /*gamma=*/0.3);
+  torch::optim::StepLR muon_schedule(muon, /*step_size=*/2, /*gamma=*/0.3);
+  for (int step = 0; step < 6; ++step) {
+    feed_gradients(model, 7800 + step);
+    if (step == 3) {
+      for (torch::optim::Optimizer* opt : {static_cast<torch::optim::Optimizer*>(&fsdp),
+                                           static_cast<torch::optim::Optimizer*>(&muon)}) {
+        static_cast<MuonOptions&>(opt->param_groups()[0].options()).momentum(0.8);
+        static_cast<MuonOptions&>(opt->param_groups()[1].options()).weight_decay(0.1);
+      }
+    }
+    fsdp.step();
+    muon.step();
+    fsdp_schedule.step();
+    muon_schedule.step();
+  }
+  EXPECT_NE(fsdp.param_groups()[0].options().get_lr(), 0.02);  // the schedule did act
+  expect_matches_reference(model, "options changed alike");
 }
 
 // Parameters without gradients (on every rank) are left alone, as single-device Muon does.
@@ -852,7 +884,11 @@ TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
     auto params = sharded_matrices(model);
     if (odd) std::reverse(params.begin(), params.end());
     expect_error([&] { FsdpMuon(params, MuonOptions()); },
-                 {"parameter lists differ across ranks", "rank(s) 1"});
+                 {"fsdp_muon::FsdpMuon: the ranks constructed different optimizers (rank(s) 1 "
+                  "differ from rank 0; this is rank " +
+                      std::to_string(world().rank()),
+                  "first difference, parameter group 0 parameter 0: rank 0 has FSDP group 'g0' ",
+                  "'a.w1' [5, 7], rank 1 has FSDP group 'g2' ", "'c.w' [6, 6]"});
   }
   // Names and shapes: the groups themselves differ, so FsdpParameterGroup refuses them on every
   // rank before FsdpMuon sees them.
@@ -874,8 +910,172 @@ TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
     Model model = make_model(38);
     auto params = sharded_matrices(model);
     if (odd) params.pop_back();
-    expect_error([&] { FsdpMuon(params, MuonOptions()); }, {"parameter lists differ across ranks"});
+    expect_error([&] { FsdpMuon(params, MuonOptions()); },
+                 {"the ranks constructed different optimizers",
+                  "parameter group 0 parameters: rank 0 has 8, rank 1 has 7"});
   }
+}
+
+// Every option that changes the math (and every distribution setting) differing on one rank,
+// down to one ulp of a double, is refused at construction on every rank, naming the option.
+TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
+  if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
+  const int odd = world().size() - 1;  // the rank that differs
+  const bool here = world().rank() == odd;
+  const std::string r = "rank " + std::to_string(odd) + " has ";
+  struct OptionCase {
+    std::string needle;  // after "first difference, "
+    std::function<void(MuonOptions&)> change;
+  };
+  const std::vector<OptionCase> option_cases = {
+      {"parameter group 0 lr: rank 0 has 0x1.47ae147ae147bp-6 (0.02), " + r +
+           "0x1.47ae147ae147cp-6 (0.02)",
+       [](MuonOptions& o) { o.lr(std::nextafter(0.02, 1.0)); }},
+      {"parameter group 0 momentum: rank 0 has 0x1.e666666666666p-1 (0.95), " + r +
+           "0x1.ccccccccccccdp-1 (0.9)",
+       [](MuonOptions& o) { o.momentum(0.9); }},
+      {"parameter group 0 nesterov: rank 0 has true, " + r + "false",
+       [](MuonOptions& o) { o.nesterov(false); }},
+      {"parameter group 0 weight_decay: rank 0 has 0x0p+0 (0), " + r + "0x1.999999999999ap-4 (0.1)",
+       [](MuonOptions& o) { o.weight_decay(0.1); }},
+      {"parameter group 0 weight_decay_method: rank 0 has decoupled, " + r + "l2",
+       [](MuonOptions& o) { o.weight_decay_method(WeightDecayMethod::kL2); }},
+      {"parameter group 0 ns_steps: rank 0 has 5, " + r + "6",
+       [](MuonOptions& o) { o.ns_steps(6); }},
+      {"parameter group 0 coefficients: rank 0 has quintic, " + r + "polar_express",
+       [](MuonOptions& o) { o.coefficients(NsCoefficients::kPolarExpress); }},
+      {"parameter group 0 custom_coefficients: rank 0 has {}, " + r + "{(0x1p+1, -0x1p+0, 0x0p+0)}",
+       [](MuonOptions& o) {
+         o.custom_coefficients({{2.0, -1.0, 0.0}});
+       }},
+      {"parameter group 0 scale_mode: rank 0 has shape_scaling, " + r + "spectral",
+       [](MuonOptions& o) { o.scale_mode(ScaleMode::kSpectral); }},
+      {"parameter group 0 extra_scale_factor: rank 0 has 0x1p+0 (1), " + r + "0x1p-1 (0.5)",
+       [](MuonOptions& o) { o.extra_scale_factor(0.5); }},
+      {"parameter group 0 eps: rank 0 has 0x1.ad7f29abcaf48p-24 (1e-07), " + r +
+           "0x1.0c6f7a0b5ed8dp-20 (1e-06)",
+       [](MuonOptions& o) { o.eps(1e-6); }},
+      {"parameter group 0 ns_dtype: rank 0 has BFloat16, " + r + "Float",
+       [](MuonOptions& o) { o.ns_dtype(at::kFloat); }},
+      {"parameter group 0 skip_non_matrix: rank 0 has false, " + r + "true",
+       [](MuonOptions& o) { o.skip_non_matrix(true); }},
+      {"parameter group 0 ns_method: rank 0 has standard, " + r + "gram",
+       [](MuonOptions& o) { o.ns_method(NsMethod::kGram); }},
+      {"parameter group 0 gram_restarts: rank 0 has {2}, " + r + "{1, 3}",
+       [](MuonOptions& o) {
+         o.gram_restarts({1, 3});
+       }},
+      {"parameter group 0 ns_preconditioning: rank 0 has none, " + r + "aol",
+       [](MuonOptions& o) { o.ns_preconditioning(NsPreconditioning::kAol); }},
+      {"parameter group 0 normalization: rank 0 has none, " + r + "normuon",
+       [](MuonOptions& o) { o.normalization(Normalization::kNorMuon); }},
+      {"parameter group 0 normuon_beta2: rank 0 has 0x1.e666666666666p-1 (0.95), " + r +
+           "0x1.ccccccccccccdp-1 (0.9)",
+       [](MuonOptions& o) { o.normuon_beta2(0.9); }},
+      {"parameter group 0 normuon_eps: rank 0 has 0x1.5798ee2308c3ap-27 (1e-08), " + r +
+           "0x1.0c6f7a0b5ed8dp-20 (1e-06)",
+       [](MuonOptions& o) { o.normuon_eps(1e-6); }},
+  };
+  Model model = make_model(42);
+  const auto params = sharded_matrices(model);
+  for (const OptionCase& c : option_cases) {
+    MuonOptions options;
+    if (here) c.change(options);
+    expect_error([&] { FsdpMuon(params, options); },
+                 {"fsdp_muon::FsdpMuon: the ranks constructed different optimizers (rank(s) " +
+                      std::to_string(odd) + " differ from rank 0",
+                  "first difference, " + c.needle + ". Every rank must construct"},
+                 c.needle);
+  }
+  // The second of two parameter groups.
+  {
+    MuonOptions options;
+    auto groups = split_groups(params, options);
+    if (here) static_cast<MuonOptions&>(groups[1].options()).lr(0.5);
+    expect_error(
+        [&] { FsdpMuon(groups, options); },
+        {"first difference, parameter group 1 lr: rank 0 has 0x1.47ae147ae147bp-7 (0.01), " + r +
+         "0x1p-1 (0.5)"});
+  }
+  // A distribution setting.
+  {
+    FsdpMuonConfig config;
+    if (here) config.batch_newton_schulz(NewtonSchulzBatching::kNever);
+    expect_error(
+        [&] { FsdpMuon(params, MuonOptions(), config); },
+        {"first difference, batch_newton_schulz: rank 0 has where_bitwise, " + r + "never"});
+  }
+  // Alike everywhere, any of them is fine.
+  FsdpMuon alike(params, MuonOptions(std::nextafter(0.02, 1.0)).ns_method(NsMethod::kGram));
+}
+
+// Options changed after construction (a scheduler stepped on one rank only, an edit on one rank)
+// make the next step an error on every rank, naming the option and both values, before anything
+// changes; stepped alike again, training goes on.
+TEST(FsdpMuonErrors, OptionsChangedOnOneRankFailTheStep) {
+  if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
+  const int odd = world().size() - 1;
+  const bool here = world().rank() == odd;
+  Model model = make_model(43);
+  FsdpMuon fsdp(split_groups(sharded_matrices(model), MuonOptions(0.02)), MuonOptions(0.02));
+  // LibTorch's StepLR changes nothing on its first step(), then halves the lrs at every one.
+  torch::optim::StepLR schedule(fsdp, /*step_size=*/1, /*gamma=*/0.5);
+  feed_gradients(model, 4300);
+  fsdp.step();
+  schedule.step();
+  const auto shards = [&] {
+    std::vector<at::Tensor> out;
+    for (const auto& group : model.groups) out.push_back(group->main_weight_shard().clone());
+    return out;
+  };
+  const auto unchanged = [&](const std::vector<at::Tensor>& before) {
+    const auto now = shards();
+    for (size_t g = 0; g < now.size(); ++g) EXPECT_TRUE(at::equal(now[g], before[g])) << g;
+  };
+  const std::vector<at::Tensor> before = shards();
+  auto& group0 = static_cast<MuonOptions&>(fsdp.param_groups()[0].options());
+  auto& group1 = static_cast<MuonOptions&>(fsdp.param_groups()[1].options());
+  if (here) schedule.step();  // lr 0.02 -> 0.01 and 0.01 -> 0.005 on one rank
+  feed_gradients(model, 4301);
+  const std::string mine_lr0 = here ? "0x1.47ae147ae147bp-7 (0.01)" : "0x1.47ae147ae147bp-6 (0.02)";
+  const std::string mine_lr1 =
+      here ? "0x1.47ae147ae147bp-8 (0.005)" : "0x1.47ae147ae147bp-7 (0.01)";
+  expect_error([&] { fsdp.step(); },
+               {"fsdp_muon::FsdpMuon: the optimizer options differ across ranks at step() call 2: "
+                "lr of parameter group 0 (rank 0 has 0x1.47ae147ae147bp-6 (0.02), this rank has " +
+                    mine_lr0 +
+                    "); lr of parameter group 1 (rank 0 has 0x1.47ae147ae147bp-7 (0.01), this "
+                    "rank has " +
+                    mine_lr1 + ")",
+                "step every scheduler on every rank", "Nothing was changed"});
+  unchanged(before);
+  // The others catch up: alike again, the step runs.
+  if (!here) schedule.step();
+  fsdp.step();
+  EXPECT_EQ(fsdp.last_step_stats().active_parameters, 8);
+  const std::vector<at::Tensor> later = shards();
+  // Momentum and weight decay, one rank.
+  if (here) group0.momentum(0.9);
+  if (here) group1.weight_decay(0.25);
+  feed_gradients(model, 4302);
+  expect_error([&] { fsdp.step(); },
+               {"momentum of parameter group 0 (rank 0 has 0x1.e666666666666p-1 (0.95), this rank "
+                "has " +
+                std::string(here ? "0x1.ccccccccccccdp-1 (0.9)" : "0x1.e666666666666p-1 (0.95)") +
+                "); weight_decay of parameter group 1 (rank 0 has 0x0p+0 (0), this rank has " +
+                (here ? "0x1p-2 (0.25)" : "0x0p+0 (0)") + ")"});
+  unchanged(later);
+  if (here) group0.momentum(0.95);
+  if (here) group1.weight_decay(0.0);
+  // Any other option, e.g. the Newton-Schulz dtype of the second group.
+  if (here) group1.ns_dtype(at::kFloat);
+  expect_error([&] { fsdp.step(); },
+               {"another option of parameter group 1 (not lr, momentum or weight_decay; this "
+                "rank's options " +
+                std::string(here ? "differ from" : "equal") + " rank 0's)"});
+  unchanged(later);
+  if (here) group1.ns_dtype(at::kBFloat16);
+  fsdp.step();
 }
 
 TEST(FsdpMuonErrors, RanksDisagreeOnGradients) {
@@ -918,6 +1118,82 @@ TEST(FsdpMuonErrors, AddParamGroupAfterConstruction) {
   feed_gradients(model, 4000);
   expect_error([&] { fsdp.step(); }, {"parameter groups were changed after construction on 1 of " +
                                       std::to_string(world().size())});
+}
+
+// A backward through every group's module parameters (a loss whose gradients every rank gets
+// alike), without reduce-scattering them.
+void backward_through(const Model& model) {
+  at::Tensor loss = at::zeros({});
+  for (const auto& group : model.groups) {
+    for (const at::Tensor& p : group->model_parameters()) loss = loss + (p * p).sum();
+  }
+  loss.backward();
+}
+
+// ZeRO-1 (the default strategy) keeps a backward's gradients in the group until
+// reduce_scatter_grads(); a step before it would train on stale gradient shards. It is an error on
+// every rank naming the fix; micro-batches (several backwards, one reduce-scatter) and zero_grad()
+// are fine.
+TEST(FsdpMuonErrors, ZeroOneStepWithoutReduceScatterIsAnError) {
+  Model model = make_model(41);
+  for (const auto& group : model.groups) {
+    ASSERT_EQ(group->sharding_strategy(), ShardingStrategy::kOptim);
+  }
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  const auto shards = [&] {
+    std::vector<at::Tensor> out;
+    for (const auto& group : model.groups) out.push_back(group->main_weight_shard().clone());
+    return out;
+  };
+  const auto expect_shards = [&](const std::vector<at::Tensor>& expected, bool equal) {
+    const auto now = shards();
+    for (size_t g = 0; g < now.size(); ++g) {
+      if (now[g].numel() > 0) {
+        EXPECT_EQ(at::equal(now[g], expected[g]), equal) << g;
+      }
+    }
+  };
+  const std::string w = std::to_string(world().size());
+  // Forgotten everywhere: every rank refuses, nothing changes.
+  for (const auto& group : model.groups) group->zero_grad();
+  backward_through(model);
+  for (const auto& group : model.groups) EXPECT_TRUE(group->has_unreduced_gradients());
+  const std::vector<at::Tensor> start = shards();
+  expect_error([&] { fsdp.step(); },
+               {"fsdp_muon::FsdpMuon: a backward wrote gradients that were never reduce-scattered",
+                "'g0' on " + w + " of " + w + " rank(s), 'g1' on " + w + " of " + w +
+                    " rank(s), 'g2' on " + w + " of " + w + " rank(s)",
+                "call group->reduce_scatter_grads() after backward"});
+  expect_shards(start, true);
+  EXPECT_TRUE(fsdp.state().empty());
+  // Forgotten for one group: only that one is named.
+  model.groups[0]->reduce_scatter_grads();
+  model.groups[1]->reduce_scatter_grads();
+  EXPECT_FALSE(model.groups[0]->has_unreduced_gradients());
+  expect_error([&] { fsdp.step(); },
+               {"never reduce-scattered into the gradient shards of FSDP group(s) 'g2' on " + w +
+                " of " + w + " rank(s) (sharding"});
+  expect_shards(start, true);
+  // Done: the step runs.
+  model.groups[2]->reduce_scatter_grads();
+  fsdp.step();
+  EXPECT_EQ(fsdp.last_step_stats().active_parameters, 8);
+  const std::vector<at::Tensor> after_one = shards();
+  expect_shards(start, false);
+  // Two micro-batches, one reduce-scatter: legal.
+  for (const auto& group : model.groups) group->zero_grad();
+  backward_through(model);
+  backward_through(model);
+  for (const auto& group : model.groups) group->reduce_scatter_grads();
+  fsdp.step();
+  expect_shards(after_one, false);
+  // zero_grad() after a backward drops its gradients: nothing is left unreduced.
+  backward_through(model);
+  for (const auto& group : model.groups) {
+    group->zero_grad();
+    EXPECT_FALSE(group->has_unreduced_gradients());
+  }
+  fsdp.step();
 }
 
 // A NaN in one rank's piece of one gradient: under each NonFiniteGradients mode every rank
@@ -973,6 +1249,71 @@ TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
   }
 }
 
+// The default (kSkipStep): a NaN on one rank skips the step on every rank, leaving weights and
+// momentum bit for bit as they were, and rank 0 alone warns once, naming the step and the
+// parameter; the next finite step runs and warns nothing.
+TEST(FsdpMuonNonFinite, DefaultSkipsTheStepAndWarnsOnRankZero) {
+  EXPECT_EQ(FsdpMuonConfig().non_finite_gradients(), NonFiniteGradients::kSkipStep);
+  const int w = world().size();
+  const int me = world().rank();
+  Model model = make_model(51);
+  const std::shared_ptr<FsdpParameterGroup>& group = model.groups[1];
+  const size_t index = 2;  // 'b.big', 17 x 6
+  int holder = -1;         // the last rank that holds part of it
+  for (int r = 0; r < w; ++r) {
+    if (group->held_range(index, r).second > group->held_range(index, r).first) holder = r;
+  }
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  test::WarningCollector warnings;
+  feed_gradients(model, 5100);
+  fsdp.step();  // step 1: finite, creates the momentum
+  const auto snapshot = [&] {
+    std::vector<at::Tensor> out;
+    for (const FsdpMuonMatrix& m : fsdp.matrices()) {
+      out.push_back(m.sharded_parameter.detach().clone());
+      const auto& state = static_cast<const MuonParamState&>(
+          *fsdp.state().at(m.sharded_parameter.unsafeGetTensorImpl()));
+      out.push_back(state.momentum_buffer().clone());
+      out.push_back(at::tensor(state.step()));
+    }
+    for (const auto& g : model.groups) out.push_back(g->model_weights().clone());
+    return out;
+  };
+  const std::vector<at::Tensor> before = snapshot();
+  feed_gradients(model, 5101);
+  if (me == holder)
+    group->sharded_parameter(index).grad()[0] = std::numeric_limits<float>::infinity();
+  fsdp.step();  // step 2: skipped everywhere
+  EXPECT_TRUE(fsdp.last_step_stats().skipped);
+  EXPECT_EQ(fsdp.last_step_stats().non_finite_parameters, 1);
+  EXPECT_EQ(fsdp.skipped_steps(), 1);
+  const std::vector<at::Tensor> after = snapshot();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t k = 0; k < after.size(); ++k) EXPECT_TRUE(at::equal(after[k], before[k])) << k;
+  if (me == 0) {
+    ASSERT_EQ(warnings.messages.size(), 1u);
+    const std::string& line = warnings.messages[0];
+    for (const std::string& needle :
+         {std::string("fsdp_muon::FsdpMuon: skipped step 2 "), std::string("1 skipped so far"),
+          "NaN or Inf in the gradient of 'b.big' on 1 of " + std::to_string(w) + " rank(s)",
+          std::string("weights and momentum are unchanged")}) {
+      EXPECT_NE(line.find(needle), std::string::npos) << "'" << needle << "' not in: " << line;
+    }
+    EXPECT_EQ(line.find('\n'), std::string::npos) << "not one line: " << line;
+  } else {
+    EXPECT_TRUE(warnings.messages.empty()) << "rank " << me << " warned: " << warnings.messages[0];
+  }
+  feed_gradients(model, 5102);
+  fsdp.step();  // step 3: finite again, runs, warns nothing
+  EXPECT_FALSE(fsdp.last_step_stats().skipped);
+  EXPECT_EQ(fsdp.skipped_steps(), 1);
+  EXPECT_EQ(warnings.messages.size(), me == 0 ? 1u : 0u);
+  const at::Tensor& first = fsdp.matrices()[0].sharded_parameter;
+  if (first.numel() > 0) {
+    EXPECT_FALSE(at::equal(first, before[0]));
+  }
+}
+
 // Without the agreement all-reduce (for loops that guarantee agreement) the step gives the same
 // bits and sends nothing for the check; the non-finite check, which needs it, is refused.
 TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
@@ -981,7 +1322,8 @@ TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
   Model unchecked = make_model(90);
   FsdpMuon with(sharded_matrices(checked), options);
   FsdpMuon without(sharded_matrices(unchecked), options,
-                   FsdpMuonConfig().check_gradient_agreement(false));
+                   FsdpMuonConfig().check_gradient_agreement(false).non_finite_gradients(
+                       NonFiniteGradients::kIgnore));
   for (int step = 0; step < 3; ++step) {
     feed_gradients(checked, 9000 + step);
     feed_gradients(unchecked, 9000 + step);
@@ -1004,6 +1346,14 @@ TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
                      NonFiniteGradients::kSkipStep));
       },
       {"non_finite_gradients(skip_step) needs check_gradient_agreement(true)"});
+  // The default is kSkipStep, so turning the agreement off alone names the fix.
+  expect_error(
+      [&] {
+        FsdpMuon(sharded_matrices(checked), options,
+                 FsdpMuonConfig().check_gradient_agreement(false));
+      },
+      {"non_finite_gradients(skip_step) needs check_gradient_agreement(true)",
+       "non_finite_gradients(NonFiniteGradients::kIgnore)"});
 }
 
 }  // namespace

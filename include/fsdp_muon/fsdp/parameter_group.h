@@ -140,6 +140,12 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   // waits for the group's, frees the weights of a prefetch nobody used, and refuses a module
   // .grad() that did not come from a backward through forward().
   void reduce_scatter_grads();
+  // Under kOptim: whether a backward has accumulated gradients into the full gradients since the
+  // last reduce_scatter_grads() or zero_grad(), i.e. the gradient shards do not hold them yet
+  // (several backwards before one reduce_scatter_grads() accumulate micro-batches, as intended).
+  // FsdpMuon::step() refuses to run while it is true on any rank. Always false under
+  // kOptimGrads/kOptimGradsParams, which reduce during backward.
+  bool has_unreduced_gradients() const;
   // Main-weight shards -> full model weights (cast to the compute dtype, one all-gather).
   // Under kOptimGradsParams while resharded: nothing is gathered; the next unshard() (forward)
   // gathers the new main weights.

@@ -1,5 +1,6 @@
 #pragma once
-// Single-device Muon (docs/DESIGN.md §1, §4): every parameter is a full 2-D matrix on one device.
+// Single-device Muon (docs/DESIGN.md §1, §4): every parameter is full on one device, one 2-D
+// matrix or the matrices of its MatrixLayout.
 // It is the reference every distributed result (FsdpMuon) is compared with.
 
 #include <cstdint>
@@ -25,7 +26,9 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
   // Created lazily at the first step with a gradient: zeros, the parameter's shape and dtype.
   TORCH_ARG(at::Tensor, momentum_buffer);
   // Normalization::kNorMuon only: the per-row second moment of the orthogonalized update, a 1-D
-  // tensor of `rows` entries in the parameter's dtype, created as zeros at the first such step.
+  // tensor of one entry per row in the parameter's dtype (E·m for a batched [E, m, n]
+  // parameter; each matrix of a MatrixLayout owns its rows), created as zeros at the first such
+  // step.
   TORCH_ARG(at::Tensor, normuon_variance);
 
  public:
@@ -34,8 +37,10 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
   friend bool operator==(const MuonParamState& lhs, const MuonParamState& rhs);
 };
 
-// Muon for 2-D parameters (use torch::optim::AdamW for biases, norms and embeddings). Per step and
-// parameter with a gradient: weight decay, momentum, Nesterov input, Newton-Schulz, scale, apply.
+// Muon for 2-D parameters (use torch::optim::AdamW for biases, norms and embeddings), or for the
+// matrices a param group's MuonOptions::matrix_layout divides them into (row blocks, 3-D
+// experts). Per step and parameter with a gradient: weight decay, momentum and Nesterov input
+// over the whole parameter, then per matrix Newton-Schulz and its scale, then apply.
 //
 // Per-group options are kept exactly as given: LibTorch's Optimizer::add_param_group has, in some
 // releases, replaced the options of groups whose optimizer type it does not know with the

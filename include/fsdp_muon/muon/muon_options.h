@@ -9,6 +9,7 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <fsdp_muon/muon/matrix_layout.h>
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
 
 namespace fsdp_muon {
@@ -64,7 +65,8 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   TORCH_ARG(double, eps) = NewtonSchulzOptions().eps();
   TORCH_ARG(c10::ScalarType, ns_dtype) = NewtonSchulzOptions().compute_dtype();
   // Leave parameters that are not 2-D untouched (one warning on rank 0) instead of an error;
-  // give them to an elementwise optimizer such as torch::optim::AdamW.
+  // give them to an elementwise optimizer such as torch::optim::AdamW. Only under
+  // MatrixLayout::whole(): the other layouts name the shape they take.
   TORCH_ARG(bool, skip_non_matrix) = false;
   // Newton–Schulz evaluation: NewtonSchulzOptions' method, gram_restarts and preconditioning,
   // with their defaults.
@@ -76,6 +78,9 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   TORCH_ARG(Normalization, normalization) = Normalization::kNone;
   TORCH_ARG(double, normuon_beta2) = 0.95;
   TORCH_ARG(double, normuon_eps) = 1e-8;
+  // Which matrices each parameter of the group holds (see MatrixLayout): whole() (one 2-D
+  // matrix), row_blocks({...}) (a fused QKV or per-head weight) or batched() (3-D experts).
+  TORCH_ARG(MatrixLayout, matrix_layout) = MatrixLayout::whole();
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;

@@ -31,9 +31,11 @@ class FsdpParameterGroup;
 // What FsdpMuon::step does when a gradient holds NaN or Inf on any rank. The check rides on the
 // agreement all-reduce every step already runs (no extra collective); kIgnore skips it.
 enum class NonFiniteGradients {
-  kIgnore,    // no check: the matrix's update becomes NaN on every rank (as in torch.optim.Muon)
-  kSkipStep,  // every rank skips FsdpMuon's update (momentum untouched) and counts the step
-  kThrow,     // a clear error on every rank naming the parameters and how many ranks saw them
+  kIgnore,  // no check: the matrix's update becomes NaN on every rank (as in torch.optim.Muon)
+  // The default: every rank skips FsdpMuon's update (momentum untouched), counts the step, and
+  // rank 0 warns once per skipped step, naming the step and the first parameter with NaN/Inf.
+  kSkipStep,
+  kThrow,  // a clear error on every rank naming the parameters and how many ranks saw them
 };
 
 const char* to_string(NonFiniteGradients mode);
@@ -91,15 +93,22 @@ struct FsdpMuonConfig {
   // each round is then packed to half of prefetch_budget_bytes, so that what a rank holds at
   // once stays within it. The result bits are the same either way.
   TORCH_ARG(bool, overlap_communication) = true;
-  // See NonFiniteGradients. With kSkipStep the model weights are still refreshed (another
-  // optimizer may have stepped the groups' other parameters), and skipped_steps() counts it.
-  TORCH_ARG(NonFiniteGradients, non_finite_gradients) = NonFiniteGradients::kIgnore;
+  // See NonFiniteGradients. With kSkipStep (the default: one NaN must not silently turn the
+  // whole model into NaN) the model weights are still refreshed (another optimizer may have
+  // stepped the groups' other parameters), skipped_steps() counts it and rank 0 warns. The check
+  // needs check_gradient_agreement; kIgnore turns it off.
+  TORCH_ARG(NonFiniteGradients, non_finite_gradients) = NonFiniteGradients::kSkipStep;
   // Each step starts with one small all-reduce that makes a rank mismatch (different gradients
-  // present, edited parameter groups, a local error) the same error on every rank instead of a
-  // hang, at the price of a host synchronization (a second one with the non-finite check, whose
-  // flags are copied to the host first). false skips it for loops that guarantee
-  // agreement: step() then never waits on the host (on CUDA), and a mismatch hangs or fails
-  // on some ranks only. The non-finite check needs it.
+  // present, edited parameter groups, options changed on some ranks only, unreduced ZeRO-1
+  // gradients, a local error) the same error on every rank instead of a hang or a silent
+  // divergence, at the price of a host synchronization (a second one with the non-finite check,
+  // whose flags are copied to the host first). false skips it for loops that guarantee
+  // agreement: step() then never waits on the host (on CUDA), a mismatch hangs or fails on some
+  // ranks only, and only what a rank sees alone is checked (valid options, unedited groups,
+  // reduced ZeRO-1 gradients, gradient shapes): not which gradients the other ranks have, not
+  // that options changed after construction (lr, momentum, weight decay, the rest) are alike on
+  // every rank. The non-finite check needs it: with false, set
+  // non_finite_gradients(NonFiniteGradients::kIgnore) too.
   TORCH_ARG(bool, check_gradient_agreement) = true;
   // See NewtonSchulzBatching. Matrices batch together when they have the same shape, dtype and
   // optimizer parameter group, up to 2^25 elements per call.
@@ -144,17 +153,25 @@ struct FsdpMuonStepStats {
   double refresh_seconds = 0;
 };
 
-// One matrix FsdpMuon updates, as planned at construction.
+// One matrix FsdpMuon updates, as planned at construction: a 2-D parameter, or one block of a
+// parameter its param group's MuonOptions::matrix_layout divides (docs/DESIGN.md §3, "Layouts").
 struct FsdpMuonMatrix {
   std::shared_ptr<FsdpParameterGroup> group;
-  size_t group_ordinal = 0;  // position of `group` in FsdpMuon::fsdp_groups()
-  size_t index = 0;          // parameter index inside `group`
-  size_t param_group = 0;    // index into FsdpMuon::param_groups() (its MuonOptions)
-  at::Tensor sharded_parameter;
+  size_t group_ordinal = 0;      // position of `group` in FsdpMuon::fsdp_groups()
+  size_t index = 0;              // parameter index inside `group`
+  size_t param_group = 0;        // index into FsdpMuon::param_groups() (its MuonOptions)
+  at::Tensor sharded_parameter;  // the whole parameter's shard, shared by its blocks
+  // The parameter's name, with "[b]" for block b of a row_blocks or batched parameter
+  // ("attn.qkv[1]", "experts.w1[7]").
   std::string name;
   int64_t rows = 0;
   int64_t cols = 0;
   int owner = -1;
+  // Block `block` of the parameter's `blocks` (0 of 1 under MatrixLayout::whole()): elements
+  // [offset, offset + rows * cols) of the flattened parameter.
+  size_t block = 0;
+  size_t blocks = 1;
+  int64_t offset = 0;
 };
 
 // Muon for the 2-D sharded parameters of FsdpParameterGroups on one 1-D data-parallel mesh
@@ -164,13 +181,22 @@ struct FsdpMuonMatrix {
 // parameter of, so call the other optimizer's step() first; refresh a group FsdpMuon holds no
 // parameter of yourself (group->refresh_model_weights()).
 //
-// Every rank must construct it with the same parameters in the same order, and must agree on
-// which parameters have gradients at each step; both are checked (a clear error on every rank,
-// not a hang). The parameter groups are frozen at construction: add_param_group(), or editing
-// param_groups() afterwards, is an error.
+// Every rank must construct it with the same parameters in the same order, the same
+// MuonOptions per parameter group and the same config, keep the options alike on every rank
+// afterwards (schedulers stepped on every rank), and agree on which parameters have gradients at
+// each step; all are checked (a clear error on every rank naming what differs, not a hang). Under
+// ShardingStrategy::kOptim a step after a backward whose gradients were not reduce-scattered
+// (group->reduce_scatter_grads()) is such an error too. The parameter groups are frozen at
+// construction: add_param_group(), or editing param_groups() afterwards, is an error.
+//
+// A param group's MuonOptions::matrix_layout divides its parameters into matrices (row blocks of
+// a fused QKV weight, the experts of a 3-D [E, m, n] tensor); each is planned, owned, gathered,
+// orthogonalized and scattered on its own, and the result equals single-device Muon with the
+// same layout.
 //
 // Limitations: one data-parallel dimension (no tensor or pipeline parallelism inside the
-// groups); non-2-D parameters are an error unless MuonOptions::skip_non_matrix(true).
+// groups); parameters that are not matrices under their layout are an error unless
+// MuonOptions::skip_non_matrix(true).
 class FsdpMuon : public torch::optim::Optimizer {
  public:
   explicit FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults = MuonOptions(),
@@ -199,8 +225,9 @@ class FsdpMuon : public torch::optim::Optimizer {
   const OwnerPlan& owner_plan() const;
   const std::vector<std::shared_ptr<FsdpParameterGroup>>& fsdp_groups() const;
   const std::vector<FsdpMuonMatrix>& matrices() const;
-  // Owner of a sharded parameter this optimizer orthogonalizes; -1 for one it does not (a
-  // skipped non-2-D parameter, an empty matrix, or a tensor it does not know).
+  // Owner of a sharded parameter this optimizer orthogonalizes (of its first matrix when its
+  // layout makes several: matrices() lists each); -1 for one it does not (a skipped non-2-D
+  // parameter, an empty matrix, or a tensor it does not know).
   int owner_of(const at::Tensor& sharded_parameter) const;
   const FsdpMuonStepStats& last_step_stats() const;
   // Steps whose update NonFiniteGradients::kSkipStep skipped, since construction.

@@ -52,7 +52,8 @@ constexpr int64_t kUnlimitedPrefetch = std::numeric_limits<int64_t>::max();
 // n = max side (docs/DESIGN.md §7).
 int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps);
 
-// One 2-D parameter as the planner sees it.
+// One matrix as the planner sees it: a 2-D parameter, or one block of a parameter its
+// MatrixLayout divides (FsdpMuon clips the parameter's held ranges to the block).
 struct PlanMatrix {
   std::string name;  // for reports and errors only
   int64_t rows = 0;
