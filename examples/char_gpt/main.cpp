@@ -502,9 +502,9 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
        << flags.steps << " steps x " << comm->size() << " ranks x " << flags.batch << " seqs x "
        << flags.seq_len << " chars, lr";
     if (use_muon) ss << " muon " << flags.lr << " +";
-    if (use_muon) ss << " (qkv layout " << flags.qkv_layout << ")";
-    if (flags.moe > 0) ss << "; " << flags.moe << " experts per block, top-1";
     ss << " adamw " << adamw_lr;
+    if (use_muon) ss << "; qkv layout " << flags.qkv_layout;
+    if (flags.moe > 0) ss << "; " << flags.moe << " experts per block, top-1";
     progress.message(ss.str());
   }
 
