@@ -84,6 +84,12 @@ const char* kUsage =
   --normalization N        none|normuon (MuonOptions::normalization; default none): normuon
                            divides each row of the orthogonalized update by the root of an
                            EMA of its mean square (NorMuon), then restores its norm
+  --qkv-layout L           how Muon sees each block's fused [3d, d] QKV weight: qkv (default:
+                           Q, K and V orthogonalized separately, MatrixLayout::row_blocks),
+                           heads (every head of Q, K and V separately) or whole (one matrix)
+  --moe E                  E experts per block instead of the dense MLP, fused as [E, 4d, d]
+                           and [E, d, 4d] tensors (MatrixLayout::batched), top-1 routing
+                           (default 0: dense)
   --qk-clip TAU            QK-clip (MuonClip) after every step: heads whose largest attention
                            logit exceeded TAU are scaled back to it (fsdp_muon::qk_clip); the
                            largest logit before and after the clip is logged, and the run fails
@@ -127,6 +133,8 @@ struct Flags {
   fsdp_muon::NsCoefficients ns_coefficients = fsdp_muon::NsCoefficients::kQuintic;
   fsdp_muon::NsCoefficientList ns_custom_coefficients;  // turbo_muon
   fsdp_muon::Normalization normalization = fsdp_muon::Normalization::kNone;
+  std::string qkv_layout = "qkv";
+  int64_t moe = 0;
   double qk_clip = 0;
   int64_t eval_every = 100;
   int64_t log_every = 0;
@@ -243,6 +251,8 @@ Flags parse_flags(int argc, char** argv) {
     }
     TORCH_CHECK(known, "char_gpt: --normalization must be none or normuon, got '", text, "'");
   }
+  take_string("qkv-layout", f.qkv_layout);
+  take("moe", f.moe);
   take("qk-clip", f.qk_clip);
   take("eval-every", f.eval_every);
   take("log-every", f.log_every);
@@ -262,6 +272,9 @@ Flags parse_flags(int argc, char** argv) {
               "or fp32, got '", f.ns_dtype, "'");
   TORCH_CHECK(f.steps > 0 && f.batch > 0 && f.seq_len > 1, "char_gpt: --steps, --batch and ",
               "--seq-len must be positive (--seq-len at least 2)");
+  TORCH_CHECK(f.qkv_layout == "whole" || f.qkv_layout == "qkv" || f.qkv_layout == "heads",
+              "char_gpt: --qkv-layout must be whole, qkv or heads, got '", f.qkv_layout, "'");
+  TORCH_CHECK(f.moe >= 0, "char_gpt: --moe must be >= 0 (0: dense MLPs), got ", f.moe);
   TORCH_CHECK(f.qk_clip >= 0.0 && std::isfinite(f.qk_clip),
               "char_gpt: --qk-clip must be a positive threshold (0: off), got ", f.qk_clip);
   TORCH_CHECK(f.cooldown >= 0.0 && f.cooldown <= 1.0, "char_gpt: --cooldown must be in [0, 1]");
@@ -440,6 +453,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   config.d_model = flags.d_model;
   config.n_layers = flags.layers;
   config.n_heads = flags.heads;
+  config.n_experts = flags.moe;
   CharGpt model(config);
   model->to(device);
   int64_t num_params = 0;
@@ -460,7 +474,8 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   // slices of the main weights that the groups reduce-scatter gradients into.
   const bool use_muon = optimizer_name == "muon";
   const double adamw_lr = flags.adamw_lr;
-  std::vector<at::Tensor> muon_params, adamw_params;
+  // Muon's param groups: plain matrices, the fused QKV weights (--qkv-layout), the fused experts.
+  std::vector<at::Tensor> muon_params, qkv_params, expert_params, adamw_params;
   std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> refresh_after_step;
   int64_t muon_numel = 0;
   for (const auto& group : groups) {
@@ -470,10 +485,14 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
       const at::Tensor module_param = group->model_parameters()[i];
       auto it = name_of.find(module_param.unsafeGetTensorImpl());
       const std::string& name = it != name_of.end() ? it->second : slot.name;
-      const bool hidden = slot.shape.size() == 2 && is_hidden_matrix(name, module_param);
+      const bool hidden = is_hidden_matrix(name, module_param);
       if (hidden) muon_numel += slot.numel;
       if (use_muon && hidden) {
-        muon_params.push_back(group->sharded_parameter(i));
+        const bool qkv = name.size() > 11 && name.compare(name.size() - 11, 11, ".qkv.weight") == 0;
+        (slot.shape.size() == 3 ? expert_params
+         : qkv                  ? qkv_params
+                                : muon_params)
+            .push_back(group->sharded_parameter(i));
         muon_refreshes = true;
       } else {
         adamw_params.push_back(group->sharded_parameter(i));
@@ -488,15 +507,31 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
       torch::optim::AdamWOptions(adamw_lr).betas(std::make_tuple(0.9, 0.95)).weight_decay(0.0));
   std::unique_ptr<fsdp_muon::FsdpMuon> muon;
   if (use_muon) {
-    muon = std::make_unique<fsdp_muon::FsdpMuon>(
-        muon_params, fsdp_muon::MuonOptions(flags.lr)
-                         .ns_dtype(flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
-                         .ns_method(flags.ns_method)
-                         .ns_preconditioning(flags.ns_preconditioning)
-                         .ns_steps(flags.ns_steps)
-                         .coefficients(flags.ns_coefficients)
-                         .custom_coefficients(flags.ns_custom_coefficients)
-                         .normalization(flags.normalization));
+    const auto options = fsdp_muon::MuonOptions(flags.lr)
+                             .ns_dtype(flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
+                             .ns_method(flags.ns_method)
+                             .ns_preconditioning(flags.ns_preconditioning)
+                             .ns_steps(flags.ns_steps)
+                             .coefficients(flags.ns_coefficients)
+                             .custom_coefficients(flags.ns_custom_coefficients)
+                             .normalization(flags.normalization);
+    const int64_t d = config.d_model, dh = config.d_model / config.n_heads;
+    const fsdp_muon::MatrixLayout qkv_layout =
+        flags.qkv_layout == "whole" ? fsdp_muon::MatrixLayout::whole()
+        : flags.qkv_layout == "qkv"
+            ? fsdp_muon::MatrixLayout::row_blocks({d, d, d})
+            : fsdp_muon::MatrixLayout::row_blocks(std::vector<int64_t>(3 * config.n_heads, dh));
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    const auto add = [&](std::vector<at::Tensor>& params, const fsdp_muon::MatrixLayout& layout) {
+      if (params.empty()) return;
+      auto group_options = std::make_unique<fsdp_muon::MuonOptions>(options);
+      group_options->matrix_layout(layout);
+      param_groups.emplace_back(params, std::move(group_options));
+    };
+    add(muon_params, fsdp_muon::MatrixLayout::whole());
+    add(qkv_params, qkv_layout);
+    add(expert_params, fsdp_muon::MatrixLayout::batched());
+    muon = std::make_unique<fsdp_muon::FsdpMuon>(param_groups, options);
   }
 
   if (rank0) {
@@ -509,6 +544,8 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
        << flags.seq_len << " chars, lr";
     if (use_muon) ss << " muon " << flags.lr << " +";
     ss << " adamw " << adamw_lr;
+    if (use_muon) ss << "; qkv layout " << flags.qkv_layout;
+    if (flags.moe > 0) ss << "; " << flags.moe << " experts per block, top-1";
     progress.message(ss.str());
   }
 

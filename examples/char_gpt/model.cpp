@@ -11,7 +11,7 @@
 
 namespace char_gpt {
 
-BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads) : n_heads_(n_heads) {
+BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t n_experts) : n_heads_(n_heads) {
   TORCH_CHECK(n_heads > 0 && d_model % n_heads == 0, "char_gpt: --d-model (", d_model,
               ") must be a multiple of --heads (", n_heads, ")");
   attn_norm_ =
@@ -20,8 +20,39 @@ BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads) : n_heads_(n_heads) {
   attn_out_ = register_module("attn_out", torch::nn::Linear(d_model, d_model));
   mlp_norm_ =
       register_module("mlp_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
-  mlp_in_ = register_module("mlp_in", torch::nn::Linear(d_model, 4 * d_model));
-  mlp_out_ = register_module("mlp_out", torch::nn::Linear(4 * d_model, d_model));
+  TORCH_CHECK(n_experts >= 0, "char_gpt: --moe must be >= 0, got ", n_experts);
+  if (n_experts == 0) {
+    mlp_in_ = register_module("mlp_in", torch::nn::Linear(d_model, 4 * d_model));
+    mlp_out_ = register_module("mlp_out", torch::nn::Linear(4 * d_model, d_model));
+    return;
+  }
+  router_ = register_module(
+      "router", torch::nn::Linear(torch::nn::LinearOptions(d_model, n_experts).bias(false)));
+  // torch::nn::Linear's initialization, expert by expert: U(-1/√fan_in, 1/√fan_in).
+  const double in_bound = 1.0 / std::sqrt(static_cast<double>(d_model));
+  const double out_bound = 1.0 / std::sqrt(static_cast<double>(4 * d_model));
+  experts_in_ = register_parameter(
+      "experts_in", at::empty({n_experts, 4 * d_model, d_model}).uniform_(-in_bound, in_bound));
+  experts_out_ = register_parameter(
+      "experts_out", at::empty({n_experts, d_model, 4 * d_model}).uniform_(-out_bound, out_bound));
+}
+
+at::Tensor BlockImpl::mlp(const at::Tensor& h) {
+  if (!router_) return mlp_out_->forward(at::gelu(mlp_in_->forward(h)));
+  // Top-1 routing: each token goes to the expert of its largest gate, scaled by that gate (so
+  // the router learns). An expert no token chose gets a zero gradient slice this step.
+  const at::Tensor x = h.reshape({-1, h.size(-1)});
+  const at::Tensor gates = at::softmax(router_->forward(x), /*dim=*/-1);
+  const at::Tensor choice = gates.argmax(/*dim=*/-1);
+  at::Tensor out = at::zeros_like(x);
+  for (int64_t e = 0; e < experts_in_.size(0); ++e) {
+    const at::Tensor tokens = (choice == e).nonzero().squeeze(1);
+    if (tokens.numel() == 0) continue;
+    const at::Tensor y = at::linear(at::gelu(at::linear(x.index_select(0, tokens), experts_in_[e])),
+                                    experts_out_[e]);
+    out = out.index_add(0, tokens, y * gates.index_select(0, tokens).select(1, e).unsqueeze(1));
+  }
+  return out.reshape(h.sizes());
 }
 
 at::Tensor BlockImpl::max_logits_on(const at::Tensor& x) {
@@ -52,7 +83,7 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
       at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
                                        /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
   const at::Tensor h = x + attn_out_->forward(attended.transpose(1, 2).reshape({batch, seq, d}));
-  return h + mlp_out_->forward(at::gelu(mlp_in_->forward(mlp_norm_->forward(h))));
+  return h + mlp(mlp_norm_->forward(h));
 }
 
 CharGptImpl::CharGptImpl(const ModelConfig& config) : config_(config) {
@@ -64,7 +95,7 @@ CharGptImpl::CharGptImpl(const ModelConfig& config) : config_(config) {
       register_module("position_embedding", torch::nn::Embedding(config.seq_len, config.d_model));
   blocks_ = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config.n_layers; ++i) {
-    blocks_->push_back(Block(config.d_model, config.n_heads));
+    blocks_->push_back(Block(config.d_model, config.n_heads, config.n_experts));
   }
   final_norm_ = register_module(
       "final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model})));
@@ -125,7 +156,7 @@ at::Tensor CharGptImpl::head(const at::Tensor& x) {
 }
 
 bool is_hidden_matrix(const std::string& name, const at::Tensor& param) {
-  return param.dim() == 2 && name.rfind("blocks.", 0) == 0;
+  return (param.dim() == 2 || param.dim() == 3) && name.rfind("blocks.", 0) == 0;
 }
 
 std::string shard_group_of(const std::string& name, const at::Tensor& /*param*/) {

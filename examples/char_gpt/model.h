@@ -21,11 +21,14 @@ struct ModelConfig {
   int64_t d_model = 96;
   int64_t n_layers = 3;
   int64_t n_heads = 4;
+  // 0: a dense GELU MLP per block; E > 0: E experts per block, stored fused as two 3-D weights
+  // ([E, 4·d, d] and [E, d, 4·d]) and chosen per token by a top-1 router.
+  int64_t n_experts = 0;
 };
 
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(int64_t d_model, int64_t n_heads);
+  BlockImpl(int64_t d_model, int64_t n_heads, int64_t n_experts = 0);
   at::Tensor forward(const at::Tensor& x);
   // While on, forward() keeps its input and each head's largest causal attention logit
   // (q·k/√dh over the batch; [n_heads], float, no gradient), which QK-clip needs.
@@ -36,11 +39,14 @@ class BlockImpl : public torch::nn::Module {
   at::Tensor max_logits_on(const at::Tensor& x);
 
  private:
+  at::Tensor mlp(const at::Tensor& h);  // dense or mixture of experts
   int64_t n_heads_;
   bool record_max_logits_ = false;
   at::Tensor max_logits_, recorded_input_;
   torch::nn::LayerNorm attn_norm_{nullptr}, mlp_norm_{nullptr};
   torch::nn::Linear qkv_{nullptr}, attn_out_{nullptr}, mlp_in_{nullptr}, mlp_out_{nullptr};
+  torch::nn::Linear router_{nullptr};
+  at::Tensor experts_in_, experts_out_;  // [E, 4·d, d], [E, d, 4·d]
 };
 TORCH_MODULE(Block);
 
@@ -70,8 +76,9 @@ class CharGptImpl : public torch::nn::Module {
 };
 TORCH_MODULE(CharGpt);
 
-// Muon's parameters: the 2-D weights inside the transformer blocks (attention and MLP
-// matrices). Everything else (embeddings, norms, biases, the head) goes to AdamW.
+// Muon's parameters: the 2-D and 3-D weights inside the transformer blocks (attention, MLP and
+// router matrices, fused experts). Everything else (embeddings, norms, biases, the head) goes to
+// AdamW.
 bool is_hidden_matrix(const std::string& name, const at::Tensor& param);
 
 // Group key for shard_module: one group per transformer block ("blocks.3"), one for the
