@@ -202,7 +202,7 @@ TEST(NcclCommunicator, AsyncCollectivesOrderWithTheCallersStream) {
 // gathered.add_(1) run on the zeros first (the gather then overwrites: 5, not 6); a synchronous
 // collective that did not wait for the asynchronous one copies zeros.
 TEST(NcclCommunicator, WaitsOrderTheCallersStreamAfterABusyCommunicationStream) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
   const auto comm = world_of_one(std::chrono::seconds(120));
   const auto on = at::TensorOptions().device(comm->device()).dtype(at::kFloat);
   const int64_t busy = static_cast<int64_t>(0.3 * sleep_cycles_per_second());
@@ -245,7 +245,7 @@ TEST(NcclCommunicator, WaitsOrderTheCallersStreamAfterABusyCommunicationStream) 
 // (no cuMem, NCCL_RUNTIME_CONNECT=0) the launch returns and to_host times out and throws, which
 // names them too. Either way the process ends within the bound.
 TEST(NcclCommunicatorDeathTest, ACollectiveWaitingForAMissingRankEndsNamingItsCallAndRank) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
   if (torch::cuda::device_count() < 2) {
     std::cout << "[  SKIPPED ] one CUDA device: two ranks need two\n";
     GTEST_SKIP() << "one CUDA device: two ranks need two";

@@ -21,21 +21,14 @@
 #include <fsdp_muon/config.h>
 #include <fsdp_muon/fsdp_muon.h>
 
+#include "common/test_util.h"
+
 #if FSDP_MUON_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
 namespace fsdp_muon {
 namespace {
-
-bool skip_without_gpu() {
-  if (FSDP_MUON_WITH_CUDA && torch::cuda::is_available()) return false;
-  std::cout << "[  SKIPPED ] no CUDA device: full sharding over NCCL is checked on a GPU\n";
-  return true;
-}
-
-#define FSDP_MUON_REQUIRE_GPU() \
-  if (skip_without_gpu()) GTEST_SKIP() << "no CUDA device visible"
 
 std::shared_ptr<Communicator> nccl_world_of_one() {
   return make_nccl_communicator(c10::make_intrusive<c10d::HashStore>(), /*rank=*/0, /*size=*/1,
@@ -147,7 +140,7 @@ void expect_same_model(Training& a, Training& b, const std::string& what) {
 constexpr int kSteps = 3;
 
 TEST(FullShardingCuda, StrategiesTrainBitwiseLikeKOptimWithOneMicroBatch) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("full sharding over NCCL is checked on a GPU");
   const auto comm = nccl_world_of_one();
   Training reference(comm, ShardingStrategy::kOptim, /*prefetch=*/true);
   Training grads(comm, ShardingStrategy::kOptimGrads, /*prefetch=*/true);
@@ -162,7 +155,7 @@ TEST(FullShardingCuda, StrategiesTrainBitwiseLikeKOptimWithOneMicroBatch) {
 }
 
 TEST(FullShardingCuda, PrefetchOffGivesTheSameBits) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("full sharding over NCCL is checked on a GPU");
   const auto comm = nccl_world_of_one();
   for (const ShardingStrategy strategy :
        {ShardingStrategy::kOptimGrads, ShardingStrategy::kOptimGradsParams}) {
@@ -195,7 +188,7 @@ int64_t active_bytes(bool peak) {
 // from reuse after the asynchronous collectives (record_stream on the communication stream)
 // would add about a group of weights and one of gradients (docs/DESIGN.md §5, Memory).
 TEST(FullShardingCuda, AllocatorPeakStaysWithinTheLibrarysCountPlusNamedStaging) {
-  FSDP_MUON_REQUIRE_GPU();
+  FSDP_MUON_REQUIRE_GPU("full sharding over NCCL is checked on a GPU");
 #if FSDP_MUON_WITH_CUDA
   const auto comm = nccl_world_of_one();
   const std::vector<int64_t> wide(7, 1024);  // six groups of 4 MiB of weights
