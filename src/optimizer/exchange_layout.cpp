@@ -4,9 +4,18 @@
 
 namespace fsdp_muon::detail {
 
+int64_t ExchangeLayout::scatter_inter_replica_numel(int rank) const {
+  const int size = shard_size();
+  int64_t numel = 0;
+  for (int q = 0; q < static_cast<int>(scatter.send_counts.size()); ++q) {
+    if (q / size != rank / size) numel += scatter.send_counts[q];
+  }
+  return numel;
+}
+
 ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
                                const std::vector<bool>& active, int rank, int world,
-                               const std::vector<bool>& with_rows) {
+                               const std::vector<bool>& with_rows, int replicas) {
   const std::size_t n = matrices.size();
   // Internal callers build these from one plan; a mismatch is a bug there, caught here before
   // it becomes an out-of-range index.
@@ -15,54 +24,85 @@ ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
   TORCH_CHECK(with_rows.empty() || with_rows.size() == n, api, with_rows.size(),
               " per-row state flags for ", n, " matrices");
   TORCH_CHECK(rank >= 0 && rank < world, api, "rank ", rank, " is outside the world of ", world);
+  TORCH_CHECK(replicas >= 1 && world % replicas == 0, api, replicas,
+              " replicas do not divide the world of ", world);
+  const int size = world / replicas;  // shard ranks per replica
   for (std::size_t j = 0; j < n; ++j) {
-    TORCH_CHECK(matrices[j].held.size() == static_cast<std::size_t>(world), api, "matrix ", j,
-                " has held ranges for ", matrices[j].held.size(), " ranks in a world of ", world);
+    TORCH_CHECK(matrices[j].shard_size() == size, api, "matrix ", j, " has held ranges for ",
+                matrices[j].held.size(), " ranks in a world of ", world, " (", replicas,
+                " replica(s) of ", size, ")");
     TORCH_CHECK(matrices[j].owner >= 0 && matrices[j].owner < world, api, "matrix ", j,
                 " has owner ", matrices[j].owner, " outside the world of ", world);
   }
   ExchangeLayout x;
   x.active = active;
   x.with_rows = with_rows.empty() ? std::vector<bool>(n, false) : with_rows;
+  x.replicas = replicas;
+  x.mirrored = replicas == 1;
   for (std::size_t j = 0; j < n; ++j) {
     TORCH_CHECK(!x.with_rows[j] || matrices[j].cols > 0, api, "matrix ", j,
                 " carries per-row state but has no columns");
   }
-  // A holder's piece of matrix j: its elements, then (with_rows) the state of its rows.
-  const auto piece = [&](std::size_t j, int holder) {
+  // Exchange rank q's piece of matrix j: the elements of its shard rank, then (with_rows) the
+  // state of its rows.
+  const auto piece = [&](std::size_t j, int q) {
     const MatrixPlacement& m = matrices[j];
+    const int holder = q % size;
     return m.held_numel(holder) + (x.with_rows[j] ? m.held_rows_numel(holder) : 0);
   };
-  x.send_counts.assign(world, 0);
-  x.recv_counts.assign(world, 0);
-  x.send_offset.assign(n, -1);
-  x.recv_offset.assign(n, std::vector<int64_t>(world, -1));
-  // Blocks in rank order, matrices in group order inside a block: what all_to_all_v expects.
+  const auto same_replica = [&](int a, int b) { return a / size == b / size; };
+  for (ExchangeBlocks* blocks : {&x.gather, &x.scatter}) {
+    blocks->send_counts.assign(world, 0);
+    blocks->recv_counts.assign(world, 0);
+  }
+  x.gather_send_offset.assign(n, -1);
+  x.scatter_recv_offset.assign(n, -1);
+  x.gather_recv_offset.assign(n, std::vector<int64_t>(world, -1));
+  x.scatter_send_offset.assign(n, std::vector<int64_t>(world, -1));
+  // Puts a piece of `len` elements at the end of a buffer of `numel` (its offset there) and
+  // counts it in its peer's block.
+  const auto add = [](int64_t& offset, int64_t& numel, int64_t& count, int64_t len) {
+    offset = numel;
+    numel += len;
+    count += len;
+  };
+  // Blocks in rank order, matrices in round order inside a block: what all_to_all_v expects.
+  // This rank as a holder: the gather sends to the owners of its replica, the scatter receives
+  // from every owner.
   for (int owner = 0; owner < world; ++owner) {
     if (owner == rank) continue;
     for (std::size_t j = 0; j < n; ++j) {
-      const MatrixPlacement& m = matrices[j];
       const int64_t len = piece(j, rank);
-      if (!active[j] || m.owner != owner || len == 0) continue;
-      x.send_offset[j] = x.send_numel;
-      x.send_numel += len;
-      x.send_counts[owner] += len;
+      if (!active[j] || matrices[j].owner != owner || len == 0) continue;
+      if (same_replica(owner, rank)) {
+        add(x.gather_send_offset[j], x.gather.send_numel, x.gather.send_counts[owner], len);
+      }
+      add(x.scatter_recv_offset[j], x.scatter.recv_numel, x.scatter.recv_counts[owner], len);
     }
   }
+  // This rank as an owner: the gather receives from the holders of its replica, the scatter
+  // sends to the holders of every replica.
   for (int holder = 0; holder < world; ++holder) {
     if (holder == rank) continue;
     for (std::size_t j = 0; j < n; ++j) {
-      const MatrixPlacement& m = matrices[j];
       const int64_t len = piece(j, holder);
-      if (!active[j] || m.owner != rank || len == 0) continue;
-      x.recv_offset[j][holder] = x.recv_numel;
-      x.recv_numel += len;
-      x.recv_counts[holder] += len;
+      if (!active[j] || matrices[j].owner != rank || len == 0) continue;
+      if (same_replica(holder, rank)) {
+        add(x.gather_recv_offset[j][holder], x.gather.recv_numel, x.gather.recv_counts[holder],
+            len);
+      }
+      add(x.scatter_send_offset[j][holder], x.scatter.send_numel, x.scatter.send_counts[holder],
+          len);
     }
   }
   for (std::size_t j = 0; j < n; ++j) {
     const MatrixPlacement& m = matrices[j];
-    if (active[j] && m.numel() > m.held_numel(m.owner)) x.moves = true;
+    if (!active[j]) continue;
+    // Something of the matrix is held outside the owner: by its replica's other shard ranks,
+    // or (scatter only) by any rank of another replica.
+    const bool outside_owner = m.numel() > m.held_numel(m.owner % size);
+    x.gather_moves = x.gather_moves || outside_owner;
+    x.scatter_moves = x.scatter_moves || outside_owner || (replicas > 1 && m.numel() > 0);
   }
   return x;
 }

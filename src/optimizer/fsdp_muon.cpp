@@ -284,8 +284,10 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
               ". Give biases, norms and embeddings to torch::optim::AdamW, or set "
               "MuonOptions().skip_non_matrix(true) to leave them untouched");
   TORCH_CHECK(!groups.empty(), "fsdp_muon::FsdpMuon: no parameters given");
-  comm = groups.front()->communicator();
-  if (skipped.tellp() > 0 && comm->rank() == 0) {
+  world_comm = groups.front()->communicator();
+  exchange_comm = world_comm;
+  shard_size = world_comm->size();
+  if (skipped.tellp() > 0 && world_comm->rank() == 0) {
     TORCH_WARN("fsdp_muon::FsdpMuon: skip_non_matrix is set, so these non-2-D parameters are ",
                "never updated by FsdpMuon (give them to torch::optim::AdamW): ", skipped.str());
   }
@@ -299,7 +301,6 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       accepted.begin(), accepted.end(), [](const AcceptedMatrix& a, const AcceptedMatrix& b) {
         return std::make_pair(a.group_ordinal, a.index) < std::make_pair(b.group_ordinal, b.index);
       });
-  const int w = world();
   std::vector<PlanGroup> plan_groups(groups.size());
   group_matrices.assign(groups.size(), {});
   std::vector<std::vector<MatrixPlacement>> placement(groups.size());
@@ -314,7 +315,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     const MuonOptions& options = muon_options_of(self.param_groups_[a.param_group], a.param_group);
     const std::vector<MatrixBlock> blocks =
         options.matrix_layout().blocks(slot.shape, "fsdp_muon::FsdpMuon: ", "'" + slot.name + "'");
-    const std::pair<int64_t, int64_t> mine = group.held_range(a.index, rank());
+    const std::pair<int64_t, int64_t> mine = group.held_range(a.index, shard_rank());
     for (size_t b = 0; b < blocks.size(); ++b) {
       const MatrixBlock& block = blocks[b];
       if (block.numel() == 0) continue;  // a batched [E, 0, n] parameter
@@ -345,13 +346,13 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       const auto clip = [&](int64_t at) {
         return std::clamp(at, block.offset, end) - block.offset;
       };
-      for (int r = 0; r < w; ++r) {
+      for (int r = 0; r < shard_size; ++r) {
         const auto [first, second] = group.held_range(a.index, r);
         pm.held.emplace_back(clip(first), clip(second));
       }
-      const int64_t local = pm.held[rank()].second - pm.held[rank()].first;
-      local_piece.emplace_back(local == 0 ? 0 : block.offset + pm.held[rank()].first - mine.first,
-                               local);
+      const auto [first, second] = pm.held[shard_rank()];
+      local_piece.emplace_back(second == first ? 0 : block.offset + first - mine.first,
+                               second - first);
       placement[a.group_ordinal].push_back(MatrixPlacement{-1, pm.held, m.cols});
       group_matrices[a.group_ordinal].push_back(matrices.size());
       matrix_of.emplace(a.param.unsafeGetTensorImpl(), matrices.size());  // its first matrix
@@ -359,7 +360,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
     }
   }
-  plan = plan_owners(plan_groups, w, config.owner_plan_options());
+  plan = plan_owners(plan_groups, world(), config.owner_plan_options());
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t j = 0; j < group_matrices[g].size(); ++j) {
       matrices[group_matrices[g][j]].owner = plan.owner[g][j];
@@ -384,7 +385,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     }
   }
   exchanges.assign(plan.rounds.size(), ExchangeLayout{});
-  timer = std::make_unique<detail::PhaseTimer>(comm->device());
+  timer = std::make_unique<detail::PhaseTimer>(world_comm->device());
   for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
     frozen_layouts.push_back(muon_options_of(self.param_groups_[gi], gi).matrix_layout());
   }
@@ -458,7 +459,7 @@ int FsdpMuon::owner_of(const at::Tensor& sharded_parameter) const {
 int64_t FsdpMuon::skipped_steps() const { return impl_->skipped_steps; }
 
 const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
-  impl_->timer->add_to(impl_->stats, *impl_->comm);
+  impl_->timer->add_to(impl_->stats, *impl_->world_comm);
   return impl_->stats;
 }
 

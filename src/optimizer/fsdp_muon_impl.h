@@ -60,9 +60,12 @@ struct RoundInFlight {
   // tensor, written back when the round is applied), and on owners the whole per-row state.
   std::vector<at::Tensor> row_state;
   std::vector<at::Tensor> variance;
-  at::Tensor send;                 // gather send = scatter receive
-  at::Tensor recv;                 // gather receive = scatter send
-  std::unique_ptr<CommWork> work;  // the gather or scatter in flight on send/recv
+  at::Tensor send;  // gather send
+  at::Tensor recv;  // gather receive
+  // One replica (ExchangeLayout::mirrored): recv and send, roles swapped; else their own.
+  at::Tensor scatter_send;
+  at::Tensor scatter_recv;
+  std::unique_ptr<CommWork> work;  // the gather or scatter in flight
   int64_t full_bytes = 0;          // of `full`
 };
 
@@ -70,7 +73,13 @@ struct RoundInFlight {
 
 struct FsdpMuon::Impl {
   FsdpMuonConfig config;
-  std::shared_ptr<Communicator> comm;
+  // The ranks agree over world_comm (every rank of the mesh) and exchange matrices over
+  // exchange_comm: the mesh's shard group when each replica orthogonalizes on its own (and on a
+  // 1-D mesh, where it is world_comm), world_comm when owners span the replicas. Exchange rank q
+  // is shard rank q % shard_size of exchange replica q / shard_size (docs/DESIGN.md §3).
+  std::shared_ptr<Communicator> world_comm;
+  std::shared_ptr<Communicator> exchange_comm;
+  int shard_size = 1;
   std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
   std::vector<FsdpMuonMatrix> matrices;
   // [matrix] this rank's piece of it: elements [first, first + second) of its parameter's shard
@@ -97,13 +106,18 @@ struct FsdpMuon::Impl {
   // Full-matrix bytes alive now on this rank, for FsdpMuonStepStats::max_transient_bytes.
   int64_t live_full_bytes = 0;
 
-  int rank() const { return comm->rank(); }
+  // This rank in the exchange (owners are exchange ranks), and in its shard group (held ranges
+  // and placements are indexed by shard rank).
+  int rank() const { return exchange_comm->rank(); }
+  int shard_rank() const { return rank() % shard_size; }
+  int world_rank() const { return world_comm->rank(); }
   // This rank's piece of matrix m in a tensor laid out like its parameter's shard (the shard, its
   // gradient, its momentum).
   at::Tensor piece(const at::Tensor& shard_like, size_t m) const {
     return shard_like.narrow(0, local_piece[m].first, local_piece[m].second);
   }
-  int world() const { return comm->size(); }
+  int world() const { return exchange_comm->size(); }  // exchange ranks
+  int exchange_replicas() const { return world() / shard_size; }
 
   const detail::ExchangeLayout& exchange(size_t round, const std::vector<bool>& active,
                                          const std::vector<bool>& with_rows);

@@ -115,8 +115,9 @@ void FsdpMuon::Impl::run_pipelined(FsdpMuon& self, StepRun& s) {
 const ExchangeLayout& FsdpMuon::Impl::exchange(size_t round, const std::vector<bool>& active,
                                                const std::vector<bool>& with_rows) {
   ExchangeLayout& x = exchanges[round];
-  if (x.active != active || x.with_rows != with_rows || x.send_counts.empty()) {
-    x = detail::layout_exchange(round_placement[round], active, rank(), world(), with_rows);
+  if (x.active != active || x.with_rows != with_rows || x.gather.send_counts.empty()) {
+    x = detail::layout_exchange(round_placement[round], active, rank(), world(), with_rows,
+                                exchange_replicas());
   }
   return x;
 }
@@ -234,7 +235,9 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       const auto values = option_values(*s.options[gi]);
       for (size_t k = 0; k < kFingerprints; ++k) {
         mine[slot.option_mix(gi, k)] = mix40(values[k]);
-        if (rank() == 0) mine[slot.option_of_rank0(gi, k)] = static_cast<int64_t>(values[k]);
+        if (world_rank() == 0) {
+          mine[slot.option_of_rank0(gi, k)] = static_cast<int64_t>(values[k]);
+        }
       }
     }
     std::vector<size_t> checked;
@@ -258,22 +261,23 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     if (checked.empty()) return;
     // One device-to-host copy for all matrices. The shards are the reduce-scatter's result, so
     // the wait is bounded by the communicator's timeout (docs/DESIGN.md §5).
-    const at::Tensor flags = comm->to_host(at::stack(not_finite).to(at::kLong));
+    const at::Tensor flags = world_comm->to_host(at::stack(not_finite).to(at::kLong));
     for (size_t k = 0; k < checked.size(); ++k) {
       mine[slot.non_finite(checked[k])] = flags.data_ptr<int64_t>()[k];
     }
   };
   std::vector<int64_t> sums(slot.size(), 0);
   if (config.check_gradient_agreement()) {
-    count_sent(*comm, &CommStats::all_reduce_bytes, s.stats.check_bytes, [&] {
-      sums = detail::agree_on_sum(*comm, "fsdp_muon::FsdpMuon::step", slot.size(), local_checks);
+    count_sent(*world_comm, &CommStats::all_reduce_bytes, s.stats.check_bytes, [&] {
+      sums =
+          detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", slot.size(), local_checks);
     });
   } else {
     // Every rank is taken to see what this one sees.
     local_checks(sums);
-    for (int64_t& count : sums) count *= world();
+    for (int64_t& count : sums) count *= world_comm->size();
   }
-  const int w = world();
+  const int w = world_comm->size();
   TORCH_CHECK(sums[slot.changed()] == 0,
               "fsdp_muon::FsdpMuon: the parameter groups were changed after construction on ",
               sums[slot.changed()], " of ", w, " rank(s)", changed ? " (this one included)" : "",
@@ -369,11 +373,12 @@ void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& ranks_per_mat
     const int64_t ranks = ranks_per_matrix[m];
     if (ranks == 0) continue;
     if (s.stats.non_finite_parameters == 0) {
-      first << "'" << matrices[m].name << "' on " << ranks << " of " << world() << " rank(s)";
+      first << "'" << matrices[m].name << "' on " << ranks << " of " << world_comm->size()
+            << " rank(s)";
     }
     if (s.stats.non_finite_parameters++ < 8) {
       names << (s.stats.non_finite_parameters > 1 ? ", " : "") << "'" << matrices[m].name << "' on "
-            << ranks << " of " << world() << " rank(s)";
+            << ranks << " of " << world_comm->size() << " rank(s)";
     }
   }
   if (s.stats.non_finite_parameters == 0) return;
@@ -387,7 +392,7 @@ void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& ranks_per_mat
   s.stats.skipped = true;
   ++skipped_steps;
   // Never silent, and one line per skipped step from one rank: every rank knows the same counts.
-  if (rank() == 0) {
+  if (world_rank() == 0) {
     TORCH_WARN("fsdp_muon::FsdpMuon: skipped step ", step_calls,
                " (step() calls since construction; ", skipped_steps,
                " skipped so far): NaN or Inf in the gradient of ", first.str(),
@@ -409,7 +414,7 @@ void FsdpMuon::Impl::advance_states(FsdpMuon& self, const StepRun& s) {
       // NorMuon: the parameter's rows that start in this rank's elements, [0] where none do, so
       // that every rank saves the same state keys (docs/DESIGN.md §3).
       const auto [first, last] =
-          detail::rows_starting_in(mat.group->held_range(mat.index, rank()), mat.cols);
+          detail::rows_starting_in(mat.group->held_range(mat.index, shard_rank()), mat.cols);
       detail::muon_normuon_variance(state, mat.sharded_parameter, last - first, s.options_of(mat));
     }
   }
@@ -421,6 +426,7 @@ void FsdpMuon::Impl::advance_states(FsdpMuon& self, const StepRun& s) {
 RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, const StepRun& s) {
   const auto phase = timer->measure(&Stats::elementwise_seconds);
   const int me = rank();
+  const int holder = shard_rank();
   const auto& mine = round_matrices[round];
   RoundInFlight f;
   f.round = round;
@@ -437,7 +443,7 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
   f.row_state.resize(mine.size());
   f.variance.resize(mine.size());
   const size_t group = mine.empty() ? 0 : matrices[mine.front()].group_ordinal;
-  f.send = at::empty({x.send_numel}, groups[group]->main_weight_shard().options());
+  f.send = at::empty({x.gather.send_numel}, groups[group]->main_weight_shard().options());
   for (size_t j = 0; j < mine.size(); ++j) {
     if (!f.active[j]) continue;
     const FsdpMuonMatrix& mat = matrices[mine[j]];
@@ -450,24 +456,26 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
       // This block's rows of the parameter's NorMuon state (docs/DESIGN.md §3): the state holds
       // the parameter's rows starting in this rank's elements, the block's start at row
       // offset / cols of the parameter.
-      const auto block_rows = round_placement[round][j].held_rows(me);
-      const int64_t first_row = detail::rows_starting_in(
-          mat.group->held_range(mat.index, me), mat.cols).first;
-      f.row_state[j] = state.normuon_variance().narrow(
-          0, mat.offset / mat.cols + block_rows.first - first_row,
-          block_rows.second - block_rows.first);
+      const auto block_rows = round_placement[round][j].held_rows(holder);
+      const int64_t first_row =
+          detail::rows_starting_in(mat.group->held_range(mat.index, holder), mat.cols).first;
+      f.row_state[j] =
+          state.normuon_variance().narrow(0, mat.offset / mat.cols + block_rows.first - first_row,
+                                          block_rows.second - block_rows.first);
     }
     // The elementwise steps on this matrix's piece of the shard: they round once per element,
-    // so pieces give the whole parameter's bits (muon_math.h).
+    // so pieces give the whole parameter's bits (muon_math.h). A holder in another replica than
+    // the owner's advances its momentum alike and sends nothing: the owner's replica holds the
+    // same bits (docs/DESIGN.md §3).
     at::Tensor buffer = piece(state.momentum_buffer(), mine[j]);
     at::Tensor u =
         detail::muon_momentum_input(piece(p, mine[j]), piece(p.grad(), mine[j]), buffer, options);
     if (mat.owner == me) {
       f.own[j] = std::move(u);
-    } else {
-      f.send.narrow(0, x.send_offset[j], u.numel()).copy_(u);
+    } else if (x.gather_send_offset[j] >= 0) {
+      f.send.narrow(0, x.gather_send_offset[j], u.numel()).copy_(u);
       if (f.with_rows[j] && f.row_state[j].numel() > 0) {
-        f.send.narrow(0, x.send_offset[j] + u.numel(), f.row_state[j].numel())
+        f.send.narrow(0, x.gather_send_offset[j] + u.numel(), f.row_state[j].numel())
             .copy_(f.row_state[j]);
       }
     }
@@ -479,11 +487,16 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
 void FsdpMuon::Impl::start_gather(RoundInFlight& f, StepRun& s) {
   const auto phase = timer->measure(&Stats::gather_seconds);
   const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
-  f.recv = at::empty({x.recv_numel}, f.send.options());
-  if (x.moves) {
-    count_sent(*comm, &CommStats::all_to_all_v_bytes, s.stats.gather_bytes, [&] {
-      f.work = comm->all_to_all_v_async(f.send, x.send_counts, f.recv, x.recv_counts);
+  f.recv = at::empty({x.gather.recv_numel}, f.send.options());
+  if (x.gather_moves) {
+    int64_t sent = 0;
+    count_sent(*exchange_comm, &CommStats::all_to_all_v_bytes, sent, [&] {
+      f.work = exchange_comm->all_to_all_v_async(f.send, x.gather.send_counts, f.recv,
+                                                 x.gather.recv_counts);
     });
+    // The gather stays inside the owner's replica: all of it is intra-node.
+    s.stats.gather_bytes += sent;
+    s.stats.gather_intra_node_bytes += sent;
   }
 }
 
@@ -505,15 +518,19 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
     f.full_bytes += full.nbytes();
     at::Tensor variance;
     if (f.with_rows[j]) variance = at::empty({where.numel() / where.cols}, f.send.options());
-    for (int s = 0; s < world(); ++s) {
-      const int64_t len = where.held_numel(s);
+    // From the shard ranks of the owner's replica: exchange ranks first..first + shard_size.
+    const int first = me - shard_rank();
+    for (int h = 0; h < shard_size; ++h) {
+      const int q = first + h;
+      const int64_t len = where.held_numel(h);
       if (len == 0) continue;
-      full.narrow(0, where.held[s].first, len)
-          .copy_(s == me ? f.own[j] : f.recv.narrow(0, x.recv_offset[j][s], len));
-      const int64_t rows = f.with_rows[j] ? where.held_rows_numel(s) : 0;
+      full.narrow(0, where.held[h].first, len)
+          .copy_(q == me ? f.own[j] : f.recv.narrow(0, x.gather_recv_offset[j][q], len));
+      const int64_t rows = f.with_rows[j] ? where.held_rows_numel(h) : 0;
       if (rows == 0) continue;
-      variance.narrow(0, where.held_rows(s).first, rows)
-          .copy_(s == me ? f.row_state[j] : f.recv.narrow(0, x.recv_offset[j][s] + len, rows));
+      variance.narrow(0, where.held_rows(h).first, rows)
+          .copy_(q == me ? f.row_state[j]
+                         : f.recv.narrow(0, x.gather_recv_offset[j][q] + len, rows));
     }
     f.own[j] = at::Tensor();
     f.full[j] = std::move(full);
@@ -590,31 +607,46 @@ void FsdpMuon::Impl::orthogonalize_owned(RoundInFlight& f, StepRun& s) {
   }
 }
 
-// Each owner packs every holder's slice of the update and the reverse all-to-all-v starts: the
-// gather's buffers, roles swapped.
+// Each owner packs every holder's slice of the update and the scatter's all-to-all-v starts. One
+// replica: the gather's buffers, roles swapped. Across replicas the owner also sends to the
+// holders in the other replicas, so the scatter has buffers of its own (docs/DESIGN.md §3).
 void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
   const auto phase = timer->measure(&Stats::scatter_seconds);
   const int me = rank();
   const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
+  if (x.mirrored) {
+    f.scatter_send = f.recv;
+    f.scatter_recv = f.send;
+  } else {
+    f.scatter_send = at::empty({x.scatter.send_numel}, f.send.options());
+    f.scatter_recv = at::empty({x.scatter.recv_numel}, f.send.options());
+  }
   const auto& where_all = round_placement[f.round];
   for (size_t j = 0; j < where_all.size(); ++j) {
     if (!f.full[j].defined()) continue;
     const MatrixPlacement& where = where_all[j];
-    for (int h = 0; h < world(); ++h) {
+    for (int q = 0; q < world(); ++q) {
+      const int h = q % shard_size;  // the shard rank of exchange rank q
       const int64_t len = where.held_numel(h);
-      if (h == me || len == 0) continue;
-      f.recv.narrow(0, x.recv_offset[j][h], len)
+      if (q == me || len == 0) continue;
+      f.scatter_send.narrow(0, x.scatter_send_offset[j][q], len)
           .copy_(f.full[j].narrow(0, where.held[h].first, len));
       const int64_t rows = f.with_rows[j] ? where.held_rows_numel(h) : 0;
       if (rows == 0) continue;
-      f.recv.narrow(0, x.recv_offset[j][h] + len, rows)
+      f.scatter_send.narrow(0, x.scatter_send_offset[j][q] + len, rows)
           .copy_(f.variance[j].narrow(0, where.held_rows(h).first, rows));
     }
   }
-  if (x.moves) {
-    count_sent(*comm, &CommStats::all_to_all_v_bytes, s.stats.scatter_bytes, [&] {
-      f.work = comm->all_to_all_v_async(f.recv, x.recv_counts, f.send, x.send_counts);
+  if (x.scatter_moves) {
+    int64_t sent = 0;
+    count_sent(*exchange_comm, &CommStats::all_to_all_v_bytes, sent, [&] {
+      f.work = exchange_comm->all_to_all_v_async(f.scatter_send, x.scatter.send_counts,
+                                                 f.scatter_recv, x.scatter.recv_counts);
     });
+    const int64_t inter = x.scatter_inter_replica_numel(me) * f.scatter_send.element_size();
+    s.stats.scatter_bytes += sent;
+    s.stats.scatter_inter_node_bytes += inter;
+    s.stats.scatter_intra_node_bytes += sent - inter;
   }
 }
 
@@ -628,6 +660,7 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
   }
   const auto phase = timer->measure(&Stats::apply_seconds);
   const int me = rank();
+  const int holder = shard_rank();
   const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
   const auto& mine = round_matrices[f.round];
   for (size_t j = 0; j < mine.size(); ++j) {
@@ -637,13 +670,13 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
     if (!f.active[j] || len == 0) continue;
     const MuonOptions& options = s.options_of(mat);
     const bool owner = mat.owner == me;
-    const at::Tensor update = owner ? f.full[j].narrow(0, where.held[me].first, len)
-                                    : f.send.narrow(0, x.send_offset[j], len);
+    const at::Tensor update = owner ? f.full[j].narrow(0, where.held[holder].first, len)
+                                    : f.scatter_recv.narrow(0, x.scatter_recv_offset[j], len);
     detail::muon_apply_update(piece(mat.sharded_parameter, mine[j]), update, options);
     const int64_t rows = f.with_rows[j] ? f.row_state[j].numel() : 0;
     if (rows == 0) continue;
-    f.row_state[j].copy_(owner ? f.variance[j].narrow(0, where.held_rows(me).first, rows)
-                               : f.send.narrow(0, x.send_offset[j] + len, rows));
+    f.row_state[j].copy_(owner ? f.variance[j].narrow(0, where.held_rows(holder).first, rows)
+                               : f.scatter_recv.narrow(0, x.scatter_recv_offset[j] + len, rows));
   }
   live_full_bytes -= f.full_bytes;
   f = RoundInFlight{};
@@ -653,7 +686,7 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
 // gradients, since another optimizer may just have stepped the group's other parameters.
 void FsdpMuon::Impl::refresh(size_t group, StepRun& s) {
   const auto phase = timer->measure(&Stats::refresh_seconds);
-  count_sent(*comm, &CommStats::all_gather_bytes, s.stats.refresh_bytes,
+  count_sent(*groups[group]->communicator(), &CommStats::all_gather_bytes, s.stats.refresh_bytes,
              [&] { groups[group]->refresh_model_weights(); });
 }
 

@@ -134,6 +134,14 @@ struct FsdpMuonStepStats {
   int64_t newton_schulz_calls = 0;
   int64_t gather_bytes = 0;   // sent by this rank in the gathers (Communicator::stats)
   int64_t scatter_bytes = 0;  // sent by this rank in the scatters
+  // The same bytes by where they went: to the ranks of this rank's shard group (intra-node) or
+  // to other replicas (inter-node; only ReplicaNewtonSchulz::kOncePerWorld's scatter sends
+  // any: a gather never leaves the owner's replica). gather_bytes = gather_intra_node_bytes +
+  // gather_inter_node_bytes, and likewise for the scatter.
+  int64_t gather_intra_node_bytes = 0;
+  int64_t gather_inter_node_bytes = 0;
+  int64_t scatter_intra_node_bytes = 0;
+  int64_t scatter_inter_node_bytes = 0;
   int64_t check_bytes = 0;    // sent by this rank in the gradient-agreement all-reduce
   int64_t refresh_bytes = 0;  // sent by this rank refreshing model weights
   // Largest sum of full-matrix bytes this rank held at once (its owned matrices in one round or
