@@ -132,6 +132,8 @@ fsdp_muon::OwnerPlan round_robin_plan(const std::vector<fsdp_muon::PlanGroup>& g
   plan.group_full_bytes_per_rank.assign(n, std::vector<int64_t>(world_size, 0));
   plan.gather_bytes_per_rank.assign(world_size, 0);
   plan.scatter_bytes_per_rank.assign(world_size, 0);
+  plan.inter_node_bytes_per_rank.assign(world_size, 0);
+  plan.mesh = fsdp_muon::MeshShape{1, world_size};
   int64_t next = 0;
   for (size_t g = 0; g < n; ++g) {
     const auto& matrices = groups[g].matrices;

@@ -13,6 +13,9 @@ const char* kUsage = R"(usage:
   fsdp_muon_bench --plan-only
                   [--models llama3-8b,qwen3-30b-a3b,gpt2,dense-70b,moe-8x,moe-64x]
                   [--world-sizes 8,16,32,64,128,256] [--prefetch-mib 1024] [--ns-steps 5]
+  fsdp_muon_bench --plan-only --hsdp [--models dense-70b,qwen3-30b-a3b,gpt2]
+                  [--meshes 8x8,32x8,128x8] [--ns-tflops 400] [--intra-gbps 150]
+                  [--inter-gbps 25] [--ns-steps 5]
   torchrun --standalone --no-python --nproc_per_node=W fsdp_muon_bench
                   [--preset llama3-layer|gpt2|moe] [--layers N] [--scale S] [--experts E]
                   [--steps 5] [--warmup 1] [--ns-dtype bf16|fp32]

@@ -109,15 +109,12 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
     const auto free = with_ratio(std::numeric_limits<double>::infinity());
     row.free_over_floor = free.critical_path_ratio_planned() / free.floor_ratio();
     row.free_bytes_ratio = bytes_ratio(free);
-    const fsdp_muon::FsdpMuonConfig rates;  // the cost model's default rates
     const auto by_cost = with_ratio(fsdp_muon::kBytesRatioByCost);
     row.cost_ratio = by_cost.max_bytes_ratio;
     row.cost_over_floor = by_cost.critical_path_ratio_planned() / by_cost.floor_ratio();
     row.cost_bytes_ratio = bytes_ratio(by_cost);
-    row.cost_seconds =
-        by_cost.estimated_seconds(rates.newton_schulz_flops_per_second(), rates.bytes_per_second());
-    row.default_seconds =
-        rounds.estimated_seconds(rates.newton_schulz_flops_per_second(), rates.bytes_per_second());
+    row.cost_seconds = by_cost.estimated_seconds();
+    row.default_seconds = rounds.estimated_seconds();
     for (double ratio : {1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0}) {
       const auto p = ratio == 1.5 ? rounds : with_ratio(ratio);
       if (p.critical_path_ratio_planned() <= 1.10 * p.floor_ratio()) {
@@ -130,6 +127,8 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
   return row;
 }
 
+}  // namespace
+
 ModelShapes model_by_name(const std::string& name) {
   if (name == "llama3-8b") return llama3_8b();
   if (name == "qwen3-30b-a3b") return qwen3_30b_a3b();
@@ -141,9 +140,18 @@ ModelShapes model_by_name(const std::string& name) {
               "' (known: llama3-8b, qwen3-30b-a3b, gpt2, dense-70b, moe-8x, moe-64x)");
 }
 
-}  // namespace
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> items;
+  for (size_t start = 0; start <= list.size();) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    items.push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return items;
+}
 
 int run_plan_only(Flags& flags) {
+  if (flags.has("hsdp")) return run_plan_hsdp(flags);
   const std::string models_flag =
       flags.get("models", "llama3-8b,qwen3-30b-a3b,gpt2,dense-70b,moe-8x,moe-64x");
   const std::vector<int64_t> world_sizes = flags.get_ints("world-sizes", {8, 16, 32, 64, 128, 256});
@@ -151,12 +159,7 @@ int run_plan_only(Flags& flags) {
   const int64_t ns_steps = flags.get_int("ns-steps", 5);
   flags.finish();
   TORCH_CHECK(budget_mib >= 0, "--prefetch-mib must be >= 0");
-  std::vector<std::string> models;
-  for (size_t start = 0; start <= models_flag.size();) {
-    const size_t comma = std::min(models_flag.find(',', start), models_flag.size());
-    models.push_back(models_flag.substr(start, comma - start));
-    start = comma + 1;
-  }
+  const std::vector<std::string> models = split_list(models_flag);
 
   const fsdp_muon::FsdpMuonConfig defaults;
   std::printf(

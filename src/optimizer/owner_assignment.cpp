@@ -121,6 +121,38 @@ void finish_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
   }
 }
 
+void finish_world_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
+  const int replicas = plan.mesh.replicas;
+  const int shard_size = plan.mesh.shard_size;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& matrices = groups[g].matrices;
+    const int64_t element_bytes = group_element_bytes(groups[g], plan);
+    for (size_t i = 0; i < matrices.size(); ++i) {
+      const int o = plan.owner[g][i];
+      if (o < 0) continue;
+      const PlanMatrix& m = matrices[i];
+      const int replica = o / shard_size;
+      const int shard_rank = o % shard_size;
+      plan.cost_per_rank[o] += plan.cost[g][i];
+      plan.group_cost_per_rank[g][o] += plan.cost[g][i];
+      plan.group_full_bytes_per_rank[g][o] += m.rows * m.cols * element_bytes;
+      for (int h = 0; h < shard_size; ++h) {
+        const int64_t bytes = held_numel(m, h) * element_bytes;
+        // The holders in the owner's replica send it their pieces; every holder in every
+        // replica gets its update slice back.
+        if (h != shard_rank) plan.gather_bytes_per_rank[replica * shard_size + h] += bytes;
+        plan.scatter_bytes_per_rank[o] += (h == shard_rank ? replicas - 1 : replicas) * bytes;
+        plan.inter_node_bytes_per_rank[o] += (replicas - 1) * bytes;
+      }
+    }
+    const auto& per_rank = plan.group_cost_per_rank[g];
+    const int64_t total = std::accumulate(per_rank.begin(), per_rank.end(), int64_t{0});
+    const int64_t largest = *std::max_element(per_rank.begin(), per_rank.end());
+    plan.group_balance.push_back(
+        ratio(static_cast<double>(largest), static_cast<double>(total) / plan.world_size));
+  }
+}
+
 // Gather + scatter bytes each rank sends under `plan.owner` (every matrix active).
 std::vector<int64_t> bytes_per_rank(const std::vector<PlanGroup>& groups, const OwnerPlan& plan) {
   std::vector<int64_t> bytes(plan.world_size, 0);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -70,6 +71,11 @@ OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
   plan.group_full_bytes_per_rank.assign(num_groups, std::vector<int64_t>(world_size, 0));
   plan.gather_bytes_per_rank.assign(world_size, 0);
   plan.scatter_bytes_per_rank.assign(world_size, 0);
+  plan.inter_node_bytes_per_rank.assign(world_size, 0);
+  plan.mesh = MeshShape{1, world_size};
+  plan.newton_schulz_flops_per_second = options.newton_schulz_flops_per_second();
+  plan.bytes_per_second = options.bytes_per_second();
+  plan.inter_node_bytes_per_second = options.inter_node_bytes_per_second();
 
   for (size_t g = 0; g < num_groups; ++g) {
     TORCH_CHECK(groups[g].element_bytes >= 0, "fsdp_muon::plan_owners: group '", groups[g].name,
@@ -94,11 +100,17 @@ void check_options(const OwnerPlanOptions& options) {
               "fsdp_muon::plan_owners: max_bytes_ratio must be >= 1 (1: holders-only bytes, "
               "infinity: no limit) or kBytesRatioByCost, got ",
               options.max_bytes_ratio());
-  TORCH_CHECK(options.newton_schulz_flops_per_second() > 0 && options.bytes_per_second() > 0,
+  TORCH_CHECK(options.newton_schulz_flops_per_second() > 0 && options.bytes_per_second() > 0 &&
+                  options.inter_node_bytes_per_second() > 0,
               "fsdp_muon::plan_owners: the cost model's rates must be positive, got ",
-              options.newton_schulz_flops_per_second(), " FLOP/s and ", options.bytes_per_second(),
-              " B/s");
+              options.newton_schulz_flops_per_second(),
+              " FLOP/s (newton_schulz_flops_per_second), ", options.bytes_per_second(),
+              " B/s (bytes_per_second) and ", options.inter_node_bytes_per_second(),
+              " B/s (inter_node_bytes_per_second)");
 }
+
+OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_size,
+                               const OwnerPlanOptions& options);
 
 // docs/DESIGN.md §7: one plan per candidate limit, the cheapest wins, the smaller limit on a
 // tie. Every rank computes the same plans, so every rank picks the same one.
@@ -108,9 +120,8 @@ OwnerPlan cheapest_by_cost_model(const std::vector<PlanGroup>& groups, int world
   double best_seconds = 0;
   for (const double ratio : detail::kCostModelBytesRatios) {
     OwnerPlan candidate =
-        plan_owners(groups, world_size, OwnerPlanOptions(options).max_bytes_ratio(ratio));
-    const double seconds = candidate.estimated_seconds(options.newton_schulz_flops_per_second(),
-                                                       options.bytes_per_second());
+        plan_one_dimensional(groups, world_size, OwnerPlanOptions(options).max_bytes_ratio(ratio));
+    const double seconds = candidate.estimated_seconds();
     if (!best || seconds < best_seconds) {
       best = std::move(candidate);
       best_seconds = seconds;
@@ -197,51 +208,9 @@ OwnerPlan plan_in_windows(const std::vector<PlanGroup>& groups, const OwnerPlan&
   return windowed.critical_path_planned() < carried.critical_path_planned() ? windowed : carried;
 }
 
-constexpr detail::EnumName<OwnerSchedule> kScheduleNames[] = {
-    {OwnerSchedule::kWindows, "windows"},
-    {OwnerSchedule::kRounds, "rounds"},
-};
-static_assert(detail::rows_in_enumerator_order(kScheduleNames));
-
-constexpr detail::EnumName<OwnerPolicy> kPolicyNames[] = {
-    {OwnerPolicy::kHoldersOnly, "holders_only"},
-    {OwnerPolicy::kAnyRank, "any_rank"},
-    {OwnerPolicy::kBalanced, "balanced"},
-};
-static_assert(detail::rows_in_enumerator_order(kPolicyNames));
-
-}  // namespace
-
-const char* to_string(OwnerSchedule schedule) { return detail::name_of(kScheduleNames, schedule); }
-
-const char* to_string(OwnerPolicy policy) { return detail::name_of(kPolicyNames, policy); }
-
-int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps) {
-  const int64_t m = std::min(rows, cols);
-  const int64_t n = std::max(rows, cols);
-  return steps * (4 * m * m * n + 2 * m * m * m);
-}
-
-int64_t plan_matrix_flops(const PlanMatrix& m) {
-  return static_cast<int64_t>(std::llround(newton_schulz_flops(m.rows, m.cols, m.newton_schulz)));
-}
-
-OwnerPlanOptions::OwnerPlanOptions() : OwnerPlanOptions(FsdpMuonConfig()) {}
-
-OwnerPlanOptions::OwnerPlanOptions(const FsdpMuonConfig& config)
-    : owner_policy_(config.owner_policy()),
-      owner_schedule_(config.owner_schedule()),
-      max_bytes_ratio_(config.max_bytes_ratio()),
-      newton_schulz_flops_per_second_(config.newton_schulz_flops_per_second()),
-      bytes_per_second_(config.bytes_per_second()),
-      prefetch_budget_bytes_(config.prefetch_budget_bytes()),
-      overlap_communication_(config.overlap_communication()) {}
-
-OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
-                      const OwnerPlanOptions& options) {
-  TORCH_CHECK(world_size >= 1, "fsdp_muon::plan_owners: world size must be at least 1, got ",
-              world_size);
-  TORCH_CHECK(options.element_bytes() >= 1, "fsdp_muon::plan_owners: element_bytes must be >= 1");
+// The plan over `world_size` ranks of one replica (the 1-D plan of docs/DESIGN.md §3).
+OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_size,
+                               const OwnerPlanOptions& options) {
   OwnerPlan plan = unassigned_plan(groups, world_size, options);
   check_options(options);
   if (options.owner_policy() == OwnerPolicy::kBalanced &&
@@ -270,6 +239,185 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
     finish_rounds(groups.size(), budget, options.overlap_communication(), start);
   }
   return shortest(starts);
+}
+
+// kOncePerWorld on `mesh` (replicas > 1; docs/DESIGN.md §7): the shard plan's owners, each shard
+// rank's matrices spread over the replicas, by descending cost (ties: group, index) to the
+// least-loaded replica (ties: the lowest), loads fresh at every window of the shard plan (ranks
+// meet at each); then the rounds are cut over all world ranks as the shard plan's schedule
+// says. A matrix's inter-node bytes are (replicas - 1) x its size whoever owns it, so only the
+// Newton–Schulz balance and the intra-node bytes depend on the spread.
+OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape mesh,
+                              const OwnerPlanOptions& options) {
+  if (options.owner_policy() == OwnerPolicy::kBalanced &&
+      options.max_bytes_ratio() == kBytesRatioByCost) {
+    // The byte limit of the shard plan, chosen by the two-level cost of the world plan.
+    std::optional<OwnerPlan> best;
+    double best_seconds = 0;
+    for (const double ratio : detail::kCostModelBytesRatios) {
+      OwnerPlan candidate =
+          plan_once_per_world(groups, mesh, OwnerPlanOptions(options).max_bytes_ratio(ratio));
+      const double seconds = candidate.estimated_seconds();
+      if (!best || seconds < best_seconds) {
+        best = std::move(candidate);
+        best_seconds = seconds;
+      }
+    }
+    return *best;
+  }
+  const OwnerPlan shard = plan_one_dimensional(groups, mesh.shard_size, options);
+  const int world_size = mesh.world_size();
+  const size_t num_groups = groups.size();
+  OwnerPlan plan;
+  plan.world_size = world_size;
+  plan.mesh = mesh;
+  plan.replica_newton_schulz = ReplicaNewtonSchulz::kOncePerWorld;
+  plan.newton_schulz_flops_per_second = shard.newton_schulz_flops_per_second;
+  plan.bytes_per_second = shard.bytes_per_second;
+  plan.inter_node_bytes_per_second = shard.inter_node_bytes_per_second;
+  plan.policy = shard.policy;
+  plan.schedule = shard.schedule;
+  plan.element_bytes = shard.element_bytes;
+  plan.holders_only_max_bytes = shard.holders_only_max_bytes;
+  plan.max_bytes_ratio = shard.max_bytes_ratio;
+  plan.cost = shard.cost;
+  plan.owner = shard.owner;
+  plan.group_cost_per_rank.assign(num_groups, std::vector<int64_t>(world_size, 0));
+  plan.cost_per_rank.assign(world_size, 0);
+  plan.group_full_bytes_per_rank.assign(num_groups, std::vector<int64_t>(world_size, 0));
+  plan.gather_bytes_per_rank.assign(world_size, 0);
+  plan.scatter_bytes_per_rank.assign(world_size, 0);
+  plan.inter_node_bytes_per_rank.assign(world_size, 0);
+  const std::vector<std::pair<size_t, size_t>> spread_windows =
+      shard.schedule == OwnerSchedule::kWindows
+          ? shard.windows
+          : std::vector<std::pair<size_t, size_t>>{{0, num_groups}};
+  struct Owned {
+    int64_t cost;
+    size_t group;
+    size_t index;
+  };
+  for (const auto& [first, last] : spread_windows) {
+    std::vector<std::vector<Owned>> owned(mesh.shard_size);
+    for (size_t g = first; g < last; ++g) {
+      for (size_t i = 0; i < shard.owner[g].size(); ++i) {
+        if (shard.owner[g][i] >= 0) owned[shard.owner[g][i]].push_back({shard.cost[g][i], g, i});
+      }
+    }
+    for (int s = 0; s < mesh.shard_size; ++s) {
+      std::stable_sort(owned[s].begin(), owned[s].end(), [](const Owned& a, const Owned& b) {
+        return std::make_tuple(-a.cost, a.group, a.index) <
+               std::make_tuple(-b.cost, b.group, b.index);
+      });
+      std::vector<int64_t> load(mesh.replicas, 0);
+      for (const Owned& o : owned[s]) {
+        const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+        load[r] += o.cost;
+        plan.owner[o.group][o.index] = r * mesh.shard_size + s;
+      }
+    }
+  }
+  detail::finish_world_plan(groups, plan);
+  const int64_t budget = options.prefetch_budget_bytes();
+  const int64_t exchange_budget =
+      options.overlap_communication() && budget != kUnlimitedPrefetch ? budget / 2 : budget;
+  if (plan.schedule == OwnerSchedule::kWindows) {
+    plan.windows = shard.windows;
+    rounds_from_windows(groups, plan);
+  } else {
+    pack_rounds(groups, exchange_budget, plan);
+  }
+  finish_rounds(num_groups, budget, options.overlap_communication(), plan);
+  return plan;
+}
+
+constexpr detail::EnumName<ReplicaNewtonSchulz> kReplicaNames[] = {
+    {ReplicaNewtonSchulz::kOncePerWorld, "once_per_world"},
+    {ReplicaNewtonSchulz::kOncePerReplica, "once_per_replica"},
+    {ReplicaNewtonSchulz::kByCost, "by_cost"},
+};
+static_assert(detail::rows_in_enumerator_order(kReplicaNames));
+
+constexpr detail::EnumName<OwnerSchedule> kScheduleNames[] = {
+    {OwnerSchedule::kWindows, "windows"},
+    {OwnerSchedule::kRounds, "rounds"},
+};
+static_assert(detail::rows_in_enumerator_order(kScheduleNames));
+
+constexpr detail::EnumName<OwnerPolicy> kPolicyNames[] = {
+    {OwnerPolicy::kHoldersOnly, "holders_only"},
+    {OwnerPolicy::kAnyRank, "any_rank"},
+    {OwnerPolicy::kBalanced, "balanced"},
+};
+static_assert(detail::rows_in_enumerator_order(kPolicyNames));
+
+}  // namespace
+
+const char* to_string(OwnerSchedule schedule) { return detail::name_of(kScheduleNames, schedule); }
+
+const char* to_string(OwnerPolicy policy) { return detail::name_of(kPolicyNames, policy); }
+
+const char* to_string(ReplicaNewtonSchulz mode) { return detail::name_of(kReplicaNames, mode); }
+
+int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps) {
+  const int64_t m = std::min(rows, cols);
+  const int64_t n = std::max(rows, cols);
+  return steps * (4 * m * m * n + 2 * m * m * m);
+}
+
+int64_t plan_matrix_flops(const PlanMatrix& m) {
+  return static_cast<int64_t>(std::llround(newton_schulz_flops(m.rows, m.cols, m.newton_schulz)));
+}
+
+OwnerPlanOptions::OwnerPlanOptions() : OwnerPlanOptions(FsdpMuonConfig()) {}
+
+OwnerPlanOptions::OwnerPlanOptions(const FsdpMuonConfig& config)
+    : owner_policy_(config.owner_policy()),
+      owner_schedule_(config.owner_schedule()),
+      max_bytes_ratio_(config.max_bytes_ratio()),
+      newton_schulz_flops_per_second_(config.newton_schulz_flops_per_second()),
+      bytes_per_second_(config.bytes_per_second()),
+      prefetch_budget_bytes_(config.prefetch_budget_bytes()),
+      overlap_communication_(config.overlap_communication()),
+      replica_newton_schulz_(config.replica_newton_schulz()),
+      inter_node_bytes_per_second_(config.inter_node_bytes_per_second()) {}
+
+OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
+                      const OwnerPlanOptions& options) {
+  TORCH_CHECK(world_size >= 1, "fsdp_muon::plan_owners: world size must be at least 1, got ",
+              world_size);
+  return plan_owners(groups, MeshShape{1, world_size}, options);
+}
+
+OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
+                      const OwnerPlanOptions& options) {
+  TORCH_CHECK(
+      mesh.replicas >= 1 && mesh.shard_size >= 1,
+      "fsdp_muon::plan_owners: the mesh needs at least one replica and one shard rank, got ",
+      mesh.replicas, "x", mesh.shard_size, " (replicas x shard size)");
+  TORCH_CHECK(options.element_bytes() >= 1, "fsdp_muon::plan_owners: element_bytes must be >= 1");
+  const ReplicaNewtonSchulz mode = options.replica_newton_schulz();
+  const auto once_per_replica = [&] {
+    OwnerPlan plan = plan_one_dimensional(groups, mesh.shard_size, options);
+    plan.mesh = mesh;
+    plan.replica_newton_schulz = ReplicaNewtonSchulz::kOncePerReplica;
+    return plan;
+  };
+  if (mesh.replicas == 1) {
+    // One replica: both are the same plan over all ranks.
+    OwnerPlan plan = once_per_replica();
+    if (mode == ReplicaNewtonSchulz::kOncePerWorld) plan.replica_newton_schulz = mode;
+    return plan;
+  }
+  if (mode == ReplicaNewtonSchulz::kOncePerReplica) return once_per_replica();
+  if (mode == ReplicaNewtonSchulz::kOncePerWorld) return plan_once_per_world(groups, mesh, options);
+  TORCH_CHECK(mode == ReplicaNewtonSchulz::kByCost,
+              "fsdp_muon::plan_owners: unknown replica_newton_schulz value ",
+              static_cast<int>(mode));
+  OwnerPlan replica = once_per_replica();
+  OwnerPlan world = plan_once_per_world(groups, mesh, options);
+  // Every rank computes both from the same numbers, so every rank picks the same one.
+  return world.estimated_seconds() < replica.estimated_seconds() ? world : replica;
 }
 
 PlanGroup plan_group_from_shapes(

@@ -50,6 +50,9 @@ int64_t window_peak_bytes(const std::vector<PlanGroup>& groups, size_t first, si
                           const OwnerPlan& plan);
 // Per-rank and per-group totals and bytes of a plan whose owners are set.
 void finish_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan);
+// kOncePerWorld (docs/DESIGN.md §7): the totals of a plan over plan.mesh whose owners are world
+// ranks; an owner gathers from the holders in its replica and scatters to those in every replica.
+void finish_world_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan);
 // Gather + scatter bytes each rank sends under `plan.owner` (every matrix active).
 std::vector<int64_t> bytes_per_rank(const std::vector<PlanGroup>& groups, const OwnerPlan& plan);
 // kBalanced: moves and swaps from the busiest rank while every rank's bytes stay in `max_bytes`.

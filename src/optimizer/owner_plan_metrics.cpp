@@ -11,9 +11,39 @@ namespace fsdp_muon {
 
 using detail::ratio;
 
-double OwnerPlan::estimated_seconds(double flops_per_second, double bytes_per_second) const {
+double OwnerPlan::estimated_seconds(double flops_per_second, double bytes_per_second,
+                                    double inter_node_bytes_per_second) const {
   return static_cast<double>(critical_path_planned()) / flops_per_second +
-         static_cast<double>(max_bytes_per_rank()) / bytes_per_second;
+         static_cast<double>(max_intra_node_bytes_per_rank()) / bytes_per_second +
+         static_cast<double>(max_inter_node_bytes_per_rank()) / inter_node_bytes_per_second;
+}
+
+double OwnerPlan::estimated_seconds() const {
+  return estimated_seconds(newton_schulz_flops_per_second, bytes_per_second,
+                           inter_node_bytes_per_second);
+}
+
+// A plan built by hand (the benchmarks' baselines) may leave inter_node_bytes_per_rank empty:
+// no inter-node bytes.
+static int64_t inter_bytes(const OwnerPlan& plan, int rank) {
+  return static_cast<size_t>(rank) < plan.inter_node_bytes_per_rank.size()
+             ? plan.inter_node_bytes_per_rank[rank]
+             : 0;
+}
+
+int64_t OwnerPlan::max_intra_node_bytes_per_rank() const {
+  int64_t most = 0;
+  for (int r = 0; r < world_size; ++r) {
+    most = std::max(most,
+                    gather_bytes_per_rank[r] + scatter_bytes_per_rank[r] - inter_bytes(*this, r));
+  }
+  return most;
+}
+
+int64_t OwnerPlan::max_inter_node_bytes_per_rank() const {
+  int64_t most = 0;
+  for (int r = 0; r < world_size; ++r) most = std::max(most, inter_bytes(*this, r));
+  return most;
 }
 
 int64_t OwnerPlan::total_cost() const {
@@ -80,7 +110,17 @@ std::string OwnerPlan::summary() const {
   out << "owner plan: policy " << to_string(policy) << ", schedule " << to_string(schedule)
       << ", world size " << world_size << ", " << owner.size() << " groups, total "
       << static_cast<double>(total_cost()) << " NS FLOPs\n"
-      << "  critical path / ideal: planned (" << rounds.size() << " exchanges) "
+      << "  mesh " << mesh.replicas << "x" << mesh.shard_size << " (replicas x shard size), "
+      << to_string(replica_newton_schulz) << "; busiest rank's bytes within a replica "
+      << max_intra_node_bytes_per_rank() << ", across replicas " << max_inter_node_bytes_per_rank()
+      << "\n";
+  if (newton_schulz_flops_per_second > 0 && bytes_per_second > 0 &&
+      inter_node_bytes_per_second > 0) {
+    out << "  estimated " << estimated_seconds() * 1e3 << " ms at "
+        << newton_schulz_flops_per_second / 1e12 << " TFLOP/s, " << bytes_per_second / 1e9
+        << " GB/s within and " << inter_node_bytes_per_second / 1e9 << " GB/s across replicas\n";
+  }
+  out << "  critical path / ideal: planned (" << rounds.size() << " exchanges) "
       << critical_path_ratio_planned() << ", one group at a time "
       << detail::critical_path_ratio_budget0(*this) << ", all at once "
       << detail::critical_path_ratio_unlimited(*this) << ", floor " << floor_ratio() << "\n"

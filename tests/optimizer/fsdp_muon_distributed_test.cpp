@@ -1160,6 +1160,22 @@ TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
         [&] { FsdpMuon(params, MuonOptions(), config); },
         {"first difference, batch_newton_schulz: rank 0 has where_bitwise, " + r + "never"});
   }
+  // The HSDP settings (issue 21): the ranks must plan alike even on a 1-D mesh.
+  {
+    FsdpMuonConfig config;
+    if (here) config.replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld);
+    expect_error(
+        [&] { FsdpMuon(params, MuonOptions(), config); },
+        {"first difference, replica_newton_schulz: rank 0 has by_cost, " + r + "once_per_world"});
+  }
+  {
+    FsdpMuonConfig config;
+    if (here) config.inter_node_bytes_per_second(5e10);
+    expect_error([&] { FsdpMuon(params, MuonOptions(), config); },
+                 {"first difference, inter_node_bytes_per_second: rank 0 has 0x1.74876e8p+34 "
+                  "(2.5e+10), " +
+                  r + "0x1.74876e8p+35 (5e+10)"});
+  }
   // Alike everywhere, any of them is fine.
   FsdpMuon alike(params, MuonOptions(std::nextafter(0.02, 1.0)).ns_method(NsMethod::kGram));
 }

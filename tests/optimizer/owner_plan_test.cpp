@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -522,7 +523,8 @@ TEST(OwnerPlanTest, CostModelPicksTheCheapestByteLimit) {
   EXPECT_EQ(balanced.max_bytes_ratio, std::numeric_limits<double>::infinity());
   EXPECT_EQ(balanced.critical_path_planned(), 15600);
   EXPECT_EQ(balanced.max_bytes_per_rank(), 264);
-  EXPECT_DOUBLE_EQ(balanced.estimated_seconds(1, 1e9), 15600 + 264e-9);
+  EXPECT_DOUBLE_EQ(balanced.estimated_seconds(1, 1e9, 1), 15600 + 264e-9);  // no inter bytes
+  EXPECT_DOUBLE_EQ(balanced.estimated_seconds(), 15600 + 264e-9);  // at the rates planned with
 
   const auto fast_flops =
       OwnerPlanOptions(by_cost).newton_schulz_flops_per_second(1e9).bytes_per_second(1);
@@ -540,11 +542,7 @@ TEST(OwnerPlanTest, CostModelPicksTheCheapestByteLimit) {
     for (const double ratio : detail::kCostModelBytesRatios) {
       const OwnerPlan other =
           plan_owners(groups, 2, OwnerPlanOptions(options).max_bytes_ratio(ratio));
-      EXPECT_LE(chosen->estimated_seconds(options.newton_schulz_flops_per_second(),
-                                          options.bytes_per_second()),
-                other.estimated_seconds(options.newton_schulz_flops_per_second(),
-                                        options.bytes_per_second()))
-          << "ratio " << ratio;
+      EXPECT_LE(chosen->estimated_seconds(), other.estimated_seconds()) << "ratio " << ratio;
     }
   }
   EXPECT_THROW(plan_owners(groups, 2, OwnerPlanOptions(by_cost).bytes_per_second(0)), c10::Error);
@@ -567,6 +565,9 @@ TEST(OwnerPlanTest, CostModelPicksTheCheapestByteLimit) {
   EXPECT_EQ(defaults.bytes_per_second(), config.bytes_per_second());
   EXPECT_EQ(defaults.prefetch_budget_bytes(), config.prefetch_budget_bytes());
   EXPECT_EQ(defaults.overlap_communication(), config.overlap_communication());
+  EXPECT_EQ(defaults.replica_newton_schulz(), config.replica_newton_schulz());
+  EXPECT_EQ(defaults.inter_node_bytes_per_second(), config.inter_node_bytes_per_second());
+  EXPECT_EQ(config.replica_newton_schulz(), ReplicaNewtonSchulz::kByCost);
 }
 
 // GPT-2 124M and a Mixtral-like 8-expert model, one group per layer, bf16 layout.
@@ -650,6 +651,212 @@ TEST(OwnerPlanTest, DefaultScheduleIsNearTheFloor) {
       EXPECT_LE(plan.critical_path_planned(), windowed.critical_path_planned());
     }
   }
+}
+
+// ---- HSDP: a replicate x shard mesh (docs/DESIGN.md §7) ----
+
+// The planner's options with `mode` on a mesh: the defaults, or holders-only owners.
+OwnerPlanOptions on_mesh(ReplicaNewtonSchulz mode, bool holders) {
+  OwnerPlanOptions options = FsdpMuonConfig().owner_plan_options().replica_newton_schulz(mode);
+  if (holders) options.owner_policy(OwnerPolicy::kHoldersOnly);
+  return options;
+}
+
+// The shard plan's groups of GPT-2 and the 8-expert model, with NorMuon on GPT-2's MLP input
+// matrices so that row state travels too.
+std::vector<PlanGroup> mesh_groups(const std::string& which, int shard_size) {
+  std::vector<PlanGroup> groups = model_groups(which, shard_size);
+  if (which == "gpt2") {
+    for (auto& g : groups) {
+      for (auto& m : g.matrices) m.normuon = m.name.find("c_fc") != std::string::npos;
+    }
+  }
+  return groups;
+}
+
+TEST(OwnerPlanTest, OncePerReplicaIsTheShardPlan) {
+  for (const std::string which : {"gpt2", "8-expert"}) {
+    for (const auto& [replicas, shard] : {std::pair{2, 4}, {4, 8}, {3, 2}}) {
+      SCOPED_TRACE(which + " " + std::to_string(replicas) + "x" + std::to_string(shard));
+      const auto groups = mesh_groups(which, shard);
+      for (const bool holders : {true, false}) {
+        const OwnerPlanOptions options = on_mesh(ReplicaNewtonSchulz::kOncePerReplica, holders);
+        const OwnerPlan plan = plan_owners(groups, MeshShape{replicas, shard}, options);
+        const OwnerPlan alone = plan_owners(groups, shard, options);
+        EXPECT_EQ(plan.world_size, shard);
+        EXPECT_EQ(plan.mesh.replicas, replicas);
+        EXPECT_EQ(plan.mesh.shard_size, shard);
+        EXPECT_EQ(plan.replica_newton_schulz, ReplicaNewtonSchulz::kOncePerReplica);
+        EXPECT_EQ(plan.owner, alone.owner);
+        EXPECT_EQ(plan.rounds, alone.rounds);
+        EXPECT_EQ(plan.round_cost_per_rank, alone.round_cost_per_rank);
+        EXPECT_EQ(plan.overlap_with_next, alone.overlap_with_next);
+        EXPECT_EQ(plan.gather_bytes_per_rank, alone.gather_bytes_per_rank);
+        EXPECT_EQ(plan.scatter_bytes_per_rank, alone.scatter_bytes_per_rank);
+        EXPECT_EQ(plan.inter_node_bytes_per_rank, std::vector<int64_t>(shard, 0));
+        EXPECT_EQ(plan.max_intra_node_bytes_per_rank(), alone.max_bytes_per_rank());
+      }
+    }
+  }
+  // The 1-D entry point is the {1, W} mesh, whatever replica_newton_schulz says.
+  const auto groups = model_groups("8-expert", 8);
+  for (const auto mode : {ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica,
+                          ReplicaNewtonSchulz::kByCost}) {
+    const OwnerPlanOptions options =
+        FsdpMuonConfig().owner_plan_options().replica_newton_schulz(mode);
+    const OwnerPlan flat = plan_owners(groups, 8, options);
+    const OwnerPlan mesh = plan_owners(groups, MeshShape{1, 8}, options);
+    EXPECT_EQ(flat.owner, mesh.owner);
+    EXPECT_EQ(flat.rounds, mesh.rounds);
+    EXPECT_EQ(flat.world_size, 8);
+    EXPECT_EQ(flat.mesh.replicas, 1);
+    EXPECT_EQ(flat.max_inter_node_bytes_per_rank(), 0);
+    // One replica: kByCost's tie goes to kOncePerReplica.
+    EXPECT_EQ(flat.replica_newton_schulz, mode == ReplicaNewtonSchulz::kOncePerWorld
+                                              ? ReplicaNewtonSchulz::kOncePerWorld
+                                              : ReplicaNewtonSchulz::kOncePerReplica);
+  }
+}
+
+// kOncePerWorld: every matrix owned once in the world, by a holder's shard rank under
+// holders-only; bytes against a count over (sender, receiver) pairs of world ranks; the
+// Newton–Schulz critical path about 1/replicas of the shard plan's.
+TEST(OwnerPlanTest, OncePerWorldOwnsEachMatrixOnceInTheWorld) {
+  for (const std::string which : {"gpt2", "8-expert"}) {
+    for (const auto& [replicas, shard] : {std::pair{2, 4}, {4, 8}, {3, 2}, {8, 8}}) {
+      const auto groups = mesh_groups(which, shard);
+      const int world = replicas * shard;
+      for (const bool holders : {true, false}) {
+        for (const bool unlimited : {true, false}) {
+          SCOPED_TRACE(which + " " + std::to_string(replicas) + "x" + std::to_string(shard) +
+                       (holders ? " holders-only" : " balanced") +
+                       (unlimited ? " unlimited budget" : " default budget"));
+          OwnerPlanOptions options = on_mesh(ReplicaNewtonSchulz::kOncePerWorld, holders);
+          if (unlimited) options.prefetch_budget_bytes(kUnlimitedPrefetch);
+          const OwnerPlan plan = plan_owners(groups, MeshShape{replicas, shard}, options);
+          const OwnerPlan per_replica = plan_owners(groups, MeshShape{replicas, shard},
+                                                    OwnerPlanOptions(options).replica_newton_schulz(
+                                                        ReplicaNewtonSchulz::kOncePerReplica));
+          EXPECT_EQ(plan.world_size, world);
+          EXPECT_EQ(plan.replica_newton_schulz, ReplicaNewtonSchulz::kOncePerWorld);
+          ASSERT_EQ(plan.inter_node_bytes_per_rank.size(), static_cast<size_t>(world));
+
+          std::vector<int64_t> gather(world, 0), scatter(world, 0), inter(world, 0);
+          std::vector<int64_t> cost(world, 0);
+          int64_t all_inter = 0;
+          std::map<std::pair<size_t, size_t>, int> in_rounds;
+          for (const auto& round : plan.rounds) {
+            for (const auto& gi : round) ++in_rounds[gi];
+          }
+          for (size_t g = 0; g < groups.size(); ++g) {
+            const int64_t eb = groups[g].element_bytes > 0 ? groups[g].element_bytes : 4;
+            for (size_t i = 0; i < groups[g].matrices.size(); ++i) {
+              const PlanMatrix& m = groups[g].matrices[i];
+              const int o = plan.owner[g][i];
+              ASSERT_GE(o, 0);
+              ASSERT_LT(o, world);
+              EXPECT_EQ(in_rounds[std::make_pair(g, i)], 1) << m.name;
+              if (holders) {
+                EXPECT_GT(detail::held_numel(m, o % shard), 0) << m.name;
+              }
+              cost[o] += plan.cost[g][i];
+              all_inter += (replicas - 1) * detail::moved_numel(m) * eb;
+              for (int q = 0; q < world; ++q) {  // the receiver of an update slice
+                if (q == o) continue;
+                const int64_t piece = detail::held_numel(m, q % shard) * eb;
+                scatter[o] += piece;
+                if (q / shard != o / shard) {
+                  inter[o] += piece;
+                } else {
+                  gather[q] += piece;  // a holder in the owner's replica sends it its piece
+                }
+              }
+            }
+          }
+          EXPECT_EQ(plan.gather_bytes_per_rank, gather);
+          EXPECT_EQ(plan.scatter_bytes_per_rank, scatter);
+          EXPECT_EQ(plan.inter_node_bytes_per_rank, inter);
+          EXPECT_EQ(plan.cost_per_rank, cost);
+          EXPECT_EQ(std::accumulate(inter.begin(), inter.end(), int64_t{0}), all_inter);
+          // Spreading each shard rank's matrices over the replicas, largest first to the least
+          // loaded: within one matrix of 1/replicas of the shard plan's rank, so within the
+          // largest matrix of the shard plan's path over replicas when everything is one round.
+          if (unlimited) {
+            EXPECT_LE(static_cast<double>(plan.critical_path_planned()),
+                      static_cast<double>(per_replica.critical_path_planned()) / replicas +
+                          static_cast<double>(plan.largest_matrix_cost()));
+          }
+          EXPECT_LE(plan.critical_path_planned(), per_replica.critical_path_planned());
+        }
+      }
+    }
+  }
+}
+
+// kByCost: the plan of the two with the lower estimated_seconds(), kOncePerReplica on a tie.
+TEST(OwnerPlanTest, ByCostPicksTheFasterOfTheTwo) {
+  const auto groups = mesh_groups("8-expert", 8);
+  const MeshShape mesh{4, 8};
+  int world_picked = 0, replica_picked = 0;
+  for (const double inter : {1e6, 1e9, 2.5e10, 1e12, 1e18}) {
+    SCOPED_TRACE("inter-node rate " + std::to_string(inter));
+    const OwnerPlanOptions options =
+        on_mesh(ReplicaNewtonSchulz::kByCost, false).inter_node_bytes_per_second(inter);
+    const OwnerPlan chosen = plan_owners(groups, mesh, options);
+    const OwnerPlan world = plan_owners(
+        groups, mesh,
+        OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld));
+    const OwnerPlan replica = plan_owners(
+        groups, mesh,
+        OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerReplica));
+    const bool world_faster = world.estimated_seconds() < replica.estimated_seconds();
+    const OwnerPlan& expected = world_faster ? world : replica;
+    EXPECT_EQ(chosen.replica_newton_schulz, expected.replica_newton_schulz);
+    EXPECT_EQ(chosen.owner, expected.owner);
+    EXPECT_EQ(chosen.rounds, expected.rounds);
+    EXPECT_DOUBLE_EQ(chosen.estimated_seconds(),
+                     std::min(world.estimated_seconds(), replica.estimated_seconds()));
+    // The inter-node term is the busiest owner's (replicas - 1) copies of what it owns.
+    EXPECT_DOUBLE_EQ(world.estimated_seconds(),
+                     world.critical_path_planned() / options.newton_schulz_flops_per_second() +
+                         world.max_intra_node_bytes_per_rank() / options.bytes_per_second() +
+                         world.max_inter_node_bytes_per_rank() / inter);
+    world_faster ? ++world_picked : ++replica_picked;
+  }
+  // Slow links keep Newton–Schulz in every replica, fast ones spread it over the world.
+  EXPECT_GT(world_picked, 0);
+  EXPECT_GT(replica_picked, 0);
+}
+
+TEST(OwnerPlanTest, MeshErrors) {
+  const auto groups = mesh_groups("gpt2", 4);
+  try {
+    plan_owners(groups, MeshShape{2, 2}, on_mesh(ReplicaNewtonSchulz::kOncePerWorld, false));
+    ADD_FAILURE() << "held ranges of 4 shard ranks on a 2x2 mesh were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("held ranges; it needs one per rank (2)"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    plan_owners(groups, MeshShape{0, 4});
+    ADD_FAILURE() << "a mesh without replicas was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("at least one replica and one shard rank, got 0x4"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    plan_owners(groups, MeshShape{2, 4},
+                on_mesh(ReplicaNewtonSchulz::kByCost, false).inter_node_bytes_per_second(0));
+    ADD_FAILURE() << "an inter-node rate of 0 was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("0 B/s (inter_node_bytes_per_second)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_STREQ(to_string(ReplicaNewtonSchulz::kOncePerWorld), "once_per_world");
+  EXPECT_STREQ(to_string(ReplicaNewtonSchulz::kOncePerReplica), "once_per_replica");
+  EXPECT_STREQ(to_string(ReplicaNewtonSchulz::kByCost), "by_cost");
 }
 
 }  // namespace

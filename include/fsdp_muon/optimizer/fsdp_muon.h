@@ -77,6 +77,17 @@ struct FsdpMuonConfig {
   // ~150 GB/s of all-to-all per rank), not measurements: set your machine's measured rates.
   TORCH_ARG(double, newton_schulz_flops_per_second) = 4e14;
   TORCH_ARG(double, bytes_per_second) = 1.5e11;
+  // The cost model's per-rank send rate between replicas (across nodes) on a replicate x shard
+  // mesh; bytes_per_second is the rate within a replica. The default is an estimate for 400 Gb/s
+  // InfiniBand per GPU under all-to-all (~25 GB/s achieved), not a measurement.
+  TORCH_ARG(double, inter_node_bytes_per_second) = 2.5e10;
+  // On a mesh with several replicas: who orthogonalizes each matrix (see ReplicaNewtonSchulz).
+  // kByCost, the default, picks at construction whichever of kOncePerWorld and kOncePerReplica
+  // the cost model above predicts faster. The result bits are the same under all three.
+  TORCH_ARG(ReplicaNewtonSchulz, replica_newton_schulz) = ReplicaNewtonSchulz::kByCost;
+  // Reserved for measuring the cost model's rates at construction (issue 21, item 4). Today it
+  // has no effect: FsdpMuon plans with the three rates above, whatever it says.
+  TORCH_ARG(bool, calibrate_rates) = true;
   // When ranks meet (see OwnerSchedule): kRounds, the default, chosen from bench/RESULTS.md,
   // packs every rank's owned matrices into rounds of about equal cost over the whole model.
   TORCH_ARG(OwnerSchedule, owner_schedule) = OwnerSchedule::kRounds;

@@ -47,6 +47,31 @@ enum class OwnerSchedule {
 
 const char* to_string(OwnerSchedule schedule);
 
+// Who orthogonalizes a matrix on a replicate x shard mesh (HSDP: parameters sharded within a
+// replica, replicated across replicas; docs/DESIGN.md §7).
+enum class ReplicaNewtonSchulz {
+  // Owners are planned over all ranks of the world: each matrix is orthogonalized by one rank,
+  // which gathers it from the holders in its own replica and scatters the update to the holders
+  // in every replica (inter-node bytes in the step, no repeated Newton–Schulz).
+  kOncePerWorld,
+  // Each replica plans over its shard ranks and orthogonalizes every matrix itself, as Dion and
+  // torchtitan do: no inter-node bytes in the step, Newton–Schulz repeated in every replica.
+  kOncePerReplica,
+  // Whichever of the two the cost model predicts faster (OwnerPlan::estimated_seconds), decided
+  // at planning; kOncePerReplica on a tie.
+  kByCost,
+};
+
+const char* to_string(ReplicaNewtonSchulz mode);
+
+// The shape of a replicate x shard mesh as the planner sees it: world rank = replica *
+// shard_size + shard rank (include/fsdp_muon/comm/device_mesh.h). {1, W} is the 1-D mesh.
+struct MeshShape {
+  int replicas = 1;
+  int shard_size = 1;
+  int world_size() const { return replicas * shard_size; }
+};
+
 // A prefetch budget that gathers every group before orthogonalizing any.
 constexpr int64_t kUnlimitedPrefetch = std::numeric_limits<int64_t>::max();
 
@@ -64,8 +89,9 @@ struct PlanMatrix {
   // The Newton–Schulz options that run on it (MuonOptions::newton_schulz_options()): steps,
   // schedule, method (kAuto resolved per shape), restarts and preconditioning decide its cost.
   NewtonSchulzOptions newton_schulz;
-  // One entry per rank: elements [first, second) of the flattened matrix that the rank holds;
-  // first == second when it holds none. The ranges tile [0, rows*cols) in rank order.
+  // One entry per (shard) rank: elements [first, second) of the flattened matrix that the rank
+  // holds; first == second when it holds none. The ranges tile [0, rows*cols) in rank order. On
+  // a mesh, shard rank s holds the same range in every replica.
   std::vector<std::pair<int64_t, int64_t>> held;
   // MuonOptions::normalization(kNorMuon): the per-row state travels with the matrix, one element
   // per row whose first element a non-owner holds (docs/DESIGN.md §3), and the bytes count it.
@@ -106,13 +132,27 @@ struct OwnerPlanOptions {
   TORCH_ARG(double, bytes_per_second);
   TORCH_ARG(int64_t, prefetch_budget_bytes);
   TORCH_ARG(bool, overlap_communication);
+  TORCH_ARG(ReplicaNewtonSchulz, replica_newton_schulz);
+  // bytes_per_second is the rate within a replica (the shard group, one node); this one the rate
+  // between replicas (across nodes).
+  TORCH_ARG(double, inter_node_bytes_per_second);
   // Bytes of one element moved and held, for a PlanGroup whose element_bytes is 0 (FsdpMuon
   // sets every group's: its main dtype's). The planner's own setting.
   TORCH_ARG(int64_t, element_bytes) = 4;
 };
 
 struct OwnerPlan {
+  // The ranks the plan is over: mesh.shard_size under kOncePerReplica (every replica runs the
+  // same plan over its shard ranks), mesh.world_size() under kOncePerWorld. Every per-rank
+  // vector below has world_size entries and every owner is a rank of that range.
   int world_size = 1;
+  MeshShape mesh;
+  // Resolved: never kByCost. With one replica the two plans are the same.
+  ReplicaNewtonSchulz replica_newton_schulz = ReplicaNewtonSchulz::kOncePerReplica;
+  // The cost model's rates the plan was made with (OwnerPlanOptions), for summary().
+  double newton_schulz_flops_per_second = 0;
+  double bytes_per_second = 0;
+  double inter_node_bytes_per_second = 0;
   OwnerPolicy policy = OwnerPolicy::kHoldersOnly;
   OwnerSchedule schedule = OwnerSchedule::kWindows;
   int64_t element_bytes = 4;
@@ -158,9 +198,13 @@ struct OwnerPlan {
   std::vector<std::vector<int64_t>> group_full_bytes_per_rank;
   // [rank]: bytes each rank sends in all gathers / all scatters of one step (every matrix
   // active). Each element held by a non-owner travels to its owner once and back once, so
-  // under holders-only this is the traffic minimum of docs/DESIGN.md §7.
+  // under holders-only this is the traffic minimum of docs/DESIGN.md §7. kOncePerWorld: an
+  // owner gathers from the holders in its replica and scatters to the holders in every replica.
   std::vector<int64_t> gather_bytes_per_rank;
   std::vector<int64_t> scatter_bytes_per_rank;
+  // [rank]: the part of the above sent to other replicas (kOncePerWorld: (replicas - 1) x a
+  // matrix's size, from its owner; all zero otherwise).
+  std::vector<int64_t> inter_node_bytes_per_rank;
   int64_t total_cost() const;
   int64_t largest_matrix_cost() const;
   double ideal_cost() const;  // total_cost() / world_size
@@ -172,14 +216,22 @@ struct OwnerPlan {
   // max(ideal, largest matrix) / ideal: no whole-matrix ownership beats it.
   double floor_ratio() const;
   int64_t max_bytes_per_rank() const;  // max over ranks of gather + scatter bytes
+  // Max over ranks of the gather + scatter bytes sent within / across replicas.
+  int64_t max_intra_node_bytes_per_rank() const;
+  int64_t max_inter_node_bytes_per_rank() const;
   // Largest full-matrix bytes one rank owns in one round.
   int64_t max_round_full_bytes() const;
   // Largest full-matrix bytes one rank holds at once: one round, or two that overlap.
   int64_t max_held_full_bytes() const;
-  // The cost model of FsdpMuonConfig::max_bytes_ratio(kBytesRatioByCost): critical_path_planned() /
-  // flops_per_second + max_bytes_per_rank() / bytes_per_second, i.e. with no overlap of the two (an
-  // upper bound; overlap_communication hides part of the second term).
-  double estimated_seconds(double flops_per_second, double bytes_per_second) const;
+  // The cost model (docs/DESIGN.md §7) of FsdpMuonConfig::max_bytes_ratio(kBytesRatioByCost)
+  // and ReplicaNewtonSchulz::kByCost: critical_path_planned() / flops_per_second +
+  // max_intra_node_bytes_per_rank() / bytes_per_second + max_inter_node_bytes_per_rank() /
+  // inter_node_bytes_per_second, i.e. with no overlap of the terms (an upper bound;
+  // overlap_communication hides part of the byte terms).
+  double estimated_seconds(double flops_per_second, double bytes_per_second,
+                           double inter_node_bytes_per_second) const;
+  // The above at the rates the plan was made with.
+  double estimated_seconds() const;
   // A few lines for logs and benchmarks.
   std::string summary() const;
 };
@@ -203,6 +255,17 @@ struct OwnerPlan {
 // With a finite budget, a window grows group by group (re-planned each time) while every rank's
 // owned full-matrix bytes in it fit the budget.
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
+                      const OwnerPlanOptions& options = {});
+
+// The plan on a replicate x shard mesh (docs/DESIGN.md §7). Every matrix's `held` has
+// mesh.shard_size entries (the same in every replica). options.replica_newton_schulz():
+// kOncePerReplica: exactly plan_owners(groups, mesh.shard_size, options), owners are shard
+// ranks; kOncePerWorld: the shard plan, then each shard rank's matrices spread over the replicas
+// (by descending cost, to the least-loaded replica; ties: the lowest), owners are world ranks,
+// and the rounds are cut over all of them; kByCost: the one with the lower
+// estimated_seconds(), kOncePerReplica on a tie. plan_owners(groups, W, options) is
+// plan_owners(groups, {1, W}, options).
+OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
                       const OwnerPlanOptions& options = {});
 
 // The PlanGroup an FsdpParameterGroup would have, from parameter shapes alone (docs/DESIGN.md §2
