@@ -76,6 +76,11 @@ std::vector<std::pair<std::string, std::string>> option_entries(const MuonOption
 namespace {
 
 using detail::AcceptedMatrix;
+
+// The mesh a group is sharded on.
+DeviceMesh mesh_of(const FsdpParameterGroup& group) {
+  return one_dimensional_mesh(group.communicator());
+}
 using detail::ExchangeLayout;
 using detail::MatrixPlacement;
 using detail::muon_options_of;
@@ -109,12 +114,13 @@ std::string join(const std::vector<int>& ranks) {
   return out;
 }
 
-// The communicator of the first sharded parameter given: the one every rank agrees through.
-std::shared_ptr<Communicator> communicator_of(
+// The world communicator of the first sharded parameter's mesh: the one every rank agrees
+// through, whatever meshes the other parameters are on (that is checked inside the agreement).
+std::shared_ptr<Communicator> world_of(
     const std::vector<torch::optim::OptimizerParamGroup>& param_groups) {
   for (const auto& group : param_groups) {
     for (const at::Tensor& p : group.params()) {
-      if (auto info = find_sharded_parameter(p)) return info->group->communicator();
+      if (auto info = find_sharded_parameter(p)) return mesh_of(*info->group).world;
     }
   }
   return nullptr;
@@ -169,7 +175,7 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
     for (const auto& group : param_groups) add_group(group);
     build();
   };
-  const std::shared_ptr<Communicator> comm = communicator_of(param_groups);
+  const std::shared_ptr<Communicator> comm = world_of(param_groups);
   if (!comm) {
     // Nobody to agree with: fail here with the most specific message there is.
     construct();
@@ -253,12 +259,17 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
       auto found = ordinal_of.find(&group);
       if (found == ordinal_of.end()) {
         if (!groups.empty()) {
+          // The same on every rank (every rank gives the same parameters, on meshes of the same
+          // shapes), so every rank fails here, and the agreement around construction makes
+          // any rank that did not fail too.
           const FsdpParameterGroup& first = *groups.front();
-          TORCH_CHECK(group.communicator() == first.communicator(),
-                      "fsdp_muon::FsdpMuon: FSDP groups ", group_label(first, 0), " and ",
-                      group_label(group, groups.size()), " (parameter '", slot.name,
-                      "') use different communicators; FsdpMuon works on one 1-D data-parallel "
-                      "mesh, so shard every group with the same Communicator");
+          TORCH_CHECK(mesh_of(group).same_as(mesh_of(first)), "fsdp_muon::FsdpMuon: FSDP groups ",
+                      group_label(first, 0), " (mesh ", mesh_of(first).shape(), ") and ",
+                      group_label(group, groups.size()), " (parameter '", slot.name, "', mesh ",
+                      mesh_of(group).shape(),
+                      ") are on different meshes (their world or shard communicators are "
+                      "different objects); FsdpMuon updates the groups of one mesh, so build "
+                      "every group on the same DeviceMesh (or the same Communicator)");
         }
         found = ordinal_of.emplace(&group, groups.size()).first;
         groups.push_back(info->group);
@@ -284,9 +295,17 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
               ". Give biases, norms and embeddings to torch::optim::AdamW, or set "
               "MuonOptions().skip_non_matrix(true) to leave them untouched");
   TORCH_CHECK(!groups.empty(), "fsdp_muon::FsdpMuon: no parameters given");
-  world_comm = groups.front()->communicator();
-  exchange_comm = world_comm;
-  shard_size = world_comm->size();
+  mesh = mesh_of(*groups.front());
+  world_comm = mesh.world;
+  shard_comm = mesh.shard;
+  shard_size = mesh.shard_size();
+  exchange_comm = shard_comm;  // until the plan says whether owners span the replicas
+  // Exchange ranks are read as replica * shard_size + shard rank (docs/DESIGN.md §3).
+  TORCH_CHECK(world_comm->rank() == mesh.world_rank(mesh.replica(), shard_comm->rank()) &&
+                  world_comm->size() == mesh.replicas() * shard_size,
+              "fsdp_muon::FsdpMuon: mesh ", mesh.shape(), " is not replica-major (world rank ",
+              world_comm->rank(), " is shard rank ", shard_comm->rank(), " of replica ",
+              mesh.replica(), "); build it with make_device_mesh()");
   if (skipped.tellp() > 0 && world_comm->rank() == 0) {
     TORCH_WARN("fsdp_muon::FsdpMuon: skip_non_matrix is set, so these non-2-D parameters are ",
                "never updated by FsdpMuon (give them to torch::optim::AdamW): ", skipped.str());
@@ -360,7 +379,13 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
     }
   }
-  plan = plan_owners(plan_groups, world(), config.owner_plan_options());
+  plan = plan_owners(plan_groups, MeshShape{replicas(), shard_size}, plan_options());
+  // kOncePerWorld: owners are world ranks, and the exchange spans the replicas.
+  if (replicas() > 1 && plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld) {
+    exchange_comm = world_comm;
+  }
+  TORCH_CHECK(plan.world_size == world(), "fsdp_muon::FsdpMuon: internal error: a plan over ",
+              plan.world_size, " ranks for an exchange over ", world(), " on mesh ", mesh.shape());
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t j = 0; j < group_matrices[g].size(); ++j) {
       matrices[group_matrices[g][j]].owner = plan.owner[g][j];
@@ -396,13 +421,16 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   }
 }
 
-// What every rank must have built identically, one "<key> = <value>" line each: the world, every
-// FsdpMuonConfig setting, and per optimizer group every MuonOptions field (exact) and its
-// parameters (FSDP group, position, name, shape).
+OwnerPlanOptions FsdpMuon::Impl::plan_options() const { return config.owner_plan_options(); }
+
+// What every rank must have built identically, one "<key> = <value>" line each: the world and
+// mesh shape, every FsdpMuonConfig setting, per optimizer group every MuonOptions field (exact)
+// and its parameters (FSDP group, position, name, shape), and the replica mode the plan chose.
 std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
   const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
   std::vector<std::string> lines{
-      "world = " + std::to_string(world()),
+      "world = " + std::to_string(world_comm->size()),
+      "mesh = " + mesh.shape(),
       std::string("owner_policy = ") + to_string(config.owner_policy()),
       "max_bytes_ratio = " + detail::exact_double(config.max_bytes_ratio()),
       "newton_schulz_flops_per_second = " +
@@ -436,6 +464,9 @@ std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& sel
                       shape_string(slot.shape));
     }
   }
+  // Last, so that a setting that differs is named rather than the choice it led to.
+  lines.push_back(std::string("replica_newton_schulz chosen = ") +
+                  to_string(plan.replica_newton_schulz));
   return lines;
 }
 
@@ -460,6 +491,29 @@ int FsdpMuon::owner_of(const at::Tensor& sharded_parameter) const {
 }
 
 int64_t FsdpMuon::skipped_steps() const { return impl_->skipped_steps; }
+
+std::string FsdpMuon::describe() const {
+  const Impl& d = *impl_;
+  const OwnerPlan& plan = d.plan;
+  const bool world_owners = d.exchange_comm == d.world_comm && d.replicas() > 1;
+  std::ostringstream out;
+  out << "FsdpMuon on mesh " << d.mesh.shape() << " (" << d.replicas() << " replica(s) x "
+      << d.shard_size << " shard rank(s)): replica_newton_schulz "
+      << to_string(d.config.replica_newton_schulz()) << " -> "
+      << to_string(plan.replica_newton_schulz) << ", each matrix orthogonalized "
+      << (world_owners
+              ? "once in the world, by one of its " + std::to_string(d.world()) + " ranks"
+              : "in every replica, by one of its " + std::to_string(d.world()) + " shard ranks")
+      << "; " << d.matrices.size() << " matrices in " << plan.rounds.size()
+      << " round(s). Cost model: Newton-Schulz " << plan.newton_schulz_flops_per_second
+      << " FLOP/s, intra-node " << plan.bytes_per_second << " B/s, inter-node "
+      << plan.inter_node_bytes_per_second << " B/s per rank; predicted "
+      << plan.estimated_seconds() * 1e3 << " ms per step (Newton-Schulz critical path "
+      << plan.critical_path_planned() << " FLOPs, busiest rank "
+      << plan.max_intra_node_bytes_per_rank() << " B intra-node, "
+      << plan.max_inter_node_bytes_per_rank() << " B inter-node)";
+  return out.str();
+}
 
 const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
   impl_->timer->add_to(impl_->stats, *impl_->world_comm);

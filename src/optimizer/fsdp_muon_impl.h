@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/device_mesh.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
@@ -73,11 +74,14 @@ struct RoundInFlight {
 
 struct FsdpMuon::Impl {
   FsdpMuonConfig config;
-  // The ranks agree over world_comm (every rank of the mesh) and exchange matrices over
-  // exchange_comm: the mesh's shard group when each replica orthogonalizes on its own (and on a
-  // 1-D mesh, where it is world_comm), world_comm when owners span the replicas. Exchange rank q
-  // is shard rank q % shard_size of exchange replica q / shard_size (docs/DESIGN.md §3).
-  std::shared_ptr<Communicator> world_comm;
+  // The groups' mesh: the ranks agree over world_comm (every rank of the mesh) and exchange
+  // matrices over exchange_comm: shard_comm when each replica orthogonalizes on its own (and on
+  // a 1-D mesh, where it is world_comm), world_comm when owners span the replicas
+  // (ReplicaNewtonSchulz::kOncePerWorld). Exchange rank q is shard rank q % shard_size of
+  // replica q / shard_size (docs/DESIGN.md §3).
+  DeviceMesh mesh;
+  std::shared_ptr<Communicator> world_comm;  // mesh.world
+  std::shared_ptr<Communicator> shard_comm;  // mesh.shard
   std::shared_ptr<Communicator> exchange_comm;
   int shard_size = 1;
   std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
@@ -109,7 +113,7 @@ struct FsdpMuon::Impl {
   // This rank in the exchange (owners are exchange ranks), and in its shard group (held ranges
   // and placements are indexed by shard rank).
   int rank() const { return exchange_comm->rank(); }
-  int shard_rank() const { return rank() % shard_size; }
+  int shard_rank() const { return shard_comm->rank(); }
   int world_rank() const { return world_comm->rank(); }
   // This rank's piece of matrix m in a tensor laid out like its parameter's shard (the shard, its
   // gradient, its momentum).
@@ -118,6 +122,7 @@ struct FsdpMuon::Impl {
   }
   int world() const { return exchange_comm->size(); }  // exchange ranks
   int exchange_replicas() const { return world() / shard_size; }
+  int replicas() const { return world_comm->size() / shard_size; }
 
   const detail::ExchangeLayout& exchange(size_t round, const std::vector<bool>& active,
                                          const std::vector<bool>& with_rows);
@@ -125,6 +130,8 @@ struct FsdpMuon::Impl {
   // ---- construction (fsdp_muon.cpp) ----
   std::vector<detail::AcceptedMatrix> accept_parameters(FsdpMuon& self);
   void plan_matrices(FsdpMuon& self, std::vector<detail::AcceptedMatrix> accepted);
+  // What the owner plan is made with: the one place the planner's options come from.
+  OwnerPlanOptions plan_options() const;
   // One "<key> = <value>" line per setting, option and parameter every rank must have alike.
   std::vector<std::string> describe_parameters(const FsdpMuon& self) const;
 

@@ -142,14 +142,15 @@ uint64_t stable_hash(const std::string& text) {
 }
 
 // The values compared, as 64-bit patterns: the exact bits of the scheduled doubles, then the hash
-// of the other options' exact descriptions.
-std::array<uint64_t, kFingerprints> option_values(const MuonOptions& o) {
+// of the other options' exact descriptions and of `mesh_mode` (the mesh and replica mode).
+std::array<uint64_t, kFingerprints> option_values(const MuonOptions& o,
+                                                  const std::string& mesh_mode) {
   const auto bits = [](double v) {
     uint64_t b = 0;
     std::memcpy(&b, &v, sizeof b);
     return b;
   };
-  std::string others;
+  std::string others = mesh_mode + "\n";
   for (const auto& [name, value] : detail::option_entries(o)) {
     if (name == "lr" || name == "momentum" || name == "weight_decay") continue;
     others += name + " = " + value + "\n";
@@ -210,6 +211,10 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     }
   }
   const NonFiniteGradients non_finite = config.non_finite_gradients();
+  // Checked at construction, and every step with the options (it costs no byte more): a rank
+  // stepping on another mesh, or in the other replica mode, would exchange with the wrong peers.
+  const std::string mesh_mode =
+      "mesh " + mesh.shape() + ", " + to_string(plan.replica_newton_schulz);
   const bool check_finite = non_finite != NonFiniteGradients::kIgnore;
   // Sized by what was constructed, so that every rank sums vectors of one size even when some
   // rank's parameter groups were edited.
@@ -232,7 +237,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       mine[slot.unreduced(g)] = groups[g]->has_unreduced_gradients() ? 1 : 0;
     }
     for (size_t gi = 0; gi < s.options.size(); ++gi) {
-      const auto values = option_values(*s.options[gi]);
+      const auto values = option_values(*s.options[gi], mesh_mode);
       for (size_t k = 0; k < kFingerprints; ++k) {
         mine[slot.option_mix(gi, k)] = mix40(values[k]);
         if (world_rank() == 0) {
@@ -290,7 +295,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   if (config.check_gradient_agreement()) {
     std::ostringstream differing;
     for (size_t gi = 0; gi < s.options.size(); ++gi) {
-      const auto mine = option_values(*s.options[gi]);
+      const auto mine = option_values(*s.options[gi], mesh_mode);
       for (size_t k = 0; k < kFingerprints; ++k) {
         const uint64_t zero = static_cast<uint64_t>(sums[slot.option_of_rank0(gi, k)]);
         if (static_cast<uint64_t>(sums[slot.option_mix(gi, k)]) ==
@@ -309,7 +314,8 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
         } else {
           differing << "another option of parameter group " << gi
                     << " (not lr, momentum or weight_decay; this rank's options "
-                    << (mine[k] == zero ? "equal rank 0's" : "differ from rank 0's") << ")";
+                    << (mine[k] == zero ? "equal rank 0's" : "differ from rank 0's")
+                    << "), or the mesh or replica mode (this rank: " << mesh_mode << ")";
         }
       }
     }

@@ -1027,7 +1027,7 @@ TEST(FsdpMuonErrors, GroupsOnDifferentCommunicators) {
   auto params = sharded_matrices(a);
   params.push_back(b.groups[0]->sharded_parameter(0));
   expect_error([&] { FsdpMuon(params, MuonOptions()); },
-               {"'g0'", "'other.w'", "different communicators"});
+               {"'g0'", "'other.w'", "different meshes", "communicators"});
 }
 
 TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {

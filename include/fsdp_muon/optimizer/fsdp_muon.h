@@ -185,7 +185,7 @@ struct FsdpMuonMatrix {
   std::string name;
   int64_t rows = 0;
   int64_t cols = 0;
-  int owner = -1;
+  int owner = -1;  // a rank of the plan (see FsdpMuon::owner_of)
   // Block `block` of the parameter's `blocks` (0 of 1 under MatrixLayout::whole()): elements
   // [offset, offset + rows * cols) of the flattened parameter.
   size_t block = 0;
@@ -193,8 +193,11 @@ struct FsdpMuonMatrix {
   int64_t offset = 0;
 };
 
-// Muon for the 2-D sharded parameters of FsdpParameterGroups on one 1-D data-parallel mesh
-// (the groups' shared Communicator). Give it `group->sharded_parameters()` (or the 2-D ones of
+// Muon for the 2-D sharded parameters of FsdpParameterGroups on one mesh (the groups' shared
+// DeviceMesh: a 1-D one for groups built on a Communicator; groups on different meshes are an
+// error on every rank). On a mesh of several replicas each matrix is orthogonalized once in the
+// world or once in every replica (FsdpMuonConfig::replica_newton_schulz), and every replica
+// ends each step with the same bits. Give it `group->sharded_parameters()` (or the 2-D ones of
 // several groups) and give the other parameters of the same groups to an elementwise optimizer
 // such as torch::optim::AdamW. step() refreshes the model weights of every group it holds a
 // parameter of, so call the other optimizer's step() first; refresh a group FsdpMuon holds no
@@ -213,9 +216,9 @@ struct FsdpMuonMatrix {
 // orthogonalized and scattered on its own, and the result equals single-device Muon with the
 // same layout.
 //
-// Limitations: one data-parallel dimension (no tensor or pipeline parallelism inside the
-// groups); parameters that are not matrices under their layout are an error unless
-// MuonOptions::skip_non_matrix(true).
+// Limitations: data parallelism only (a 1-D or replicate x shard mesh; no tensor or pipeline
+// parallelism inside the groups); parameters that are not matrices under their layout are an error
+// unless MuonOptions::skip_non_matrix(true).
 class FsdpMuon : public torch::optim::Optimizer {
  public:
   explicit FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults = MuonOptions(),
@@ -246,11 +249,17 @@ class FsdpMuon : public torch::optim::Optimizer {
   const std::vector<FsdpMuonMatrix>& matrices() const;
   // Owner of a sharded parameter this optimizer orthogonalizes (of its first matrix when its
   // layout makes several: matrices() lists each); -1 for one it does not (a skipped non-2-D
-  // parameter, an empty matrix, or a tensor it does not know).
+  // parameter, an empty matrix, or a tensor it does not know). Owners are ranks of the plan
+  // (OwnerPlan::world_size): world ranks under ReplicaNewtonSchulz::kOncePerWorld on a mesh of
+  // several replicas, shard ranks otherwise (the same in every replica).
   int owner_of(const at::Tensor& sharded_parameter) const;
   const FsdpMuonStepStats& last_step_stats() const;
   // Steps whose update NonFiniteGradients::kSkipStep skipped, since construction.
   int64_t skipped_steps() const;
+  // One line for logs: the mesh shape, the replica mode asked for and the one chosen, the cost
+  // model's rates the plan was made with and its predicted seconds per step
+  // (OwnerPlan::estimated_seconds).
+  std::string describe() const;
 
  private:
   struct Impl;
