@@ -78,9 +78,7 @@ namespace {
 using detail::AcceptedMatrix;
 
 // The mesh a group is sharded on.
-DeviceMesh mesh_of(const FsdpParameterGroup& group) {
-  return one_dimensional_mesh(group.communicator());
-}
+const DeviceMesh& mesh_of(const FsdpParameterGroup& group) { return group.mesh(); }
 using detail::ExchangeLayout;
 using detail::MatrixPlacement;
 using detail::muon_options_of;

@@ -1,0 +1,485 @@
+// FsdpMuon on a replicate x shard mesh (HSDP, docs/DESIGN.md §3). CTest starts this under
+// torchrun and mpirun with 4 and 6 ranks; each run covers the meshes of its world size (4: 2x2
+// and 4x1; 6: 3x2 and 2x3, replicas x shard) and the 1-D mesh: every replica mode bitwise equal
+// to single-device Muon (fp32 Newton–Schulz) step after step, NorMuon and matrix layouts among
+// them; every replica holding the same bits after every step; the bytes of every communicator
+// equal to the plan's; the 1-D mesh equal to groups on a plain communicator, bytes included;
+// groups on different meshes an error on every rank.
+//
+// Gradients are written straight into the gradient shards, the same full values on every rank
+// (so the reference sees exactly what FsdpMuon sees), except in the module test, which averages
+// real per-rank gradients through the groups' two-stage reduction and hands the reference the
+// averaged shards.
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fsdp_muon/fsdp_muon.h>
+
+#include "common/distributed_main.h"
+#include "common/model_specs.h"
+#include "common/test_util.h"
+
+namespace fsdp_muon {
+namespace {
+
+using testing::expect_error;
+using testing::Spec;
+using testing::world;
+using testing::world_ptr;
+
+// The shard sizes of the meshes this world size tests (replicas = W / shard size).
+std::vector<int> hsdp_shard_sizes() {
+  switch (world().size()) {
+    case 4:
+      return {2, 1};  // 2x2, 4x1
+    case 6:
+      return {2, 3};  // 3x2, 2x3
+    default:
+      return {};
+  }
+}
+
+// One mesh per shard size for the whole process: make_device_mesh is a collective, and every
+// rank runs the tests in the same order, so every rank makes the same meshes in the same order.
+const DeviceMesh& mesh_with_shard_size(int shard_size) {
+  static std::map<int, DeviceMesh> meshes;
+  auto it = meshes.find(shard_size);
+  if (it == meshes.end()) {
+    it = meshes.emplace(shard_size, make_device_mesh(world_ptr(), shard_size)).first;
+  }
+  return it->second;
+}
+
+// Awkward boundaries at shard sizes 1-3: a row of 1, a column of 1, sizes no shard size divides,
+// 1-D parameters between matrices, shard ranks holding nothing of some matrices.
+std::vector<std::vector<Spec>> model_specs() {
+  return {{{"a.w1", {5, 7}}, {"a.b1", {7}}, {"a.row", {1, 9}}, {"a.w3", {13, 3}}},
+          {{"b.w", {3, 11}}, {"b.big", {17, 6}}, {"b.norm", {5}}},
+          {{"c.col", {9, 1}}, {"c.w", {6, 6}}}};
+}
+
+struct Model {
+  std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
+  std::vector<std::vector<at::Tensor>> reference;  // full tensors, [group][parameter]
+};
+
+// `mesh` null: the groups are built on the plain world communicator (today's 1-D groups).
+Model make_model(uint64_t seed, const DeviceMesh* mesh,
+                 const std::vector<std::vector<Spec>>& specs = model_specs()) {
+  at::manual_seed(seed);
+  Model model;
+  for (size_t g = 0; g < specs.size(); ++g) {
+    std::vector<std::pair<std::string, at::Tensor>> named = testing::random_parameters(specs[g]);
+    std::vector<at::Tensor> reference;
+    for (const auto& [name, t] : named) {
+      reference.push_back(t.detach().clone().requires_grad_(true));
+    }
+    const auto options =
+        FsdpParameterGroupOptions().broadcast_from_rank0(false).name("g" + std::to_string(g));
+    model.groups.push_back(
+        mesh ? std::make_shared<FsdpParameterGroup>(std::move(named), *mesh, options)
+             : std::make_shared<FsdpParameterGroup>(std::move(named), world_ptr(), options));
+    model.reference.push_back(std::move(reference));
+  }
+  return model;
+}
+
+// The parameters FsdpMuon updates (2-D, or 3-D for a batched layout) and their references.
+std::vector<at::Tensor> sharded_matrices(const Model& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& group : model.groups) {
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      if (group->slot(i).shape.size() >= 2) out.push_back(group->sharded_parameter(i));
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> reference_matrices(const Model& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& params : model.reference) {
+    for (const at::Tensor& p : params) {
+      if (p.dim() >= 2) out.push_back(p);
+    }
+  }
+  return out;
+}
+
+// The same full gradients on every rank: each rank writes its slice into its gradient shard.
+void feed_gradients(Model& model, uint64_t seed) {
+  for (auto& group : model.groups) group->zero_grad();
+  at::manual_seed(seed);
+  for (size_t g = 0; g < model.groups.size(); ++g) {
+    const auto& group = model.groups[g];
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const at::Tensor full = at::randn(model.reference[g][i].sizes());
+      const auto [first, second] = group->held_range(i);
+      group->sharded_parameter(i).grad().copy_(full.reshape({-1}).slice(0, first, second));
+      model.reference[g][i].mutable_grad() = full.clone();
+    }
+  }
+}
+
+// Every shard equals its slice of the reference, bit for bit; so do the model weights.
+void expect_matches_reference(const Model& model, const std::string& what) {
+  for (size_t g = 0; g < model.groups.size(); ++g) {
+    const auto& group = model.groups[g];
+    const auto module_params = group->model_parameters();
+    for (size_t i = 0; i < group->num_parameters(); ++i) {
+      const at::Tensor& ref = model.reference[g][i];
+      const auto [first, second] = group->held_range(i);
+      const at::Tensor expected = ref.detach().reshape({-1}).slice(0, first, second);
+      const at::Tensor& shard = group->sharded_parameter(i);
+      EXPECT_TRUE(at::equal(shard, expected))
+          << what << ": shard of " << group->slot(i).name << " on rank " << world().rank()
+          << " differs by " << (shard - expected).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(module_params[i].detach(), ref.detach()))
+          << what << ": model weight " << group->slot(i).name << " on rank " << world().rank();
+    }
+  }
+}
+
+// FNV-1a over a tensor's bytes.
+void hash_into(uint64_t& h, const at::Tensor& t) {
+  const at::Tensor c = t.detach().contiguous();
+  const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
+  for (size_t k = 0; k < c.nbytes(); ++k) {
+    h ^= bytes[k];
+    h *= 1099511628211ull;
+  }
+}
+
+// Every replica holds the same bits: each rank hashes its main weight shards, momentum and
+// NorMuon state; the hashes are all-gathered over the world, and world rank r must equal the
+// rank with its shard rank in replica 0 (rank r % shard_size).
+void expect_replicas_identical(const Model& model, const FsdpMuon& fsdp, const DeviceMesh& mesh,
+                               const std::string& what) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& group : model.groups) hash_into(h, group->main_weight_shard());
+  for (const at::Tensor& p : sharded_matrices(model)) {
+    auto it = fsdp.state().find(p.unsafeGetTensorImpl());
+    if (it == fsdp.state().end()) continue;
+    const auto& state = static_cast<const MuonParamState&>(*it->second);
+    hash_into(h, state.momentum_buffer());
+    if (state.normuon_variance().defined()) hash_into(h, state.normuon_variance());
+  }
+  int64_t mine = 0;
+  std::memcpy(&mine, &h, sizeof mine);
+  const at::Tensor send = at::full({1}, mine, at::kLong);
+  const at::Tensor all = at::empty({world().size()}, at::kLong);
+  world().all_gather(send, all);
+  for (int r = 0; r < world().size(); ++r) {
+    EXPECT_EQ(all[r].item<int64_t>(), all[r % mesh.shard_size()].item<int64_t>())
+        << what << ": world rank " << r << " (replica " << r / mesh.shard_size()
+        << ") differs from its shard rank in replica 0";
+  }
+}
+
+// The bytes of the last step, per communicator, are the plan's for this rank.
+void expect_planned_bytes(const FsdpMuon& fsdp, const DeviceMesh& mesh, const std::string& what) {
+  const OwnerPlan& plan = fsdp.owner_plan();
+  const FsdpMuonStepStats& stats = fsdp.last_step_stats();
+  // The plan's ranks: world ranks when owners span the replicas, shard ranks otherwise.
+  const bool world_owners = plan.world_size == mesh.world->size() && mesh.replicas() > 1;
+  const int at = world_owners ? mesh.world->rank() : mesh.shard->rank();
+  ASSERT_EQ(plan.world_size, world_owners ? mesh.world->size() : mesh.shard_size()) << what;
+  EXPECT_EQ(stats.gather_bytes, plan.gather_bytes_per_rank[at]) << what;
+  EXPECT_EQ(stats.scatter_bytes, plan.scatter_bytes_per_rank[at]) << what;
+  EXPECT_EQ(stats.gather_inter_node_bytes + stats.scatter_inter_node_bytes,
+            plan.inter_node_bytes_per_rank[at])
+      << what;
+  EXPECT_EQ(stats.gather_inter_node_bytes, 0) << what << ": a gather left its replica";
+  EXPECT_EQ(stats.gather_intra_node_bytes + stats.gather_inter_node_bytes, stats.gather_bytes);
+  EXPECT_EQ(stats.scatter_intra_node_bytes + stats.scatter_inter_node_bytes, stats.scatter_bytes);
+  if (plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerReplica) {
+    EXPECT_EQ(stats.scatter_inter_node_bytes, 0) << what;
+  }
+  if (world_owners) {
+    // Each owner sends every other replica the whole matrix (and NorMuon's rows) once.
+    EXPECT_EQ(plan.replica_newton_schulz, ReplicaNewtonSchulz::kOncePerWorld) << what;
+  }
+}
+
+std::string mode_name(const DeviceMesh& mesh, ReplicaNewtonSchulz mode, const FsdpMuon& fsdp) {
+  return mesh.shape() + " " + to_string(mode) + " -> " +
+         to_string(fsdp.owner_plan().replica_newton_schulz);
+}
+
+constexpr ReplicaNewtonSchulz kModes[] = {ReplicaNewtonSchulz::kOncePerWorld,
+                                          ReplicaNewtonSchulz::kOncePerReplica,
+                                          ReplicaNewtonSchulz::kByCost};
+
+// Runs `steps` steps of FsdpMuon and Muon side by side and checks after every step: the
+// reference's bits, identical replicas, the plan's bytes.
+void run_against_muon(Model& model, FsdpMuon& fsdp, Muon& muon, const DeviceMesh& mesh,
+                      const std::string& what, uint64_t seed, int steps = 3) {
+  for (int step = 0; step < steps; ++step) {
+    const std::string at = what + " step " + std::to_string(step);
+    feed_gradients(model, seed + step);
+    fsdp.step();
+    muon.step();
+    expect_matches_reference(model, at);
+    expect_replicas_identical(model, fsdp, mesh, at);
+    expect_planned_bytes(fsdp, mesh, at);
+  }
+}
+
+// Every replica mode on every mesh of this world: single-device Muon's bits after every step,
+// the same bits in every replica, the planned bytes; kByCost's choice is the planner's.
+TEST(FsdpMuonHsdp, EveryModeEqualsSingleDeviceMuonOnEveryMesh) {
+  if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
+  uint64_t seed = 100;
+  for (int shard_size : hsdp_shard_sizes()) {
+    const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
+    ASSERT_EQ(mesh.replicas() * mesh.shard_size(), world().size());
+    for (ReplicaNewtonSchulz mode : kModes) {
+      Model model = make_model(++seed, &mesh);
+      const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(at::kFloat);
+      // No prefetch budget: a round per owned matrix, overlapped, so that the rounds'
+      // gathers and scatters interleave across the world.
+      FsdpMuon fsdp(sharded_matrices(model), options,
+                    FsdpMuonConfig().replica_newton_schulz(mode).prefetch_budget_bytes(0));
+      Muon muon(reference_matrices(model), options);
+      const std::string what = mode_name(mesh, mode, fsdp);
+      SCOPED_TRACE(what);
+      if (mode != ReplicaNewtonSchulz::kByCost) {
+        EXPECT_EQ(fsdp.owner_plan().replica_newton_schulz, mode);
+      }
+      EXPECT_GT(fsdp.owner_plan().rounds.size(), 1u);
+      run_against_muon(model, fsdp, muon, mesh, what, 1000 * seed);
+      // Once per world the updates crossed replicas; once per replica nothing left one.
+      const at::Tensor inter =
+          at::full({1}, fsdp.last_step_stats().scatter_inter_node_bytes, at::kLong);
+      world().all_reduce(inter);
+      if (fsdp.owner_plan().replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld) {
+        EXPECT_GT(inter.item<int64_t>(), 0);
+      } else {
+        EXPECT_EQ(inter.item<int64_t>(), 0);
+      }
+    }
+  }
+}
+
+// The planner on this mesh's shape, from parameter shapes alone.
+OwnerPlan expected_plan(const DeviceMesh& mesh, const MuonOptions& options,
+                        const FsdpMuonConfig& config) {
+  std::vector<PlanGroup> groups;
+  for (const auto& specs : model_specs()) {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+    for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
+    groups.push_back(
+        plan_group_from_shapes("", shapes, mesh.shard_size(), options.newton_schulz_options()));
+  }
+  return plan_owners(groups, MeshShape{mesh.replicas(), mesh.shard_size()},
+                     config.owner_plan_options());
+}
+
+// kByCost is resolved at construction by the planner, the same on every rank: with Newton–Schulz
+// made expensive and the network between replicas cheap, or the other way round, FsdpMuon runs
+// the planner's choice (and its owners), and describe() says which.
+TEST(FsdpMuonHsdp, ByCostRunsThePlannersChoice) {
+  if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
+  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  for (int shard_size : hsdp_shard_sizes()) {
+    const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
+    for (const auto& [flops, inter_node] : {std::pair{1e3, 1e30}, std::pair{1e30, 1.0}}) {
+      const FsdpMuonConfig config = FsdpMuonConfig()
+                                        .replica_newton_schulz(ReplicaNewtonSchulz::kByCost)
+                                        .newton_schulz_flops_per_second(flops)
+                                        .inter_node_bytes_per_second(inter_node);
+      Model model = make_model(7, &mesh);
+      FsdpMuon fsdp(sharded_matrices(model), options, config);
+      const OwnerPlan expected = expected_plan(mesh, options, config);
+      SCOPED_TRACE(mode_name(mesh, ReplicaNewtonSchulz::kByCost, fsdp));
+      EXPECT_EQ(fsdp.owner_plan().replica_newton_schulz, expected.replica_newton_schulz);
+      EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
+      EXPECT_EQ(fsdp.owner_plan().rounds, expected.rounds);
+      const std::string text = fsdp.describe();
+      EXPECT_NE(text.find("mesh " + mesh.shape()), std::string::npos) << text;
+      EXPECT_NE(text.find(std::string("by_cost -> ") + to_string(expected.replica_newton_schulz)),
+                std::string::npos)
+          << text;
+      EXPECT_NE(text.find("predicted"), std::string::npos) << text;
+    }
+  }
+}
+
+// NorMuon (its per-row state travels with each matrix and comes back to the holders of every
+// replica) and two optimizer groups, under every mode, on the first mesh of this world.
+TEST(FsdpMuonHsdp, NorMuonEqualsSingleDeviceMuon) {
+  if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
+  const DeviceMesh& mesh = mesh_with_shard_size(hsdp_shard_sizes().front());
+  for (ReplicaNewtonSchulz mode : kModes) {
+    Model model = make_model(21, &mesh);
+    const MuonOptions options =
+        MuonOptions(0.02).normalization(Normalization::kNorMuon).ns_dtype(at::kFloat);
+    MuonOptions other = options;
+    other.lr(0.01).nesterov(false);
+    const auto split = [&](const std::vector<at::Tensor>& params) {
+      const size_t half = params.size() / 2;
+      return std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup(
+              std::vector<at::Tensor>(params.begin(), params.begin() + half),
+              std::make_unique<MuonOptions>(options)),
+          torch::optim::OptimizerParamGroup(
+              std::vector<at::Tensor>(params.begin() + half, params.end()),
+              std::make_unique<MuonOptions>(other))};
+    };
+    FsdpMuon fsdp(split(sharded_matrices(model)), options,
+                  FsdpMuonConfig().replica_newton_schulz(mode));
+    Muon muon(split(reference_matrices(model)), options);
+    const std::string what = "normuon " + mode_name(mesh, mode, fsdp);
+    SCOPED_TRACE(what);
+    run_against_muon(model, fsdp, muon, mesh, what, 2100, 4);
+  }
+}
+
+// Row blocks of a fused weight and batched experts (docs/DESIGN.md §3, "Layouts"): each block a
+// matrix of its own, owned anywhere in the world, on every mesh of this world.
+TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
+  if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
+  const std::vector<std::vector<Spec>> specs{{{"attn.qkv", {12, 5}}, {"attn.norm", {5}}},
+                                             {{"experts.w", {3, 4, 6}}, {"mlp.row", {1, 7}}}};
+  for (int shard_size : hsdp_shard_sizes()) {
+    const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
+    for (ReplicaNewtonSchulz mode :
+         {ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica}) {
+      Model model = make_model(31, &mesh, specs);
+      const MuonOptions base = MuonOptions(0.02).ns_dtype(at::kFloat);
+      const auto groups = [&](const std::vector<at::Tensor>& p) {
+        MuonOptions qkv = base;
+        qkv.matrix_layout(MatrixLayout::row_blocks({6, 3, 3}));
+        MuonOptions experts = base;
+        experts.matrix_layout(MatrixLayout::batched());
+        return std::vector<torch::optim::OptimizerParamGroup>{
+            torch::optim::OptimizerParamGroup({p[0]}, std::make_unique<MuonOptions>(qkv)),
+            torch::optim::OptimizerParamGroup({p[1]}, std::make_unique<MuonOptions>(experts)),
+            torch::optim::OptimizerParamGroup({p[2]}, std::make_unique<MuonOptions>(base))};
+      };
+      FsdpMuon fsdp(groups(sharded_matrices(model)), base,
+                    FsdpMuonConfig().replica_newton_schulz(mode));
+      Muon muon(groups(reference_matrices(model)), base);
+      EXPECT_EQ(fsdp.matrices().size(), 7u);  // 3 blocks, 3 experts, 1 row
+      const std::string what = "layouts " + mode_name(mesh, mode, fsdp);
+      SCOPED_TRACE(what);
+      run_against_muon(model, fsdp, muon, mesh, what, 3100);
+    }
+  }
+}
+
+// Real per-rank gradients through the groups' two-stage reduction (reduce-scatter in the shard
+// group, then all-reduce across replicas): FsdpMuon equals Muon on the averaged gradients the
+// groups hand it, and the replicas stay identical, on every mesh under once-per-world.
+TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon) {
+  if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
+  for (int shard_size : hsdp_shard_sizes()) {
+    const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
+    Model model = make_model(51, &mesh);
+    const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+    FsdpMuon fsdp(sharded_matrices(model), options,
+                  FsdpMuonConfig().replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld));
+    Muon muon(reference_matrices(model), options);
+    const std::string what = "per-rank gradients " + mesh.shape();
+    for (int step = 0; step < 3; ++step) {
+      for (size_t g = 0; g < model.groups.size(); ++g) {
+        auto& group = model.groups[g];
+        group->zero_grad();
+        at::manual_seed(5100 + 10 * step + world().rank());  // each rank its own gradients
+        auto params = group->model_parameters();
+        for (at::Tensor& p : params) p.mutable_grad() = at::randn(p.sizes());
+        group->reduce_scatter_grads();
+        // The reference gets what FsdpMuon sees: the averaged shards, gathered in the shard
+        // group.
+        at::Tensor full = at::empty({group->padded_numel()}, group->grad_shard().options());
+        mesh.shard->all_gather(group->grad_shard(), full);
+        for (size_t i = 0; i < group->num_parameters(); ++i) {
+          const ParameterSlot& slot = group->slot(i);
+          model.reference[g][i].mutable_grad() =
+              full.narrow(0, slot.offset, slot.numel).view(slot.shape).clone();
+        }
+      }
+      fsdp.step();
+      muon.step();
+      const std::string at = what + " step " + std::to_string(step);
+      expect_matches_reference(model, at);
+      expect_replicas_identical(model, fsdp, mesh, at);
+    }
+  }
+}
+
+// The 1-D mesh of the whole world is today's FsdpMuon, bit for bit and byte for byte: groups on
+// make_device_mesh(world, W) against groups on the plain communicator, in every replica mode
+// (with one replica they are one plan).
+TEST(FsdpMuonHsdp, OneDimensionalMeshIsTodayBitwiseBytesIncluded) {
+  const DeviceMesh mesh = make_device_mesh(world_ptr(), world().size());
+  ASSERT_TRUE(mesh.one_dimensional());
+  for (ReplicaNewtonSchulz mode : kModes) {
+    SCOPED_TRACE(to_string(mode));
+    Model on_mesh = make_model(61, &mesh);
+    Model today = make_model(61, nullptr);
+    const MuonOptions options =
+        MuonOptions(0.02).normalization(Normalization::kNorMuon).ns_dtype(at::kFloat);
+    const FsdpMuonConfig config = FsdpMuonConfig().replica_newton_schulz(mode);
+    FsdpMuon a(sharded_matrices(on_mesh), options, config);
+    FsdpMuon b(sharded_matrices(today), options, config);
+    EXPECT_EQ(a.owner_plan().owner, b.owner_plan().owner);
+    EXPECT_EQ(a.owner_plan().rounds, b.owner_plan().rounds);
+    EXPECT_EQ(a.owner_plan().world_size, world().size());
+    for (int step = 0; step < 3; ++step) {
+      feed_gradients(on_mesh, 6100 + step);
+      feed_gradients(today, 6100 + step);
+      a.step();
+      b.step();
+      for (size_t g = 0; g < today.groups.size(); ++g) {
+        EXPECT_TRUE(
+            at::equal(on_mesh.groups[g]->main_weight_shard(), today.groups[g]->main_weight_shard()))
+            << "group " << g << " step " << step;
+      }
+      const FsdpMuonStepStats& x = a.last_step_stats();
+      const FsdpMuonStepStats& y = b.last_step_stats();
+      EXPECT_EQ(x.gather_bytes, y.gather_bytes);
+      EXPECT_EQ(x.scatter_bytes, y.scatter_bytes);
+      EXPECT_EQ(x.gather_intra_node_bytes, y.gather_bytes);
+      EXPECT_EQ(x.scatter_intra_node_bytes, y.scatter_bytes);
+      EXPECT_EQ(x.gather_inter_node_bytes + x.scatter_inter_node_bytes, 0);
+      EXPECT_EQ(x.check_bytes, y.check_bytes);
+      EXPECT_EQ(x.refresh_bytes, y.refresh_bytes);
+      EXPECT_EQ(x.max_transient_bytes, y.max_transient_bytes);
+      EXPECT_EQ(x.rounds, y.rounds);
+      EXPECT_EQ(x.newton_schulz_calls, y.newton_schulz_calls);
+      expect_planned_bytes(a, mesh, "1-D");
+    }
+  }
+}
+
+// Groups on different meshes (another shape, or the same shape made twice) are an error on every
+// rank, naming both groups and their meshes.
+TEST(FsdpMuonHsdp, MixedMeshesAreAnErrorOnEveryRank) {
+  if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
+  const DeviceMesh& mesh = mesh_with_shard_size(2);
+  const DeviceMesh one_d = make_device_mesh(world_ptr(), world().size());
+  const DeviceMesh again = make_device_mesh(world_ptr(), 2);  // the same shape, another mesh
+  const std::string shape = mesh.shape();
+  for (const DeviceMesh* other : {&one_d, &again}) {
+    Model a = make_model(71, &mesh);
+    Model b = make_model(72, other, {{{"other.w", {4, 3}}}});
+    std::vector<at::Tensor> params = sharded_matrices(a);
+    params.push_back(b.groups[0]->sharded_parameter(0));
+    expect_error([&] { FsdpMuon(params, MuonOptions()); },
+                 {"fsdp_muon::FsdpMuon: ", "'g0' (mesh " + shape + ")",
+                  "(parameter 'other.w', mesh " + other->shape() + ")", "different meshes",
+                  "same DeviceMesh"});
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_muon
