@@ -6,6 +6,8 @@
 //   mpirun -np 2 build/examples/char_gpt/char_gpt --optimizer muon --steps 300
 //   torchrun --standalone --nproc_per_node=2 --no-python build/examples/char_gpt/char_gpt
 //       --sharding optim_grads_params
+//   torchrun --standalone --nproc_per_node=4 --no-python build/examples/char_gpt/char_gpt
+//       --shard-size 2        (HSDP: 2 replicas of 2 shard ranks)
 
 #include <unistd.h>
 
@@ -58,6 +60,10 @@ const char* kUsage =
                            optim_grads_params (ZeRO-3: nothing); default: the library's
                            (FsdpParameterGroupOptions). Every part of the model runs through
                            its group's forward() under each; the training is the same
+  --shard-size N           HSDP: shard each group over N ranks (a node) and replicate it
+                           over the world size / N replicas (fsdp_muon::make_device_mesh;
+                           default: every rank, plain FSDP). FsdpMuon picks once per world or
+                           once per replica by its cost model (FsdpMuonConfig)
   --steps N                optimizer steps (default 600)
   --batch N                sequences per rank per step (default 32)
   --seq-len N              characters per sequence (default 64)
@@ -135,6 +141,7 @@ struct Flags {
   fsdp_muon::Normalization normalization = fsdp_muon::Normalization::kNone;
   std::string qkv_layout = "qkv";
   int64_t moe = 0;
+  int shard_size = 0;  // 0: every rank (a 1-D mesh)
   double qk_clip = 0;
   int64_t eval_every = 100;
   int64_t log_every = 0;
@@ -196,6 +203,7 @@ Flags parse_flags(int argc, char** argv) {
                 "optim_grads_params, got '", sharding, "'");
     f.sharding = *parsed;
   }
+  take("shard-size", f.shard_size);
   take("steps", f.steps);
   take("batch", f.batch);
   take("seq-len", f.seq_len);
@@ -439,7 +447,9 @@ struct RunResult {
 };
 
 RunResult train(const Flags& flags, const std::string& optimizer_name, const Corpus& corpus,
-                const std::shared_ptr<fsdp_muon::Communicator>& comm) {
+                const fsdp_muon::DeviceMesh& mesh) {
+  // Data parallelism spans the whole world; the groups shard over the mesh's shard group.
+  const std::shared_ptr<fsdp_muon::Communicator>& comm = mesh.world;
   const bool rank0 = comm->rank() == 0;
   const c10::Device device = comm->device();
   Progress progress(rank0, flags.steps, flags.log_every);
@@ -464,7 +474,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   }
 
   const auto groups = fsdp_muon::shard_module(
-      *model, comm,
+      *model, mesh,
       fsdp_muon::ShardModuleOptions()
           .policy(shard_group_of)
           .group_options(fsdp_muon::FsdpParameterGroupOptions().sharding_strategy(flags.sharding)));
@@ -539,7 +549,8 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     ss << "== " << optimizer_name << ": " << num_params << " parameters (" << muon_numel
        << " in hidden matrices stepped by " << (use_muon ? "FsdpMuon" : "AdamW") << "), "
        << groups.size() << " FSDP groups (sharding " << fsdp_muon::to_string(flags.sharding)
-       << "), " << comm->size() << " rank(s) on " << device << " [" << comm->backend_name() << "], "
+       << "), " << comm->size() << " rank(s) on " << device << " [" << comm->backend_name()
+       << "], mesh " << mesh.shape() << " (replicas x shard), "
        << flags.steps << " steps x " << comm->size() << " ranks x " << flags.batch << " seqs x "
        << flags.seq_len << " chars, lr";
     if (use_muon) ss << " muon " << flags.lr << " +";
@@ -690,6 +701,11 @@ int run(int argc, char** argv) {
   init.timeout_seconds = flags.timeout;
   const auto comm = fsdp_muon::init_from_env(init);
   const bool rank0 = comm->rank() == 0;
+  TORCH_CHECK(flags.shard_size >= 0, "char_gpt: --shard-size must be >= 1 (0: every rank), got ",
+              flags.shard_size);
+  const fsdp_muon::DeviceMesh mesh = flags.shard_size > 0
+                                         ? fsdp_muon::make_device_mesh(comm, flags.shard_size)
+                                         : fsdp_muon::one_dimensional_mesh(comm);
 
   const Corpus corpus = load_corpus(flags.data, flags.val_fraction);
   const double threshold =
@@ -713,7 +729,7 @@ int run(int argc, char** argv) {
   std::vector<RunResult> results;
   bool ok = true;
   for (const auto& name : optimizers) {
-    const RunResult r = train(flags, name, corpus, comm);
+    const RunResult r = train(flags, name, corpus, mesh);
     results.push_back(r);
     // A run stopped early (--stop-at) only has to have improved; a full one must also beat the
     // unigram entropy (or --max-val-loss).

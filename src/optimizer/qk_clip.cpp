@@ -60,10 +60,13 @@ QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gro
   TORCH_CHECK(!groups.empty(), kApi, "no groups given");
   for (const auto& g : groups) {
     TORCH_CHECK(g != nullptr, kApi, "a group is null");
-    TORCH_CHECK(g->communicator() == groups[0]->communicator(), kApi, "group '", g->name(),
-                "' is on another communicator than group '", groups[0]->name(), "'");
+    TORCH_CHECK(g->mesh().same_as(groups[0]->mesh()), kApi, "group '", g->name(),
+                "' is on another mesh than group '", groups[0]->name(),
+                "'; give qk_clip the groups of one model");
   }
-  Communicator& comm = *groups[0]->communicator();
+  // Every data-parallel rank saw other logits: the maxima are reduced over the world, every
+  // replica included (docs/DESIGN.md §3, Clipping); every replica then scales its rows alike.
+  Communicator& comm = *groups[0]->mesh().world;
 
   struct Resolved {
     Located query, key, query_bias, key_bias;

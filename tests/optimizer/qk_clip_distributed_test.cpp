@@ -2,7 +2,7 @@
 // against a hand computation on the full weights (fused QKV with biases: √γ on query and key
 // rows; grouped keys: γ on the query rows only), the per-head maxima all-reduced over ranks, the
 // attention logits of a real batch bounded by τ after the clip, under ZeRO-1 and ZeRO-3, and
-// bad arguments as the same error on every rank.
+// bad arguments as the same error on every rank; on a 1-D mesh and on an HSDP mesh.
 
 #include <gtest/gtest.h>
 
@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <torch/torch.h>
@@ -73,15 +74,23 @@ std::vector<QkClipLayer> layers() {
       QkClipLayer("grouped.q.weight", "grouped.k.weight", kHeads, kHeadDim).num_kv_heads(kKvHeads)};
 }
 
+// The HSDP mesh of these tests: two replicas where the world splits evenly, else one rank per
+// shard group (W = 2: 2x1, 3: 3x1, 4: 2x2).
+DeviceMesh replicated_mesh() {
+  const int w = world().size();
+  return make_device_mesh(world_ptr(), w % 2 == 0 ? w / 2 : 1);
+}
+
 struct ShardedModel {
-  explicit ShardedModel(ShardingStrategy strategy) {
+  explicit ShardedModel(ShardingStrategy strategy, bool hsdp = false) {
     at::manual_seed(11);
     net = Net();
     // Large weights, so some logits are far above the threshold.
     for (auto& p : net->parameters()) p.data().mul_(4);
-    groups = shard_module(*net, world_ptr(),
-                          ShardModuleOptions().group_options(
-                              FsdpParameterGroupOptions().sharding_strategy(strategy)));
+    const auto options =
+        ShardModuleOptions().group_options(FsdpParameterGroupOptions().sharding_strategy(strategy));
+    groups = hsdp ? shard_module(*net, replicated_mesh(), options)
+                  : shard_module(*net, world_ptr(), options);
   }
   // The module's full weights by name (gathered while resharded).
   std::map<std::string, at::Tensor> full_weights() {
@@ -112,10 +121,12 @@ at::Tensor batch_of(int rank) {
   return at::randn({6, kModel});
 }
 
-class QkClip : public ::testing::TestWithParam<ShardingStrategy> {};
+// (strategy, HSDP): on a mesh of several replicas the maxima come from every rank of every
+// replica, and every replica ends with the same weights.
+class QkClip : public ::testing::TestWithParam<std::tuple<ShardingStrategy, bool>> {};
 
 TEST_P(QkClip, ScalesQueryAndKeyRowsByTheReportsRuleFromTheRanksLargestLogits) {
-  ShardedModel s(GetParam());
+  ShardedModel s(std::get<0>(GetParam()), std::get<1>(GetParam()));
   const auto before = s.full_weights();
   const at::Tensor local = s.rank_max_logits(batch_of(world().rank()));
   // What the all-reduce must give: the largest over every rank's batch.
@@ -163,8 +174,9 @@ TEST_P(QkClip, ScalesQueryAndKeyRowsByTheReportsRuleFromTheRanksLargestLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, QkClip,
-                         ::testing::Values(ShardingStrategy::kOptim,
-                                           ShardingStrategy::kOptimGradsParams));
+                         ::testing::Combine(::testing::Values(ShardingStrategy::kOptim,
+                                                              ShardingStrategy::kOptimGradsParams),
+                                            ::testing::Bool()));
 
 TEST(QkClipErrors, BadArgumentsFailOnEveryRank) {
   ShardedModel s(ShardingStrategy::kOptim);
