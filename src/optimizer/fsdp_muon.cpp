@@ -409,6 +409,7 @@ std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& sel
       "bytes_per_second = " + detail::exact_double(config.bytes_per_second()),
       "inter_node_bytes_per_second = " + detail::exact_double(config.inter_node_bytes_per_second()),
       std::string("replica_newton_schulz = ") + to_string(config.replica_newton_schulz()),
+      "exchange_latency_seconds = " + detail::exact_double(config.exchange_latency_seconds()),
       "calibrate_rates = " + flag(config.calibrate_rates()),
       std::string("owner_schedule = ") + to_string(config.owner_schedule()),
       "prefetch_budget_bytes = " + std::to_string(config.prefetch_budget_bytes()),

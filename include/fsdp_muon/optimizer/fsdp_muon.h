@@ -81,6 +81,10 @@ struct FsdpMuonConfig {
   // mesh; bytes_per_second is the rate within a replica. The default is an estimate for 400 Gb/s
   // InfiniBand per GPU under all-to-all (~25 GB/s achieved), not a measurement.
   TORCH_ARG(double, inter_node_bytes_per_second) = 2.5e10;
+  // The cost model's fixed cost of one collective exchange (a gather or a scatter), with which
+  // overlap_communication decides how many rounds a step has (OwnerPlan::pipelined_seconds).
+  // The default is an estimate for an NCCL all-to-all within a node.
+  TORCH_ARG(double, exchange_latency_seconds) = 5e-5;
   // On a mesh with several replicas: who orthogonalizes each matrix (see ReplicaNewtonSchulz).
   // kByCost, the default, picks at construction whichever of kOncePerWorld and kOncePerReplica
   // the cost model above predicts faster. The result bits are the same under all three.
@@ -102,7 +106,9 @@ struct FsdpMuonConfig {
   // Start the gather of the next round (or window) before orthogonalizing the current one, and
   // let the current one's scatter run while the next is orthogonalized (docs/DESIGN.md §3);
   // each round is then packed to half of prefetch_budget_bytes, so that what a rank holds at
-  // once stays within it. The result bits are the same either way.
+  // once stays within it, and under kRounds the cost model splits the step into more rounds
+  // where that hides more of the exchange (OwnerPlan::pipelined_seconds). The result bits are
+  // the same either way.
   TORCH_ARG(bool, overlap_communication) = true;
   // See NonFiniteGradients. With kSkipStep (the default: one NaN must not silently turn the
   // whole model into NaN) the model weights are still refreshed (another optimizer may have
