@@ -5,6 +5,7 @@
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/device_mesh.h>
 #include <fsdp_muon/comm/gloo_communicator.h>
 #include <fsdp_muon/comm/nccl_communicator.h>
 #include <fsdp_muon/fsdp/parameter_group.h>

@@ -1,8 +1,14 @@
 #include <fsdp_muon/comm/communicator.h>
 
+#include <algorithm>
 #include <numeric>
+#include <string>
+#include <tuple>
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+
+#include "comm/single_rank_communicator.h"
 
 namespace fsdp_muon {
 namespace {
@@ -22,6 +28,7 @@ constexpr const char* kReduceScatterMean = "fsdp_muon::Communicator::reduce_scat
 constexpr const char* kAllReduce = "fsdp_muon::Communicator::all_reduce";
 constexpr const char* kBroadcast = "fsdp_muon::Communicator::broadcast";
 constexpr const char* kToHost = "fsdp_muon::Communicator::to_host";
+constexpr const char* kSplit = "fsdp_muon::Communicator::split";
 
 void check_counts(const std::vector<int64_t>& counts, int size, int64_t numel, const char* what) {
   TORCH_CHECK(static_cast<int>(counts.size()) == size, kAllToAllV, ": ", what, " has ",
@@ -156,12 +163,66 @@ std::unique_ptr<CommWork> Communicator::do_reduce_scatter_mean_async(const at::T
   return std::make_unique<FinishedWork>();
 }
 
-void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+void Communicator::check_all_reduce(const at::Tensor& tensor) {
   check_flat(kAllReduce, tensor, "tensor", device());
   stats_.all_reduce_bytes +=
       2 * (size_ - 1) * tensor.numel() * static_cast<int64_t>(tensor.element_size()) / size_;
   ++stats_.calls;
+}
+
+void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  check_all_reduce(tensor);
   do_all_reduce(tensor, op);
+}
+
+std::unique_ptr<CommWork> Communicator::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
+  check_all_reduce(tensor);
+  return do_all_reduce_async(tensor, op);
+}
+
+std::unique_ptr<CommWork> Communicator::do_all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
+  do_all_reduce(tensor, op);
+  return std::make_unique<FinishedWork>();
+}
+
+std::shared_ptr<Communicator> Communicator::split(int color, int key) {
+  // Every rank learns every rank's (color, key), so each can check them all and derive its
+  // group alone: a bad color is the same error everywhere instead of a hang in the set-up.
+  at::Tensor mine = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  mine.data_ptr<int64_t>()[0] = color;
+  mine.data_ptr<int64_t>()[1] = key;
+  mine = mine.to(device());
+  const at::Tensor all = at::empty({2 * static_cast<int64_t>(size_)}, mine.options());
+  all_gather(mine, all);
+  const at::Tensor host = to_host(all).contiguous();
+  const int64_t* entries = host.data_ptr<int64_t>();
+  for (int r = 0; r < size_; ++r) {
+    TORCH_CHECK(entries[2 * r] >= 0, kSplit, ": rank ", r, " of ", size_, " passed color ",
+                entries[2 * r],
+                "; colors must be >= 0 (every rank passes one, the same for "
+                "the ranks that form one communicator)");
+  }
+  std::vector<std::tuple<int64_t, int>> group;  // (key, rank) of the ranks with this color
+  for (int r = 0; r < size_; ++r) {
+    if (entries[2 * r] == color) group.emplace_back(entries[2 * r + 1], r);
+  }
+  std::sort(group.begin(), group.end());
+  std::vector<int> members;
+  int new_rank = 0;
+  for (const auto& [k, r] : group) {
+    if (r == rank_) new_rank = static_cast<int>(members.size());
+    members.push_back(r);
+  }
+  const std::string tag = "split_" + std::to_string(splits_++) + "/color_" + std::to_string(color);
+  if (members.size() == 1) {
+    return detail::make_single_rank_communicator(device(), backend_name());
+  }
+  return do_split(members, new_rank, tag);
+}
+
+std::shared_ptr<Communicator> Communicator::do_split(const std::vector<int>&, int,
+                                                     const std::string&) {
+  TORCH_CHECK(false, kSplit, ": the ", backend_name(), " communicator cannot be split");
 }
 
 void Communicator::broadcast(const at::Tensor& tensor, int root) {

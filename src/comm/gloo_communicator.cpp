@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/sum.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 namespace fsdp_muon {
@@ -30,7 +31,7 @@ class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                    std::chrono::milliseconds timeout, const std::string& hostname)
-      : Communicator(rank, size) {
+      : Communicator(rank, size), store_(store), timeout_(timeout), hostname_(hostname) {
     TORCH_CHECK(store, "fsdp_muon::make_gloo_communicator: store is null");
     auto opts = c10d::ProcessGroupGloo::Options::create();
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
@@ -80,6 +81,28 @@ class GlooCommunicator final : public Communicator {
   }
 
   void do_barrier() override { GlooWork("barrier", *this, pg_->barrier()).wait(); }
+
+  std::unique_ptr<CommWork> do_all_reduce_async(const at::Tensor& tensor, ReduceOp op) override {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    return std::make_unique<GlooWork>("all_reduce", *this, pg_->allreduce(tensors, opts));
+  }
+
+  // A new process group of the members over this one's store, under the split's own prefix:
+  // only the members connect to each other, with this communicator's device choice and timeout.
+  std::shared_ptr<Communicator> do_split(const std::vector<int>& members, int new_rank,
+                                         const std::string& tag) override {
+    try {
+      return std::make_shared<GlooCommunicator>(c10::make_intrusive<c10d::PrefixStore>(tag, store_),
+                                                new_rank, static_cast<int>(members.size()),
+                                                timeout_, hostname_);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "fsdp_muon::Communicator::split: setting up gloo for rank ", new_rank,
+                  " of ", members.size(), " (rank ", rank(), " of ", size(),
+                  " here) failed (did every rank call split() alike?): ", e.what());
+    }
+  }
 
   std::unique_ptr<CommWork> do_all_to_all_v_async(
       const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
@@ -170,6 +193,9 @@ class GlooCommunicator final : public Communicator {
     std::function<void()> finish_;
   };
 
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+  std::string hostname_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
 };
 

@@ -186,6 +186,44 @@ void check_single_node(const char* api, const LaunchEnvironment& e) {
   }
 }
 
+// Slurm's per-node task counts look like "4(x2),3": usable only when every node has as many.
+std::optional<int> uniform_slurm_tasks(const char* api, const char* variable,
+                                       const std::string& value) {
+  const auto paren = value.find('(');
+  const std::string count = value.substr(0, paren);
+  if (count.empty() || value.find(',') != std::string::npos) return std::nullopt;
+  return parse_int(api, variable, count);
+}
+
+void read_local_world_size(const char* api, LaunchEnvironment& e) {
+  const auto take = [&](const char* variable, int value) {
+    TORCH_CHECK(value >= 1 && value <= e.world_size, api, ": ", variable, "=", value,
+                " is outside [1, ", e.world_size, "] (the world size)");
+    e.local_world_size = value;
+    e.local_world_size_variable = variable;
+  };
+  const auto plain = [&](const char* variable) {
+    if (const auto v = env_variable(variable)) take(variable, parse_int(api, variable, *v));
+  };
+  if (e.launcher == "torchrun") {
+    plain("LOCAL_WORLD_SIZE");
+  } else if (e.launcher == "mpirun") {
+    plain("OMPI_COMM_WORLD_LOCAL_SIZE");
+  } else if (e.launcher == "pmi") {
+    plain("MPI_LOCALNRANKS");
+  } else if (e.launcher == "srun") {
+    for (const char* variable : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      if (const auto v = env_variable(variable)) {
+        if (const auto tasks = uniform_slurm_tasks(api, variable, *v)) take(variable, *tasks);
+        break;
+      }
+    }
+  } else if (e.launcher == "single") {
+    e.local_world_size = e.world_size;
+    e.local_world_size_variable = "(a single process)";
+  }
+}
+
 }  // namespace
 
 LaunchEnvironment read_launch_environment_for(const char* api) {
@@ -235,6 +273,8 @@ LaunchEnvironment read_launch_environment_for(const char* api) {
       }
     }
   }
+
+  read_local_world_size(api, e);
 
   const auto addr = env_variable("MASTER_ADDR");
   const auto port = env_variable("MASTER_PORT");

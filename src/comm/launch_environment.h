@@ -18,7 +18,12 @@ struct LaunchEnvironment {
   // The variable local_rank came from (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID or
   // MPI_LOCALRANKID); empty when the launcher gave none, and local_rank is then 0.
   std::string local_rank_variable;
-  std::string master_addr;  // empty when the launcher gives none
+  // Ranks the launcher started on this node (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE,
+  // SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE when every node has as many, or
+  // MPI_LOCALNRANKS; a world of one without a launcher); 0 when the launcher gives none.
+  int local_world_size = 0;
+  std::string local_world_size_variable;  // where it came from; empty when 0
+  std::string master_addr;                // empty when the launcher gives none
   int master_port = 0;
   // torchrun's agent hosts the TCPStore on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
   // every rank connects as a client. Otherwise rank 0 hosts it.

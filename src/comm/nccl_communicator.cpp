@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/call_watchdog.h"
 #include "comm/nccl_internal.h"
@@ -196,7 +197,7 @@ class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                    int device_index, std::chrono::milliseconds timeout)
-      : Communicator(rank, size), device_index_(device_index), timeout_(timeout) {
+      : Communicator(rank, size), store_(store), device_index_(device_index), timeout_(timeout) {
     TORCH_CHECK(store, "fsdp_muon::make_nccl_communicator: store is null");
     // NCCL_COMM_BLOCKING overrides every communicator's blocking mode (init.cc,
     // envConfigOverride): it would make the set-up unbounded or the collectives non-blocking.
@@ -387,6 +388,35 @@ class NcclCommunicator final : public Communicator {
     const cudaStream_t stream = begin_async("reduce_scatter_mean", {send, recv});
     guarded_enqueue([&] { enqueue_reduce_scatter_mean(send, recv, stream); });
     return end_async({send, recv});
+  }
+
+  std::unique_ptr<CommWork> do_all_reduce_async(const at::Tensor& tensor, ReduceOp op) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(
+        *watchdog_, "fsdp_muon::Communicator::all_reduce_async", "ncclAllReduce");
+    const cudaStream_t stream = begin_async("all_reduce", {tensor});
+    guarded_enqueue([&] {
+      if (tensor.numel() == 0) return;
+      finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
+                           static_cast<size_t>(tensor.numel()), to_nccl(tensor.scalar_type(), api_),
+                           to_nccl(op), comm_, stream),
+             "ncclAllReduce");
+    });
+    return end_async({tensor});
+  }
+
+  // A new communicator of the members, set up like this one (bounded, non-blocking set-up, a
+  // blocking child for the collectives) from a unique id under the split's own store prefix.
+  // Not ncclCommSplit: this communicator's set-up communicator shares its resources with its
+  // children (config.splitShare), and NCCL forbids using a parent and such a child at once,
+  // while a mesh uses its world, shard and replicate communicators with collectives of each in
+  // flight together (docs/DESIGN.md §5, Meshes).
+  std::shared_ptr<Communicator> do_split(const std::vector<int>& members, int new_rank,
+                                         const std::string& tag) override {
+    check_usable("split");
+    return std::make_shared<NcclCommunicator>(
+        c10::make_intrusive<c10d::PrefixStore>(tag, store_), new_rank,
+        static_cast<int>(members.size()), device_index_, timeout_);
   }
 
   void enqueue_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
@@ -787,6 +817,7 @@ class NcclCommunicator final : public Communicator {
                 "): ", message, "; the communicator has been aborted");
   }
 
+  c10::intrusive_ptr<c10d::Store> store_;  // split() sets up its children through it
   int device_index_;
   std::chrono::milliseconds timeout_;
   ncclComm_t control_ = nullptr;  // non-blocking: set-up and the split

@@ -103,6 +103,19 @@ class Communicator {
   std::unique_ptr<CommWork> all_gather_async(const at::Tensor& send, const at::Tensor& recv);
   std::unique_ptr<CommWork> reduce_scatter_mean_async(const at::Tensor& send,
                                                       const at::Tensor& recv);
+  std::unique_ptr<CommWork> all_reduce_async(const at::Tensor& tensor,
+                                             ReduceOp op = ReduceOp::kSum);
+
+  // ---- sub-communicators (docs/DESIGN.md §5, Meshes) ----
+  // Collective over this communicator: the ranks that pass the same `color` (>= 0) form a new
+  // communicator, ranked by `key` (ties by their rank here). It has this one's backend, device
+  // and timeout, and its own CommStats; its errors say which communicator failed the same way.
+  // A color that only one rank passes gives that rank a communicator of one, which moves
+  // nothing (its collectives are local copies). A negative color on any rank is an error on
+  // every rank. Every rank must call it equally often and in the same order as its collectives.
+  // Gloo and NCCL make the new communicator from this one's store under a prefix unique to the
+  // split (see DESIGN for why NCCL does not use ncclCommSplit).
+  std::shared_ptr<Communicator> split(int color, int key);
 
   // `tensor` on the host, for library code that reads a collective's result (docs/DESIGN.md §5).
   // A CPU tensor comes back as it is: a CPU collective has completed when it returns. A tensor on
@@ -139,6 +152,12 @@ class Communicator {
                                                         const at::Tensor& recv);
   virtual std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,
                                                                  const at::Tensor& recv);
+  virtual std::unique_ptr<CommWork> do_all_reduce_async(const at::Tensor& tensor, ReduceOp op);
+  // This rank's communicator of `members` (ranks here, in the new rank order; more than one),
+  // where it is `new_rank`. `tag` is unique to this split and color among this communicator's
+  // splits, the same on every member: a store prefix. The default: the backend cannot split.
+  virtual std::shared_ptr<Communicator> do_split(const std::vector<int>& members, int new_rank,
+                                                 const std::string& tag);
 
  private:
   // Validate the buffers and count the bytes, for the call and its *_async twin alike.
@@ -146,10 +165,12 @@ class Communicator {
                           const at::Tensor& recv, const std::vector<int64_t>& recv_counts);
   void check_all_gather(const at::Tensor& send, const at::Tensor& recv);
   void check_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv);
+  void check_all_reduce(const at::Tensor& tensor);
 
   int rank_;
   int size_;
   CommStats stats_;
+  int64_t splits_ = 0;  // split() calls so far: numbers each split's store prefix
 };
 
 // The transports init_from_env() can set up. kAuto: NCCL when CUDA is available, else Gloo.
