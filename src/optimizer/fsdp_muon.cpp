@@ -175,6 +175,10 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
     construct();
     TORCH_CHECK(false, "fsdp_muon::FsdpMuon: no parameters given");
   }
+  // docs/DESIGN.md §7: the cost model's rates measured before anything is planned (collective;
+  // every rank first agrees that it measures).
+  impl_->measured =
+      detail::calibrate(param_groups, defaults, impl_->config, one_dimensional_mesh(comm));
   // Every rank takes part in both exchanges, so a rank that fails makes all fail, none hang.
   detail::run_agreed(*comm, "fsdp_muon::FsdpMuon: construction", construct);
   // Then the ranks compare everything that changes who computes what or the result: one 8-byte
@@ -359,7 +363,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
     }
   }
-  plan = plan_owners(plan_groups, w, config.owner_plan_options());
+  plan = plan_owners(plan_groups, w, detail::calibrated_plan_options(config, measured));
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t j = 0; j < group_matrices[g].size(); ++j) {
       matrices[group_matrices[g][j]].owner = plan.owner[g][j];
@@ -463,6 +467,13 @@ int64_t FsdpMuon::skipped_steps() const { return impl_->skipped_steps; }
 
 const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
   impl_->timer->add_to(impl_->stats, *impl_->comm);
+  const OwnerPlan& plan = impl_->plan;
+  impl_->stats.predicted_seconds = plan.pipelined_seconds();
+  impl_->stats.rates_measured = impl_->measured.measured;
+  impl_->stats.newton_schulz_flops_per_second = plan.newton_schulz_flops_per_second;
+  impl_->stats.bytes_per_second = plan.bytes_per_second;
+  impl_->stats.inter_node_bytes_per_second = plan.inter_node_bytes_per_second;
+  impl_->stats.exchange_latency_seconds = plan.exchange_latency_seconds;
   return impl_->stats;
 }
 

@@ -116,7 +116,8 @@ void check_options(const OwnerPlanOptions& options) {
 // kRounds (docs/DESIGN.md §3): each rank's owned matrices of `plan` packed into rounds within
 // `exchange_budget`. Without overlap, the fewest rounds that fit (a few more where that
 // shortens the critical path); with it, the count among those asked for (1, 2, 4, ... 64, at
-// most the most matrices a rank owns) whose pipelined_seconds() is lowest, the first on a tie.
+// most the most matrices a rank owns) whose pipelined_seconds() is lowest, a larger count only
+// where at least 1% lower.
 OwnerPlan rounds_by_cost(const std::vector<PlanGroup>& groups, const OwnerPlan& plan,
                          int64_t exchange_budget, const OwnerPlanOptions& options) {
   size_t most_owned = 0;
@@ -137,7 +138,10 @@ OwnerPlan rounds_by_cost(const std::vector<PlanGroup>& groups, const OwnerPlan& 
                   candidate);
     detail::transfer_seconds(groups, candidate);
     const double seconds = candidate.pipelined_seconds();
-    if (!best || seconds < best_seconds) {
+    // More rounds only where they are predicted at least 1% faster: a split that hides nothing
+    // (sums equal but for rounding) must not win, and each round costs more than the model's
+    // latency (its own layout, buffers and apply).
+    if (!best || seconds < 0.99 * best_seconds) {
       best = std::move(candidate);
       best_seconds = seconds;
     }

@@ -904,7 +904,8 @@ TEST(OwnerPlanTest, PipelinedSecondsFollowTheStep) {
 // docs/DESIGN.md §3: with overlap the cost model chooses how many rounds a step has. GPT-2's 4
 // layers at W=2 fit one round of the 1 GiB budget; at CPU-like rates (1 TFLOP/s, 0.25 GB/s, 1 ms
 // per exchange) hiding the exchange behind Newton–Schulz pays, so the step is split, and the
-// count kept is the one of those asked for (1, 2, 4, ...) with the lowest pipelined_seconds().
+// count kept is the one of those asked for (1, 2, 4, ...) with the lowest pipelined_seconds()
+// (a larger count only where 1% lower).
 // At a prohibitive latency, or without overlap, it stays one round.
 TEST(OwnerPlanTest, RoundsByCostHideTheExchange) {
   std::vector<PlanGroup> groups = model_groups("gpt2", 2);
@@ -925,7 +926,8 @@ TEST(OwnerPlanTest, RoundsByCostHideTheExchange) {
     detail::pack_rounds(groups, cpu.prefetch_budget_bytes() / 2, other, ask);
     detail::finish_rounds(groups.size(), cpu.prefetch_budget_bytes(), true, other);
     detail::transfer_seconds(groups, other);
-    EXPECT_LE(plan.pipelined_seconds(), other.pipelined_seconds()) << ask << " rounds asked";
+    // No count asked for is 1% faster (the margin a larger count must win by).
+    EXPECT_LE(0.99 * plan.pipelined_seconds(), other.pipelined_seconds()) << ask << " rounds asked";
     if (ask == 1) {
       EXPECT_EQ(other.rounds.size(), 1u);
       // Splitting hides a real part of the exchange.

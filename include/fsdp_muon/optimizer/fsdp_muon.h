@@ -89,8 +89,14 @@ struct FsdpMuonConfig {
   // kByCost, the default, picks at construction whichever of kOncePerWorld and kOncePerReplica
   // the cost model above predicts faster. The result bits are the same under all three.
   TORCH_ARG(ReplicaNewtonSchulz, replica_newton_schulz) = ReplicaNewtonSchulz::kByCost;
-  // Reserved for measuring the cost model's rates at construction (issue 21, item 4). Today it
-  // has no effect: FsdpMuon plans with the three rates above, whatever it says.
+  // Measure the cost model's rates at construction (docs/DESIGN.md §7): one Newton–Schulz of
+  // the median matrix (scaled down to at most 2^16 elements on the CPU, 2^22 on CUDA) and a
+  // short all-to-all on the shard and on the replicate communicators, the slowest rank's times
+  // on every rank, a few ms. Each of the four rates above left at its default is replaced by
+  // its measurement (a rate set to any other value is kept; one nothing measures, such as the
+  // inter-node rate on one replica, keeps its default); with every rate set, nothing is
+  // measured. The plan (owners, rounds) then depends on the machine and its load, the result
+  // bits never do. last_step_stats() reports the rates planned with.
   TORCH_ARG(bool, calibrate_rates) = true;
   // When ranks meet (see OwnerSchedule): kRounds, the default, chosen from bench/RESULTS.md,
   // packs every rank's owned matrices into rounds of about equal cost over the whole model.
@@ -168,6 +174,15 @@ struct FsdpMuonStepStats {
   double scatter_seconds = 0;
   double apply_seconds = 0;
   double refresh_seconds = 0;
+  // The owner plan's prediction of a step's gather + Newton–Schulz + scatter
+  // (OwnerPlan::pipelined_seconds), and the rates it was planned with: measured at construction
+  // where rates_measured (FsdpMuonConfig::calibrate_rates), the config's otherwise.
+  double predicted_seconds = 0;
+  bool rates_measured = false;
+  double newton_schulz_flops_per_second = 0;
+  double bytes_per_second = 0;
+  double inter_node_bytes_per_second = 0;
+  double exchange_latency_seconds = 0;
 };
 
 // One matrix FsdpMuon updates, as planned at construction: a 2-D parameter, or one block of a

@@ -258,8 +258,8 @@ struct OwnerPlan {
 // fit every rank; each rank's rounds are then sorted by descending cost, so that the
 // expensive rounds of all ranks coincide. With overlap_communication, R is at least the
 // fewest that fit and at most 64, the count (of 1, 2, 4, ... 64 rounds asked for) whose
-// pipelined_seconds() is lowest, the fewest on a tie: more rounds hide more of the exchange
-// behind Newton–Schulz, each costs exchange_latency_seconds twice.
+// pipelined_seconds() is lowest (more rounds only where at least 1% lower): more rounds hide
+// more of the exchange behind Newton–Schulz, each costs exchange_latency_seconds twice.
 //
 // kWindows: window by window (one window, all groups, under the default unlimited budget).
 // Holders-only: a matrix held by one rank goes to it; every other matrix of the window, all its
