@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/device_mesh.h>
 #include <fsdp_muon/config.h>
 
 #include "comm/launch_environment.h"
@@ -54,7 +55,10 @@ const char* const kVariables[] = {"RANK",
                                   "FSDP_MUON_BACKEND",
                                   "FSDP_MUON_STORE_DIR",
                                   "FSDP_MUON_TIMEOUT",
-                                  "TORCHELASTIC_RESTART_COUNT"};
+                                  "TORCHELASTIC_RESTART_COUNT",
+                                  "LOCAL_WORLD_SIZE",
+                                  "SLURM_STEP_TASKS_PER_NODE",
+                                  "SLURM_TASKS_PER_NODE"};
 
 // Clears every variable the bootstrap reads, and restores the process's own afterwards (this
 // test may itself run under a launcher).
@@ -195,6 +199,66 @@ TEST_F(LaunchEnvironmentTest, Pmi) {
   EXPECT_EQ(e.local_rank, 1);
   // No job id from the launcher: the parent process names the job.
   EXPECT_EQ(e.job_id.rfind("pmi-ppid" + std::to_string(getppid()) + "-", 0), 0u) << e.job_id;
+}
+
+// The ranks per node, which init_mesh_from_env() takes as the default shard size.
+TEST_F(LaunchEnvironmentTest, LocalWorldSizePerLauncher) {
+  EXPECT_EQ(read_launch_environment().local_world_size, 1);  // a single process
+  set({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  EXPECT_EQ(read_launch_environment().local_world_size, 0);  // not given
+  set({{"LOCAL_WORLD_SIZE", "4"}});
+  LaunchEnvironment e = read_launch_environment();
+  EXPECT_EQ(e.local_world_size, 4);
+  EXPECT_EQ(e.local_world_size_variable, "LOCAL_WORLD_SIZE");
+  set({{"LOCAL_WORLD_SIZE", "9"}});
+  EXPECT_NE(error().find("LOCAL_WORLD_SIZE=9 is outside [1, 8]"), std::string::npos) << error();
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  unsetenv("LOCAL_WORLD_SIZE");
+
+  set({{"OMPI_COMM_WORLD_RANK", "1"},
+       {"OMPI_COMM_WORLD_SIZE", "4"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_EQ(read_launch_environment().local_world_size, 2);
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+    unsetenv(v);
+  }
+
+  set({{"SLURM_PROCID", "3"},
+       {"SLURM_NTASKS", "8"},
+       {"SLURM_NNODES", "2"},
+       {"MASTER_ADDR", "h"},
+       {"MASTER_PORT", "1"},
+       {"SLURM_STEP_TASKS_PER_NODE", "4(x2)"}});
+  e = read_launch_environment();
+  EXPECT_EQ(e.local_world_size, 4);
+  EXPECT_EQ(e.local_world_size_variable, "SLURM_STEP_TASKS_PER_NODE");
+  // Nodes with different task counts give no single shard size.
+  set({{"SLURM_STEP_TASKS_PER_NODE", "5,3"}});
+  EXPECT_EQ(read_launch_environment().local_world_size, 0);
+  unsetenv("SLURM_STEP_TASKS_PER_NODE");
+  set({{"SLURM_TASKS_PER_NODE", "4(x2)"}});
+  EXPECT_EQ(read_launch_environment().local_world_size, 4);
+}
+
+TEST_F(LaunchEnvironmentTest, InitMeshFromEnv) {
+  const DeviceMesh mesh = init_mesh_from_env();  // a single process: a mesh of one
+  EXPECT_EQ(mesh.shape(), "1x1");
+  EXPECT_EQ(mesh.shard.get(), mesh.world.get());
+  // A launcher that gives no ranks per node needs the shard size from the caller.
+  set({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  try {
+    init_mesh_from_env();
+    ADD_FAILURE() << "init_mesh_from_env() guessed a shard size";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("fsdp_muon::init_mesh_from_env: the torchrun launcher gives no number "
+                           "of ranks per node"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("pass shard_size"), std::string::npos) << message;
+  }
 }
 
 TEST_F(LaunchEnvironmentTest, TorchrunInsideSrunUsesTorchrunsRanks) {
