@@ -10,13 +10,14 @@
 
 namespace fsdp_muon::fsdp {
 
-// What a rank built, one line per item: "ok", the options, then each parameter in order; or
+// What a rank built, one line per item: "ok", the options with the mesh shape (replicas x shard
+// size), then each parameter in order; or
 // "error" and this rank's own validation message. Every rank must build the same group
 // (docs/DESIGN.md §2), and comparing these lines across ranks is how they agree before the
 // group's first collective. Devices are left out: NCCL ranks each use their own GPU.
 std::vector<std::string> describe_group(
     const std::vector<std::pair<std::string, at::Tensor>>& params,
-    const FsdpParameterGroupOptions& o) {
+    const FsdpParameterGroupOptions& o, const std::string& mesh_shape) {
   auto dtype = [](const std::optional<c10::ScalarType>& t) {
     return t ? std::string(c10::toString(*t)) : std::string("default");
   };
@@ -26,7 +27,7 @@ std::vector<std::string> describe_group(
        << dtype(o.reduce_dtype()) << ", alignment_bytes " << o.alignment_bytes()
        << ", broadcast_from_rank0 " << (o.broadcast_from_rank0() ? "true" : "false")
        << ", sharding_strategy " << to_string(o.sharding_strategy()) << ", prefetch "
-       << (o.prefetch() ? "true" : "false");
+       << (o.prefetch() ? "true" : "false") << ", mesh " << mesh_shape;
   std::vector<std::string> lines{"ok", opts.str()};
   for (const auto& [name, t] : params) {
     std::ostringstream line;

@@ -14,10 +14,11 @@
 
 namespace fsdp_muon::fsdp {
 
-// "ok", the options, then one line per parameter (name, shape, dtype); devices are left out.
+// "ok", the options and the mesh shape (DeviceMesh::shape()), then one line per parameter (name,
+// shape, dtype); devices are left out.
 std::vector<std::string> describe_group(
     const std::vector<std::pair<std::string, at::Tensor>>& params,
-    const FsdpParameterGroupOptions& options);
+    const FsdpParameterGroupOptions& options, const std::string& mesh_shape);
 
 std::string join_lines(const std::vector<std::string>& lines);
 std::vector<std::string> split_lines(const std::string& text);

@@ -48,11 +48,30 @@ void GroupStorage::reduce_scatter_grads() {
   const at::Tensor send = reduce_dtype == compute_dtype ? full_grad : full_grad.to(reduce_dtype);
   if (reduce_dtype == options.main_dtype()) {
     comm->reduce_scatter_mean(send, grad_shard);
+    if (replicated()) {
+      start_replica_sum(grad_shard)->wait();
+      finish_replica_average(grad_shard);
+    }
   } else {
     at::Tensor reduced = at::empty({layout.shard_numel}, send.options());
     comm->reduce_scatter_mean(send, reduced);
+    if (replicated()) {
+      start_replica_sum(reduced)->wait();
+      finish_replica_average(reduced);
+    }
     grad_shard.copy_(reduced);
   }
+}
+
+std::unique_ptr<CommWork> GroupStorage::start_replica_sum(const at::Tensor& reduced) const {
+  // A sum, not a mean: Communicator has no all-reduce mean, and dividing once afterwards is the
+  // same rounding the reduce-scatter's mean does. The all-reduce hands every replica the same
+  // bits (each element is reduced once and then copied), so the replicas stay identical.
+  return mesh.replicate->all_reduce_async(reduced, ReduceOp::kSum);
+}
+
+void GroupStorage::finish_replica_average(const at::Tensor& reduced) const {
+  reduced.div_(mesh.replicas());
 }
 
 void GroupStorage::refresh_model_weights() {
@@ -185,7 +204,16 @@ void allocate_buffers(GroupStorage& s,
     const ParameterSlot& slot = s.layout.slots[i];
     staging.narrow(0, slot.offset, slot.numel).copy_(named_params[i].second.reshape({-1}));
   }
-  if (s.options.broadcast_from_rank0() && s.comm->size() > 1) s.comm->broadcast(staging, 0);
+  if (s.options.broadcast_from_rank0()) {
+    // World rank 0's values to every rank in two steps that move the fewest bytes between
+    // replicas (docs/DESIGN.md §2, Meshes): world rank 0 sends one copy to shard rank 0 of every
+    // other replica (the other shard ranks' replicate groups have nothing to send and skip it),
+    // then each replica broadcasts within its shard group. A broadcast over the world would send
+    // (replicas - 1) * shard_size copies across replicas instead of replicas - 1. On a 1-D mesh
+    // only the second step runs: today's broadcast.
+    if (s.replicated() && s.comm->rank() == 0) s.mesh.replicate->broadcast(staging, 0);
+    if (s.comm->size() > 1) s.comm->broadcast(staging, 0);
+  }
   s.main_shard = staging.narrow(0, static_cast<int64_t>(s.comm->rank()) * shard, shard)
                      .to(s.options.main_dtype(), /*non_blocking=*/false, /*copy=*/true);
   s.model_weights = s.compute_dtype == param_dtype ? staging : staging.to(s.compute_dtype);

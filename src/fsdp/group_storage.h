@@ -14,6 +14,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/device_mesh.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
 
 #include "fsdp/flat_layout.h"
@@ -25,7 +26,10 @@ namespace fsdp_muon::fsdp {
 std::string group_label(const std::string& name);
 
 struct GroupStorage {
-  std::shared_ptr<Communicator> comm;
+  // The mesh the group lives on: sharded over mesh.shard (`comm`, whose ranks the layout is in),
+  // replicated over mesh.replicate (docs/DESIGN.md §2, Meshes).
+  DeviceMesh mesh;
+  std::shared_ptr<Communicator> comm;  // mesh.shard
   FsdpParameterGroupOptions options;
   FlatLayout layout;
   c10::ScalarType compute_dtype = at::kFloat;
@@ -53,6 +57,16 @@ struct GroupStorage {
   void reduce_scatter_grads();
   void refresh_model_weights();
 
+  // More than one replica: a gradient shard is all-reduced over mesh.replicate after its
+  // reduce-scatter. False on a 1-D mesh, which then runs exactly the collectives it ran before
+  // meshes existed (docs/DESIGN.md §2, Meshes).
+  bool replicated() const { return mesh.replicas() > 1; }
+  // The second stage of the gradient reduction, on a reduce-scattered shard in the reduce dtype:
+  // start_replica_sum() starts the sum over the replicas (in place), finish_replica_average()
+  // divides by their number once it has been waited for. Every replica gets the same bits.
+  std::unique_ptr<CommWork> start_replica_sum(const at::Tensor& reduced) const;
+  void finish_replica_average(const at::Tensor& reduced) const;
+
   // Points .grad() of the module parameters and of the sharded parameters back at the
   // buffers. With `keep_foreign`, a module gradient that autograd re-created elsewhere (after a
   // set_to_none zero_grad, or with create_graph=true) is first copied into the buffer so nothing
@@ -79,8 +93,8 @@ struct ValidatedParameters {
 ValidatedParameters validate_parameters(
     GroupStorage& s, const std::vector<std::pair<std::string, at::Tensor>>& named_params);
 
-// Allocates the four buffers: rank 0's values (broadcast when asked) in the main-weight shard
-// and the model weights, zero gradients.
+// Allocates the four buffers: world rank 0's values (broadcast when asked) in the main-weight
+// shard and the model weights, zero gradients.
 void allocate_buffers(GroupStorage& s,
                       const std::vector<std::pair<std::string, at::Tensor>>& named_params,
                       c10::ScalarType param_dtype);

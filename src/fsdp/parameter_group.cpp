@@ -26,29 +26,68 @@ struct FsdpParameterGroup::Impl {
   fsdp::ShardingStateMachine machine{storage};
 };
 
+namespace {
+
+// The 1-D mesh of a communicator, after the null check the communicator constructor always made.
+DeviceMesh mesh_of(std::shared_ptr<Communicator> comm, const FsdpParameterGroupOptions& options) {
+  TORCH_CHECK(comm != nullptr, fsdp::group_label(options.name()), "the communicator is null");
+  return one_dimensional_mesh(std::move(comm));
+}
+
+// What a rank can check about its mesh alone; a mesh assembled by hand rather than by
+// make_device_mesh() may be inconsistent on some ranks only, so this runs inside the agreement.
+void check_mesh(const DeviceMesh& mesh, const std::string& who) {
+  const int replicas = mesh.replicas();
+  const int shard_size = mesh.shard_size();
+  TORCH_CHECK(mesh.world->size() == replicas * shard_size &&
+                  mesh.world->rank() == mesh.world_rank(mesh.replica(), mesh.shard->rank()),
+              who, "the mesh is inconsistent: world rank ", mesh.world->rank(), " of ",
+              mesh.world->size(), ", shard rank ", mesh.shard->rank(), " of ", shard_size,
+              ", replica ", mesh.replica(), " of ", replicas,
+              " (a mesh needs world size = replicas x shard size and world rank = replica x "
+              "shard size + shard rank); build it with make_device_mesh()");
+  TORCH_CHECK(mesh.shard->device() == mesh.world->device() &&
+                  mesh.replicate->device() == mesh.world->device(),
+              who, "the mesh's communicators move tensors on different devices (world ",
+              mesh.world->device(), ", shard ", mesh.shard->device(), ", replicate ",
+              mesh.replicate->device(), "); build the mesh with make_device_mesh()");
+}
+
+}  // namespace
+
 FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Tensor>> named_params,
                                        std::shared_ptr<Communicator> comm,
                                        FsdpParameterGroupOptions options)
+    // `options` is copied, not moved: mesh_of() reads it, in an unspecified order.
+    : FsdpParameterGroup(std::move(named_params), mesh_of(std::move(comm), options), options) {}
+
+FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Tensor>> named_params,
+                                       const DeviceMesh& mesh, FsdpParameterGroupOptions options)
     : impl_(std::make_unique<Impl>()) {
   fsdp::GroupStorage& s = impl_->storage;
   s.options = std::move(options);
   const std::string who = s.label();
-  TORCH_CHECK(comm != nullptr, who, "the communicator is null");
-  s.comm = std::move(comm);
+  TORCH_CHECK(mesh.world != nullptr && mesh.shard != nullptr && mesh.replicate != nullptr, who,
+              "the mesh has a null communicator (world, shard or replicate); build it with "
+              "make_device_mesh(world, shard_size) or one_dimensional_mesh(comm)");
+  s.mesh = mesh;
+  s.comm = mesh.shard;
 
-  // Validate, then agree across ranks before the first collective. A local error is not thrown
-  // here but described, so that every rank learns of it through the same exchange and throws
-  // too: a rank that threw alone would leave the others hanging in the broadcast below
+  // Validate, then agree across the whole world (every rank of every replica builds the same
+  // group on the same mesh shape) before the first collective. A local error is not thrown here
+  // but described, so that every rank learns of it through the same exchange and throws too: a
+  // rank that threw alone would leave the others hanging in the broadcast below
   // (docs/DESIGN.md §5, Agreement).
   fsdp::ValidatedParameters validated;
   std::vector<std::string> description;
   try {
+    check_mesh(s.mesh, who);
     validated = fsdp::validate_parameters(s, named_params);
-    description = fsdp::describe_group(named_params, s.options);
+    description = fsdp::describe_group(named_params, s.options, s.mesh.shape());
   } catch (...) {
     description = {"error", detail::current_exception_message()};
   }
-  fsdp::agree_on_group(*s.comm, description, who);
+  fsdp::agree_on_group(*s.mesh.world, description, who);
 
   s.layout = fsdp::compute_flat_layout(validated.named_shapes, validated.alignment, s.comm->size());
   fsdp::allocate_buffers(s, named_params, validated.param_dtype);
@@ -108,6 +147,8 @@ c10::ScalarType FsdpParameterGroup::main_dtype() const {
 const std::shared_ptr<Communicator>& FsdpParameterGroup::communicator() const {
   return impl_->storage.comm;
 }
+
+const DeviceMesh& FsdpParameterGroup::mesh() const { return impl_->storage.mesh; }
 
 const FsdpParameterGroupOptions& FsdpParameterGroup::options() const {
   return impl_->storage.options;

@@ -22,6 +22,15 @@ std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module&
                                                               std::shared_ptr<Communicator> comm,
                                                               const ShardModuleOptions& options) {
   TORCH_CHECK(comm != nullptr, "fsdp_muon::shard_module: the communicator is null");
+  return shard_module(module, one_dimensional_mesh(std::move(comm)), options);
+}
+
+std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module& module,
+                                                              const DeviceMesh& mesh,
+                                                              const ShardModuleOptions& options) {
+  TORCH_CHECK(mesh.world != nullptr && mesh.shard != nullptr && mesh.replicate != nullptr,
+              "fsdp_muon::shard_module: the mesh has a null communicator (world, shard or "
+              "replicate); build it with make_device_mesh(world, shard_size)");
   std::vector<std::string> keys;  // in order of first appearance
   std::unordered_map<std::string, std::vector<std::pair<std::string, at::Tensor>>> members;
   std::unordered_map<const c10::TensorImpl*, std::string> seen;
@@ -48,7 +57,7 @@ std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module&
     FsdpParameterGroupOptions group_options = options.group_options();
     group_options.name(key);
     groups.push_back(
-        std::make_shared<FsdpParameterGroup>(std::move(members[key]), comm, group_options));
+        std::make_shared<FsdpParameterGroup>(std::move(members[key]), mesh, group_options));
   }
   share_forward_order(groups);
   return groups;

@@ -54,14 +54,25 @@ void ForwardOrder::remove(ScheduledGroup* group) {
 void ShardingSchedule::reduction_started(ScheduledGroup* group) {
   reductions_.push_back(group);
   while (reductions_.size() > kMaxReductionsInFlight) {
-    // finish_reduction() calls reduction_finished(), which pops it.
-    reductions_.front()->finish_reduction();
+    ScheduledGroup* oldest = reductions_.front();
+    reductions_.pop_front();
+    // Its all-reduce over the replicas is about to start: the one in flight before it finishes
+    // first. Nothing is ever in replica_stage_ on a 1-D mesh, where advancing finishes the
+    // reduction.
+    while (!replica_stage_.empty()) {
+      ScheduledGroup* previous = replica_stage_.front();
+      replica_stage_.pop_front();
+      previous->finish_reduction();
+    }
+    if (oldest->advance_reduction()) replica_stage_.push_back(oldest);
   }
 }
 
 void ShardingSchedule::reduction_finished(ScheduledGroup* group) {
-  auto it = std::find(reductions_.begin(), reductions_.end(), group);
-  if (it != reductions_.end()) reductions_.erase(it);
+  for (std::deque<ScheduledGroup*>* queue : {&reductions_, &replica_stage_}) {
+    auto it = std::find(queue->begin(), queue->end(), group);
+    if (it != queue->end()) queue->erase(it);
+  }
 }
 
 void ShardingSchedule::began_backward(ScheduledGroup* group) {
@@ -133,6 +144,8 @@ void ShardingSchedule::end_backward() {
 
 void ShardingSchedule::remove(ScheduledGroup* group) {
   reductions_.erase(std::remove(reductions_.begin(), reductions_.end(), group), reductions_.end());
+  replica_stage_.erase(std::remove(replica_stage_.begin(), replica_stage_.end(), group),
+                       replica_stage_.end());
   in_backward_.erase(std::remove(in_backward_.begin(), in_backward_.end(), group),
                      in_backward_.end());
 }

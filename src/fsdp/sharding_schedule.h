@@ -21,8 +21,12 @@ class ScheduledGroup {
   // Starts gathering the model weights if they are resharded and no gather is in flight
   // (kOptimGradsParams); nothing otherwise.
   virtual void prefetch_weights() = 0;
-  // Waits for the group's reduce-scatter in flight, adds it into the gradient shard and frees
-  // the full gradients it was sent from.
+  // Waits for the first stage of the group's reduction in flight (the reduce-scatter), frees the
+  // full gradients it was sent from and starts the second (the all-reduce over the replicas).
+  // Returns whether that second stage is now in flight; false when there is none (a 1-D mesh:
+  // the reduction is then finished, as by finish_reduction()) or nothing was in flight.
+  virtual bool advance_reduction() = 0;
+  // Completes the group's reduction in flight, both stages, and adds it into the gradient shard.
   virtual void finish_reduction() = 0;
   // The backward pass that began the group's backward has ended: issue what was not issued.
   virtual void end_backward() = 0;
@@ -49,8 +53,11 @@ class ForwardOrder {
 class ShardingSchedule : public std::enable_shared_from_this<ShardingSchedule> {
  public:
   // At most this many reduce-scatters in flight once a new one is issued (the older one is
-  // finished first): backward then holds the full gradients of the group it runs and of the
-  // one whose reduce-scatter overlaps it, whatever the model's depth (docs/DESIGN.md §2).
+  // advanced first): backward then holds the full gradients of the group it runs and of the
+  // one whose reduce-scatter overlaps it, whatever the model's depth (docs/DESIGN.md §2). On a
+  // mesh of several replicas, the advanced one's all-reduce over the replicas then overlaps the
+  // next group's backward, with at most one such all-reduce in flight (the one before it is
+  // finished first); it holds only a gradient shard.
   static constexpr size_t kMaxReductionsInFlight = 1;
 
   // The schedule of `comm`, made on first use and kept while a group holds it.
@@ -86,7 +93,8 @@ class ShardingSchedule : public std::enable_shared_from_this<ShardingSchedule> {
  private:
   void end_backward();
 
-  std::deque<ScheduledGroup*> reductions_;
+  std::deque<ScheduledGroup*> reductions_;     // reduce-scatter in flight
+  std::deque<ScheduledGroup*> replica_stage_;  // all-reduce over the replicas in flight
   std::vector<ScheduledGroup*> in_backward_;
   std::vector<std::string> forward_names_;  // since the last check
   bool callback_queued_ = false;

@@ -160,7 +160,8 @@ void ShardingStateMachine::pre_backward() {
   at::NoGradGuard no_grad;
   if (pass_ == Pass::kIdle) {
     // Before this pass's first collective: the ranks ran the same groups' forward().
-    schedule_->check_forward_agreement(*s_.comm);
+    // Over the world: every replica must also start its all-reduces in the same order.
+    schedule_->check_forward_agreement(*s_.mesh.world);
     finish_reduction();  // the previous micro-batch's, if still in flight
     if (shards_weights()) ensure_weights();
     grads_pending_ = 0;
@@ -250,26 +251,49 @@ void ShardingStateMachine::start_reduction() {
   }
 }
 
-void ShardingStateMachine::finish_reduction() {
-  if (!reduction_) return;
-  Reduction r = std::move(*reduction_);
-  reduction_.reset();
-  schedule_->reduction_finished(this);
+void ShardingStateMachine::finish_shard_stage(Reduction& r) {
+  if (r.sent) return;
   r.work->wait();
-  at::NoGradGuard no_grad;
-  if (!r.into_shard) {
-    if (r.first) {
-      s_.grad_shard.copy_(r.recv);
-    } else {
-      s_.grad_shard.add_(r.recv);
-    }
-  }
+  r.sent = true;
   if (r.cast_bytes > 0) {
     cast_bytes_held_ -= r.cast_bytes;
     r.send = at::Tensor();
     account(-r.cast_bytes);
   } else {
     account(set_storage_bytes(s_.full_grad, 0));
+  }
+  // The second stage (docs/DESIGN.md §2, Meshes) goes out as soon as the shard is reduced.
+  if (s_.replicated()) r.replica_work = s_.start_replica_sum(r.recv);
+}
+
+bool ShardingStateMachine::advance_reduction() {
+  if (!reduction_) return false;
+  if (!s_.replicated()) {
+    finish_reduction();  // one stage only: done
+    return false;
+  }
+  at::NoGradGuard no_grad;
+  finish_shard_stage(*reduction_);
+  return true;
+}
+
+void ShardingStateMachine::finish_reduction() {
+  if (!reduction_) return;
+  Reduction r = std::move(*reduction_);
+  reduction_.reset();
+  schedule_->reduction_finished(this);
+  at::NoGradGuard no_grad;
+  finish_shard_stage(r);
+  if (r.replica_work) {
+    r.replica_work->wait();
+    s_.finish_replica_average(r.recv);
+  }
+  if (!r.into_shard) {
+    if (r.first) {
+      s_.grad_shard.copy_(r.recv);
+    } else {
+      s_.grad_shard.add_(r.recv);
+    }
   }
 }
 

@@ -22,9 +22,11 @@
 // Under kOptim the machine only watches the gradients: the post-accumulate-grad hooks note that a
 // backward wrote full gradients that reduce_scatter_grads() has not yet averaged into the
 // gradient shard (unreduced()), so that an optimizer step on stale shards is an error.
-// Independent of Pass, at most one reduce-scatter in flight per group (`reduction_`):
-// finish_reduction() waits for it, writes or adds it into the gradient shard and frees what it
-// sent; the schedule calls it to bound how many are in flight.
+// Independent of Pass, at most one reduction in flight per group (`reduction_`): a reduce-scatter
+// over the shard group and, on a mesh of several replicas, then an all-reduce of the shard over
+// the replicas. advance_reduction() waits for the first stage, frees what it sent and starts the
+// second; finish_reduction() completes both and writes or adds the result into the gradient
+// shard. The schedule calls them to bound how many are in flight.
 
 #include <cstddef>
 #include <cstdint>
@@ -96,6 +98,7 @@ class ShardingStateMachine final : public ScheduledGroup, public BackwardPartici
 
   // ---- the schedule's and autograd's calls ----
   void prefetch_weights() override;
+  bool advance_reduction() override;
   void finish_reduction() override;
   void end_backward() override;
   void pre_backward() override;
@@ -104,12 +107,15 @@ class ShardingStateMachine final : public ScheduledGroup, public BackwardPartici
 
  private:
   struct Reduction {
-    at::Tensor send;                 // full_grad itself, or its cast to the reduce dtype
-    at::Tensor recv;                 // grad_shard itself, or a shard in the reduce dtype
-    int64_t cast_bytes = 0;          // bytes of `send` when it is a cast copy
-    bool into_shard = false;         // recv is grad_shard
-    bool first = false;              // the first reduction since zero_grad(): copy, not add
-    std::unique_ptr<CommWork> work;  // declared last: destroyed (and waited for) first
+    at::Tensor send;          // full_grad itself, or its cast to the reduce dtype
+    at::Tensor recv;          // grad_shard itself, or a shard in the reduce dtype
+    int64_t cast_bytes = 0;   // bytes of `send` when it is a cast copy
+    bool into_shard = false;  // recv is grad_shard
+    bool first = false;       // the first reduction since zero_grad(): copy, not add
+    bool sent = false;        // the reduce-scatter was waited for, `send` released
+    // Declared last: destroyed (and so waited for) first, the second stage before the first.
+    std::unique_ptr<CommWork> work;          // the reduce-scatter over the shard group
+    std::unique_ptr<CommWork> replica_work;  // then the all-reduce over the replicas
   };
 
   void account(int64_t delta);
@@ -127,6 +133,8 @@ class ShardingStateMachine final : public ScheduledGroup, public BackwardPartici
   void free_grads();
   // Pass transitions.
   void start_reduction();
+  // The first stage's wait: frees what it sent and, with several replicas, starts the second.
+  void finish_shard_stage(Reduction& r);
   // A backward pass that threw never ended: drop what it left.
   void abandon_backward();
 

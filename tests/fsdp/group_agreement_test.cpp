@@ -20,23 +20,26 @@ using Lines = std::vector<std::string>;
 
 const std::string kOptions =
     "options: name '', compute_dtype default, main_dtype Float, reduce_dtype default, "
-    "alignment_bytes 16, broadcast_from_rank0 true, sharding_strategy optim, prefetch true";
+    "alignment_bytes 16, broadcast_from_rank0 true, sharding_strategy optim, prefetch true, "
+    "mesh 1x1";
 
 TEST(GroupAgreement, DescribesOptionsThenEachParameterInOrder) {
   const std::vector<std::pair<std::string, at::Tensor>> params{
       {"w", torch::zeros({2, 3})}, {"b", torch::zeros({3}, torch::kDouble)}};
-  EXPECT_EQ(fsdp::describe_group(params, FsdpParameterGroupOptions()),
+  EXPECT_EQ(fsdp::describe_group(params, FsdpParameterGroupOptions(), "1x1"),
             (Lines{"ok", kOptions, "'w' [2, 3] Float", "'b' [3] Double"}));
   const Lines named =
-      fsdp::describe_group(params, FsdpParameterGroupOptions()
-                                       .name("block")
-                                       .compute_dtype(at::kBFloat16)
-                                       .sharding_strategy(ShardingStrategy::kOptimGradsParams)
-                                       .prefetch(false));
+      fsdp::describe_group(params,
+                           FsdpParameterGroupOptions()
+                               .name("block")
+                               .compute_dtype(at::kBFloat16)
+                               .sharding_strategy(ShardingStrategy::kOptimGradsParams)
+                               .prefetch(false),
+                           "2x3");
   EXPECT_EQ(named[1],
             "options: name 'block', compute_dtype BFloat16, main_dtype Float, reduce_dtype "
             "default, alignment_bytes 16, broadcast_from_rank0 true, sharding_strategy "
-            "optim_grads_params, prefetch false");
+            "optim_grads_params, prefetch false, mesh 2x3");
 }
 
 TEST(GroupAgreement, LinesSurviveJoinAndSplit) {

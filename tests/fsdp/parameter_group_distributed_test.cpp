@@ -384,8 +384,10 @@ TEST(FsdpDistributed, ADifferentShapeOrOptionOnSomeRanksIsAnErrorOnEveryRank) {
       two_parameters(), FsdpParameterGroupOptions().alignment_bytes(world().rank() == 1 ? 4 : 16));
   EXPECT_NE(error.find("first difference, rank 0 has options: name '', compute_dtype default, "
                        "main_dtype Float, reduce_dtype default, alignment_bytes 16, "
-                       "broadcast_from_rank0 true, sharding_strategy optim, prefetch true; rank 1 "
-                       "has options: name '', compute_dtype "
+                       "broadcast_from_rank0 true, sharding_strategy optim, prefetch true, mesh "
+                       "1x" +
+                       std::to_string(W) +
+                       "; rank 1 has options: name '', compute_dtype "
                        "default, main_dtype Float, reduce_dtype default, alignment_bytes 4"),
             std::string::npos)
       << error;

@@ -24,9 +24,20 @@ using fsdp::ShardingSchedule;
 // Records what the schedule asks of it, as "<name>.<call>" in a shared log.
 class FakeGroup final : public ScheduledGroup {
  public:
-  FakeGroup(std::string name, std::vector<std::string>& log, ShardingSchedule* schedule = nullptr)
-      : name_(std::move(name)), log_(log), schedule_(schedule) {}
+  // `replicated`: its reduction has a second stage, over the replicas of a mesh.
+  FakeGroup(std::string name, std::vector<std::string>& log, ShardingSchedule* schedule = nullptr,
+            bool replicated = false)
+      : name_(std::move(name)), log_(log), schedule_(schedule), replicated_(replicated) {}
   void prefetch_weights() override { log_.push_back(name_ + ".prefetch"); }
+  // As a group does: one stage only finishes the reduction.
+  bool advance_reduction() override {
+    if (!replicated_) {
+      finish_reduction();
+      return false;
+    }
+    log_.push_back(name_ + ".advance");
+    return true;
+  }
   // As a group does: its reduction leaves the schedule when it is finished.
   void finish_reduction() override {
     log_.push_back(name_ + ".finish");
@@ -38,6 +49,7 @@ class FakeGroup final : public ScheduledGroup {
   std::string name_;
   std::vector<std::string>& log_;
   ShardingSchedule* schedule_;
+  bool replicated_;
 };
 
 // Runs one backward pass that calls `inside` from a hook, i.e. while the pass is running.
@@ -115,6 +127,28 @@ TEST(ShardingSchedule, FinishesTheOldestReductionBeyondTheBound) {
   EXPECT_EQ(log, (std::vector<std::string>{"a.finish"}));
   schedule->reduction_finished(&a);
   schedule->reduction_finished(&a);  // finishing one not in flight is a no-op
+}
+
+TEST(ShardingSchedule, OnAMeshAdvancesTheOldestAndFinishesTheAllReduceBeforeIt) {
+  auto comm = std::make_shared<testing::LocalCommunicator>();
+  auto schedule = ShardingSchedule::of(*comm);
+  std::vector<std::string> log;
+  FakeGroup a("a", log, schedule.get(), true), b("b", log, schedule.get(), true),
+      c("c", log, schedule.get(), true), d("d", log, schedule.get(), true);
+  schedule->reduction_started(&a);
+  EXPECT_TRUE(log.empty());
+  // b's reduce-scatter goes out: a's is waited for and a's all-reduce starts.
+  schedule->reduction_started(&b);
+  EXPECT_EQ(log, (std::vector<std::string>{"a.advance"}));
+  // c's: a's all-reduce finishes before b's starts (one all-reduce in flight).
+  schedule->reduction_started(&c);
+  EXPECT_EQ(log, (std::vector<std::string>{"a.advance", "a.finish", "b.advance"}));
+  // b finished its own (collect, zero_grad): it leaves the all-reduce slot free.
+  schedule->reduction_finished(&b);
+  schedule->reduction_started(&d);
+  EXPECT_EQ(log, (std::vector<std::string>{"a.advance", "a.finish", "b.advance", "c.advance"}));
+  schedule->remove(&c);
+  schedule->remove(&d);
 }
 
 TEST(ShardingSchedule, EndsTheGroupsOfABackwardPassOnceInTheOrderTheyBegan) {

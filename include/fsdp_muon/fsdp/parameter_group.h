@@ -1,6 +1,7 @@
 #pragma once
 // FsdpParameterGroup (docs/DESIGN.md §2): an ordered list of named parameters of one dtype, packed
-// into flat buffers that are sharded evenly across the ranks of a Communicator.
+// into flat buffers that are sharded evenly across the ranks of a Communicator, or across the
+// shard group of a DeviceMesh and replicated over its replicas (HSDP).
 
 #include <cstdint>
 #include <functional>
@@ -16,6 +17,7 @@
 #include <torch/arg.h>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/device_mesh.h>
 
 namespace fsdp_muon {
 
@@ -80,8 +82,17 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   // the ranks compare what they built before the group's first collective, and where it differs
   // (or a parameter is invalid on some rank) every rank throws, naming the ranks that differ from
   // rank 0 and the first difference.
+  // On `comm` alone: the 1-D mesh one_dimensional_mesh(comm) (no collective of its own).
   FsdpParameterGroup(std::vector<std::pair<std::string, at::Tensor>> named_params,
                      std::shared_ptr<Communicator> comm, FsdpParameterGroupOptions options = {});
+  // On a mesh (HSDP, docs/DESIGN.md §2, Meshes): sharded over mesh.shard, replicated over
+  // mesh.replicate. Every rank of mesh.world builds the same group on a mesh of the same shape;
+  // the parameters start as world rank 0's (broadcast_from_rank0). Gradients are reduce-scattered
+  // (mean) in the shard group, then all-reduced (mean) over the replicas, so every replica holds
+  // the same gradient and main-weight shards. On a 1-D mesh (replicas() == 1) this is exactly
+  // the communicator constructor on mesh.shard.
+  FsdpParameterGroup(std::vector<std::pair<std::string, at::Tensor>> named_params,
+                     const DeviceMesh& mesh, FsdpParameterGroupOptions options = {});
   ~FsdpParameterGroup();
   FsdpParameterGroup(const FsdpParameterGroup&) = delete;
   FsdpParameterGroup& operator=(const FsdpParameterGroup&) = delete;
@@ -90,9 +101,10 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   const std::string& name() const;
   size_t num_parameters() const;
   const ParameterSlot& slot(size_t index) const;
-  int64_t padded_numel() const;  // multiple of the world size
-  int64_t shard_numel() const;   // padded_numel() / world size
-  // Elements [first, second) of parameter `index` (flattened, row-major) that rank `rank`
+  // Layout calls are in shard ranks (0..communicator()->size() - 1), the same in every replica.
+  int64_t padded_numel() const;  // multiple of the shard size
+  int64_t shard_numel() const;   // padded_numel() / shard size
+  // Elements [first, second) of parameter `index` (flattened, row-major) that shard rank `rank`
   // holds; first == second when it holds none of it.
   std::pair<int64_t, int64_t> held_range(size_t index, int rank) const;
   // held_range(index, communicator()->rank()).
@@ -104,7 +116,10 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   std::optional<size_t> index_of(const std::string& name) const;
   c10::ScalarType compute_dtype() const;  // dtype of model weights and full gradients
   c10::ScalarType main_dtype() const;     // dtype of main weights and gradient shards
+  // The communicator the group is sharded over: mesh().shard (the one it was built on, for the
+  // communicator constructor).
   const std::shared_ptr<Communicator>& communicator() const;
+  const DeviceMesh& mesh() const;
   const FsdpParameterGroupOptions& options() const;
 
   // ---- what optimizers see ----
@@ -133,12 +148,13 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   // stay undefined until the group's next backward.
   void zero_grad();
   // After backward: average the full gradients over ranks into the gradient shards (one
-  // reduce-scatter). A module parameter whose .grad() is no longer the buffer view (set to
-  // None and re-created by autograd, or replaced) has it copied in (undefined: zeros) and the
-  // view re-installed; the sharded parameters' .grad() are re-installed too.
-  // Under kOptimGrads/kOptimGradsParams the reduce-scatters were started during backward: this
-  // waits for the group's, frees the weights of a prefetch nobody used, and refuses a module
-  // .grad() that did not come from a backward through forward().
+  // reduce-scatter; on a mesh of several replicas then one all-reduce over the replicas). A module
+  // parameter whose .grad() is no longer the buffer view (set to None and re-created by autograd,
+  // or replaced) has it copied in (undefined: zeros) and the view re-installed; the sharded
+  // parameters' .grad() are re-installed too. Under kOptimGrads/kOptimGradsParams the
+  // reduce-scatters were started during backward: this waits for the group's, frees the weights of
+  // a prefetch nobody used, and refuses a module .grad() that did not come from a backward through
+  // forward().
   void reduce_scatter_grads();
   // Under kOptim: whether a backward has accumulated gradients into the full gradients since the
   // last reduce_scatter_grads() or zero_grad(), i.e. the gradient shards do not hold them yet

@@ -26,5 +26,8 @@ struct ShardModuleOptions {
 std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(
     torch::nn::Module& module, std::shared_ptr<Communicator> comm,
     const ShardModuleOptions& options = {});
+// The same on a mesh (HSDP): every group on `mesh` (FsdpParameterGroup's mesh constructor).
+std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(
+    torch::nn::Module& module, const DeviceMesh& mesh, const ShardModuleOptions& options = {});
 
 }  // namespace fsdp_muon
