@@ -175,10 +175,9 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
     construct();
     TORCH_CHECK(false, "fsdp_muon::FsdpMuon: no parameters given");
   }
-  // docs/DESIGN.md §7: the cost model's rates measured before anything is planned (collective;
-  // every rank first agrees that it measures).
-  impl_->measured =
-      detail::calibrate(param_groups, defaults, impl_->config, one_dimensional_mesh(comm));
+  // docs/DESIGN.md §7: the cost model's rates measured before anything is planned (collective
+  // over the groups' mesh; every rank first agrees that it measures).
+  impl_->measured = detail::calibrate(param_groups, defaults, impl_->config);
   // Every rank takes part in both exchanges, so a rank that fails makes all fail, none hang.
   detail::run_agreed(*comm, "fsdp_muon::FsdpMuon: construction", construct);
   // Then the ranks compare everything that changes who computes what or the result: one 8-byte

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -145,8 +146,16 @@ OwnerPlanOptions calibrated_plan_options(const FsdpMuonConfig& config,
 }
 
 MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                        const MuonOptions& muon_defaults, const FsdpMuonConfig& config,
-                        const DeviceMesh& mesh) {
+                        const MuonOptions& muon_defaults, const FsdpMuonConfig& config) {
+  std::optional<DeviceMesh> found;
+  for (const auto& group : param_groups) {
+    for (const at::Tensor& p : group.params()) {
+      if (found) break;
+      if (auto info = find_sharded_parameter(p)) found = info->group->mesh();
+    }
+  }
+  if (!found) return {};  // nobody to measure with; FsdpMuon reports the error
+  const DeviceMesh& mesh = *found;
   const FsdpMuonConfig defaults;
   const bool wants =
       config.calibrate_rates() &&

@@ -54,7 +54,8 @@ MeasuredRates measure_rates(const DeviceMesh& mesh, const CalibrationShape& shap
 OwnerPlanOptions calibrated_plan_options(const FsdpMuonConfig& config,
                                          const MeasuredRates& measured);
 
-// FsdpMuon's calibration, collective over mesh.world: a rank measures when
+// FsdpMuon's calibration, collective over mesh.world, the mesh of the first sharded parameter's
+// group (FsdpParameterGroup::mesh; none: nothing measured): a rank measures when
 // config.calibrate_rates() and some rate is still at its default. The ranks first agree on that
 // (one all-reduce; ranks that differ are an error on every rank), then measure_rates() times the
 // median 2-D parameter (the last two sides of a 3-D one) by Newton–Schulz FLOPs, within 2^16
@@ -62,7 +63,6 @@ OwnerPlanOptions calibrated_plan_options(const FsdpMuonConfig& config,
 // peer. Nothing measured (measured == false) when no rank calibrates.
 // `defaults`: the options of a parameter group given without its own.
 MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                        const MuonOptions& defaults, const FsdpMuonConfig& config,
-                        const DeviceMesh& mesh);
+                        const MuonOptions& defaults, const FsdpMuonConfig& config);
 
 }  // namespace fsdp_muon::detail
