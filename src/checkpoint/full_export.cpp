@@ -215,18 +215,24 @@ void write_export(const std::string& path, const ModelIndex& model,
 void export_full_checkpoint(const std::string& path,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers) {
-  Communicator& comm = checkpoint::communicator_of(groups, kExportApi);
+  Communicator& world = checkpoint::communicator_of(groups, kExportApi);
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
-  detail::run_agreed(comm, kExportApi, [&] {
+  detail::run_agreed(world, kExportApi, [&] {
     model = checkpoint::index_model(groups, kExportApi);
     opts = checkpoint::index_optimizers(optimizers, model, kExportApi);
   });
-  const std::vector<std::vector<at::Tensor>> weights = gather_full_weights(model, comm);
+  // The replicas hold the same shards: replica 0 gathers them over its shard group and its shard
+  // rank 0 (world rank 0) writes; the other replicas only take part in the agreement.
+  std::vector<std::vector<at::Tensor>> weights;
   StateByParam state;
-  for (const OptimizerEntry& opt : opts) gather_full_state(model, opt, comm, state);
-  detail::run_agreed(comm, kExportApi, [&] {
-    if (comm.rank() == 0) write_export(path, model, weights, state);
+  if (model.mesh.replica() == 0) {
+    Communicator& comm = *model.comm;
+    weights = gather_full_weights(model, comm);
+    for (const OptimizerEntry& opt : opts) gather_full_state(model, opt, comm, state);
+  }
+  detail::run_agreed(world, kExportApi, [&] {
+    if (world.rank() == 0) write_export(path, model, weights, state);
   });
 }
 

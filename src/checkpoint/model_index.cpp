@@ -62,7 +62,7 @@ std::string shape_string(at::IntArrayRef shape) {
 Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                               const char* api) {
   TORCH_CHECK(!groups.empty() && groups[0], api, ": no parameter groups given");
-  return *groups[0]->communicator();
+  return *groups[0]->mesh().world;
 }
 
 ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
@@ -72,14 +72,22 @@ ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& g
   model.groups = groups;
   for (size_t g = 0; g < groups.size(); ++g) {
     TORCH_CHECK(groups[g] != nullptr, api, ": parameter group ", g, " is null");
-    const auto& comm = groups[g]->communicator();
+    const DeviceMesh& mesh = groups[g]->mesh();
     if (!model.comm) {
-      model.comm = comm;
+      model.comm = groups[g]->communicator();
+      model.mesh = mesh;
     } else {
-      TORCH_CHECK(comm->size() == model.comm->size() && comm->rank() == model.comm->rank(), api,
-                  ": parameter group ", g, " ('", groups[g]->name(), "') is on rank ", comm->rank(),
-                  " of ", comm->size(), " but group 0 on rank ", model.comm->rank(), " of ",
-                  model.comm->size(), "; all groups must share one data-parallel world");
+      // The same shape and place, not the same objects: groups built on separate communicators
+      // of one world save and load together as before meshes.
+      const auto where = [](const DeviceMesh& m) {
+        return "rank " + std::to_string(m.world->rank()) + " of " +
+               std::to_string(m.world->size()) + " (mesh " + m.shape() + ", shard rank " +
+               std::to_string(m.shard->rank()) + ")";
+      };
+      TORCH_CHECK(where(mesh) == where(model.mesh), api, ": parameter group ", g, " ('",
+                  groups[g]->name(), "') is on ", where(mesh), " but group 0 on ",
+                  where(model.mesh),
+                  "; all groups must share one data-parallel world and one mesh shape");
     }
     for (size_t i = 0; i < groups[g]->num_parameters(); ++i) {
       const std::string& name = groups[g]->slot(i).name;

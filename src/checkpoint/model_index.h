@@ -14,6 +14,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/device_mesh.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
 
 namespace fsdp_muon::checkpoint {
@@ -38,7 +39,12 @@ struct ParamRef {
 
 struct ModelIndex {
   std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
+  // The groups' shard group: rank files, held ranges and the manifest's world size are in its
+  // ranks, so a checkpoint saved on a mesh is the one a 1-D world of shard_size ranks saves.
   std::shared_ptr<Communicator> comm;
+  // The groups' mesh (group 0's; the others are checked to match its shape and this rank's place
+  // in it). Every checkpoint call agrees over mesh.world (docs/DESIGN.md §6, Meshes).
+  DeviceMesh mesh;
   std::unordered_map<std::string, ParamRef> by_name;
   std::unordered_map<const void*, ParamRef> by_impl;  // sharded parameter TensorImpl
 
@@ -50,12 +56,14 @@ struct ModelIndex {
   }
 };
 
-// The communicator of the groups' data-parallel world, which every step of a checkpoint call
-// agrees over; throws (locally: there is no world to agree in) when no groups are given.
+// The communicator of the groups' data-parallel world (their mesh's world: every rank of every
+// replica), which every step of a checkpoint call agrees over; throws (locally: there is no
+// world to agree in) when no groups are given.
 Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                               const char* api);
 
-// Checks the groups (non-empty, one world, unique parameter names) and indexes them. `api`
+// Checks the groups (non-empty, one mesh shape with this rank at one place in it, unique
+// parameter names) and indexes them. `api`
 // names the public function in errors.
 ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                        const char* api);

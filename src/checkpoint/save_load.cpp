@@ -185,6 +185,7 @@ std::string save_checkpoint(const std::string& dir,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers,
                             const SaveCheckpointOptions& options) {
+  // Every step agrees over the world: every rank of every replica (docs/DESIGN.md §6, Meshes).
   Communicator& comm = checkpoint::communicator_of(groups, kSaveApi);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;
@@ -212,10 +213,17 @@ std::string save_checkpoint(const std::string& dir,
                 static_cast<unsigned long long>(agreed[2]));
   const std::string save_id = id;
   const std::string folder = checkpoint::join_path(dir, checkpoint::folder_name(sequence));
-  // Every rank writes its file and puts its size at its own index: the sum is every size.
+  // One copy: the file of shard rank s is written by replica s % replicas, which holds the same
+  // bytes as every other replica (docs/DESIGN.md §6, Meshes), so the writes of one checkpoint are
+  // spread over min(replicas, shard size) replicas (nodes) instead of all coming from one. The
+  // writer puts its file's size at its shard rank's index: the sum over the world is every size.
+  // On a 1-D mesh every rank writes its own file, as before meshes.
+  const int shard_rank = model.comm->rank();
+  const bool writer = shard_rank % model.mesh.replicas() == model.mesh.replica();
   const std::vector<int64_t> rank_file_bytes =
-      detail::agree_on_sum(comm, kSaveApi, comm.size(), [&](std::vector<int64_t>& mine) {
-        mine[comm.rank()] = checkpoint::write_rank_file(folder, model, opts, save_id, kSaveApi);
+      detail::agree_on_sum(comm, kSaveApi, model.comm->size(), [&](std::vector<int64_t>& mine) {
+        if (!writer) return;
+        mine[shard_rank] = checkpoint::write_rank_file(folder, model, opts, save_id, kSaveApi);
       });
   // Only now that every rank file is in place may the manifest make the checkpoint complete.
   detail::run_agreed(comm, kSaveApi, [&] {
@@ -230,6 +238,8 @@ std::string save_checkpoint(const std::string& dir,
 CheckpointUserState load_checkpoint(const std::string& dir,
                                     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                                     const std::vector<torch::optim::Optimizer*>& optimizers) {
+  // Agreed over the world; every rank reads the saved bytes of what its shard rank holds, so the
+  // replicas read the same bytes and install the same bits (docs/DESIGN.md §6, Meshes).
   Communicator& comm = checkpoint::communicator_of(groups, kLoadApi);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;

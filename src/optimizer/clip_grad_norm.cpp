@@ -25,10 +25,16 @@ double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gr
     TORCH_CHECK(groups[i] != nullptr, api, "group ", i, " is null");
     TORCH_CHECK(seen.insert(groups[i].get()).second, api, "group '", groups[i]->name(),
                 "' is given twice; its gradient would count twice in the norm");
-    TORCH_CHECK(groups[i]->communicator() == groups[0]->communicator(), api, "group '",
-                groups[i]->name(), "' is on another communicator than group '", groups[0]->name(),
-                "'; clip the groups of each communicator in a call of their own");
+    TORCH_CHECK(groups[i]->communicator() == groups[0]->communicator() &&
+                    groups[i]->mesh().same_as(groups[0]->mesh()),
+                api, "group '", groups[i]->name(), "' is on another communicator than group '",
+                groups[0]->name(), "' (mesh ", groups[i]->mesh().shape(), " against ",
+                groups[0]->mesh().shape(),
+                "); clip the groups of each communicator or mesh in a call of their own");
   }
+  // The shard group, not the world: on a mesh every replica holds the same gradient shards
+  // (docs/DESIGN.md §2, Meshes), so summing over the world would count each element once per
+  // replica. Each replica computes the same norm and the same factor from the same bits.
   Communicator& comm = *groups[0]->communicator();
 
   // This rank's part of the norm, in double whatever the gradients' dtype.

@@ -1,7 +1,9 @@
 // clip_grad_norm across real processes (torchrun / mpirun, W = 1-4, Gloo on CPU): the norm and the
 // clipped gradient shards against torch::nn::utils::clip_grad_norm_ on the full, rank-averaged
 // (DDP) gradients of an unsharded copy of the model, under every sharding strategy, for the
-// 2-norm, another p and the inf-norm; a NaN gradient under each non-finite mode; bad arguments.
+// 2-norm, another p and the inf-norm, also on every HSDP mesh of the world (replicas hold the same
+// shards, so the norm must be summed over the shard group only); a NaN gradient under each
+// non-finite mode; bad arguments, groups on two meshes.
 
 #include <gtest/gtest.h>
 
@@ -62,14 +64,17 @@ at::Tensor input_of(int rank) {
 // The sharded model after one backward and reduce_scatter_grads(), and an unsharded copy with
 // the gradients DDP would have (the mean over ranks of each rank's gradients).
 struct ShardedModel {
-  explicit ShardedModel(ShardingStrategy strategy, double gradient_scale = 1.0) {
+  // On `mesh` when given, else on the world communicator.
+  explicit ShardedModel(ShardingStrategy strategy, double gradient_scale = 1.0,
+                        const DeviceMesh* mesh = nullptr) {
     at::manual_seed(5);
     net = Stack();
     at::manual_seed(5);
     reference = Stack();
-    groups = shard_module(*net, world_ptr(),
-                          ShardModuleOptions().group_options(
-                              FsdpParameterGroupOptions().sharding_strategy(strategy)));
+    const ShardModuleOptions options =
+        ShardModuleOptions().group_options(FsdpParameterGroupOptions().sharding_strategy(strategy));
+    groups = mesh != nullptr ? shard_module(*net, *mesh, options)
+                             : shard_module(*net, world_ptr(), options);
     for (auto& g : groups) g->zero_grad();
     at::Tensor h = input_of(world().rank());
     for (size_t k = 0; k < groups.size(); ++k) {
@@ -112,10 +117,12 @@ double relative(double a, double b) { return std::abs(a - b) / std::max(std::abs
 const ShardingStrategy kStrategies[] = {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
                                         ShardingStrategy::kOptimGradsParams};
 
-void expect_matches_torch(ShardingStrategy strategy, double max_norm, double norm_type) {
+void expect_matches_torch(ShardingStrategy strategy, double max_norm, double norm_type,
+                          const DeviceMesh* mesh = nullptr) {
   SCOPED_TRACE(std::string("strategy ") + to_string(strategy) + ", max_norm " +
-               std::to_string(max_norm) + ", norm_type " + std::to_string(norm_type));
-  ShardedModel s(strategy);
+               std::to_string(max_norm) + ", norm_type " + std::to_string(norm_type) +
+               (mesh ? ", mesh " + mesh->shape() : std::string()));
+  ShardedModel s(strategy, 1.0, mesh);
   const double norm = clip_grad_norm(s.groups, max_norm, norm_type);
   const double expected =
       torch::nn::utils::clip_grad_norm_(s.reference->parameters(), max_norm, norm_type);
@@ -143,6 +150,47 @@ TEST(ClipGradNorm, InfAndOtherNormsMatchTorch) {
     expect_matches_torch(strategy, 0.01, std::numeric_limits<double>::infinity());
     expect_matches_torch(strategy, 0.05, 3.0);
   }
+}
+
+// Every mesh of the world with more than one replica (W = 4: 2x2 and 4x1).
+std::vector<DeviceMesh> hsdp_meshes() {
+  std::vector<DeviceMesh> meshes;
+  const int w = world().size();
+  for (int shard_size = 1; shard_size < w; ++shard_size) {
+    if (w % shard_size == 0) meshes.push_back(make_device_mesh(world_ptr(), shard_size));
+  }
+  return meshes;
+}
+
+// Under HSDP every replica holds the same gradient shards: the norm is the full averaged
+// gradient's (summed over the shard group, not over the world, which would count each element
+// once per replica), and every replica clips alike.
+TEST(ClipGradNorm, OnAMeshMatchesTorchOnTheFullAveragedGradients) {
+  if (world().size() == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
+  for (const DeviceMesh& mesh : hsdp_meshes()) {
+    for (ShardingStrategy strategy : kStrategies) {
+      expect_matches_torch(strategy, 0.05, 2.0, &mesh);
+    }
+    expect_matches_torch(ShardingStrategy::kOptim, 0.01, std::numeric_limits<double>::infinity(),
+                         &mesh);
+    expect_matches_torch(ShardingStrategy::kOptimGrads, 0.05, 3.0, &mesh);
+  }
+}
+
+TEST(ClipGradNorm, GroupsOnTwoMeshesAreAnErrorOnEveryRank) {
+  if (world().size() == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
+  const DeviceMesh mesh = make_device_mesh(world_ptr(), 1);
+  ShardedModel flat(ShardingStrategy::kOptim);
+  ShardedModel replicated(ShardingStrategy::kOptim, 1.0, &mesh);
+  testing::expect_error(
+      [&] {
+        clip_grad_norm(
+            std::vector<std::shared_ptr<FsdpParameterGroup>>{flat.groups[0], replicated.groups[1]},
+            1.0);
+      },
+      {"fsdp_muon::clip_grad_norm: group 'b1' is on another communicator than group 'b0' (mesh " +
+           mesh.shape() + " against 1x" + std::to_string(world().size()) + ")",
+       "in a call of their own"});
 }
 
 // A NaN gradient on the last rank only: every rank sees a NaN norm and acts on it the same way.

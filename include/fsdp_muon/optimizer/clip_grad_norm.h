@@ -15,7 +15,9 @@ namespace fsdp_muon {
 // returns that norm before clipping, as torch::nn::utils::clip_grad_norm_ does on the unsharded
 // gradients: norm_type p > 0 sums |g|^p over every rank's shard (in double) and takes the p-th
 // root; norm_type = infinity takes the largest |g|. One all-reduce for all groups together, so
-// every group must be on the same communicator and every rank must call it with the same groups.
+// every group must be on the same communicator (on a mesh: the same mesh, and the all-reduce runs
+// over its shard group, since the replicas hold identical gradient shards) and every rank must
+// call it with the same groups.
 // Call it after reduce_scatter_grads() (whose reductions it reads) and before the optimizers'
 // steps. A non-finite norm (a NaN or Inf gradient somewhere) is handled by `non_finite`, the same
 // on every rank: kSkipStep leaves the gradients as they are (FsdpMuon's default then skips its
