@@ -86,6 +86,9 @@ double gemm_flops_per_second(int64_t m, int64_t n, c10::ScalarType dtype,
 // take turns step by step, so that drift in a shared machine's speed hits them alike.
 struct SettingTimes {
   double step = 0, compute = 0, exposed = 0, check = 0;
+  // The plan: rounds, and the step time the cost model predicts (OwnerPlan::pipelined_seconds).
+  size_t rounds = 0;
+  double predicted = 0;
 };
 
 double median(std::vector<double> values) {
@@ -131,8 +134,9 @@ std::vector<SettingTimes> time_settings(
   }
   std::vector<SettingTimes> times(configs.size());
   for (size_t k = 0; k < configs.size(); ++k) {
+    const fsdp_muon::OwnerPlan& plan = optimizers[k]->owner_plan();
     times[k] = {median(samples[k][0]), median(samples[k][1]), median(samples[k][2]),
-                median(samples[k][3])};
+                median(samples[k][3]), plan.rounds.size(),    plan.pipelined_seconds()};
   }
   return times;
 }
@@ -152,6 +156,14 @@ int run_measure(Flags& flags) {
   const int64_t threads = flags.get_int("threads", 0);
   const bool compare = flags.has("compare");
   const std::string scale_flag = flags.get("scale", "");
+  // The cost model's rates (FsdpMuonConfig's defaults when not given): with overlap they decide
+  // how many rounds a step has.
+  const fsdp_muon::FsdpMuonConfig rate_defaults;
+  const double ns_gflops =
+      flags.get_double("ns-gflops", rate_defaults.newton_schulz_flops_per_second() / 1e9);
+  const double gbps = flags.get_double("gbps", rate_defaults.bytes_per_second() / 1e9);
+  const double latency_us =
+      flags.get_double("latency-us", rate_defaults.exchange_latency_seconds() * 1e6);
   flags.finish();
 
   TORCH_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
@@ -205,7 +217,10 @@ int run_measure(Flags& flags) {
                                                     : fsdp_muon::OwnerPolicy::kHoldersOnly)
           .owner_schedule(schedule_name == "windows" ? fsdp_muon::OwnerSchedule::kWindows
                                                      : fsdp_muon::OwnerSchedule::kRounds)
-          .prefetch_budget_bytes(budget);
+          .prefetch_budget_bytes(budget)
+          .newton_schulz_flops_per_second(ns_gflops * 1e9)
+          .bytes_per_second(gbps * 1e9)
+          .exchange_latency_seconds(latency_us * 1e-6);
   fsdp_muon::FsdpMuon muon(matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype), config);
   const fsdp_muon::OwnerPlan& plan = muon.owner_plan();
 
@@ -294,11 +309,19 @@ int run_measure(Flags& flags) {
       settings.push_back(setting);
     }
   }
+  // Overlap on, check on, in the fewest rounds that fit the budget (what FsdpMuon ran before the
+  // cost model chose the number of rounds): a prohibitive exchange latency makes every split
+  // cost more than it hides.
+  settings.push_back(fsdp_muon::FsdpMuonConfig(config).exchange_latency_seconds(1e3));
+  std::vector<size_t> setting_rounds;
+  std::vector<double> setting_predicted;  // the same on every rank (one plan)
   comm->barrier();
   std::vector<double> setting_local;
   for (const SettingTimes& t :
        time_settings(groups, matrices, ns_dtype, settings, warmup, steps, device)) {
     setting_local.insert(setting_local.end(), {t.step, t.compute, t.exposed, t.check});
+    setting_rounds.push_back(t.rounds);
+    setting_predicted.push_back(t.predicted);
   }
   at::Tensor setting_max = at::tensor(setting_local, at::kDouble).to(device);
   comm->all_reduce(setting_max, fsdp_muon::ReduceOp::kMax);
@@ -382,13 +405,19 @@ int run_measure(Flags& flags) {
   std::printf("\n%-30s %10s %10s %10s %10s\n", "setting (median ms/step, max rank)", "step",
               "compute", "exposed", "check");
   const char* setting_names[] = {"overlap off, check on", "overlap on, check on",
-                                 "overlap off, check off", "overlap on, check off"};
-  for (int k = 0; k < 4; ++k) {
+                                 "overlap off, check off", "overlap on, check off",
+                                 "overlap on, fewest rounds"};
+  for (int k = 0; k < 5; ++k) {
     std::printf(
-        "%-30s %10.3f %10.3f %10.3f %10.3f\n", setting_names[k],
+        "%-30s %10.3f %10.3f %10.3f %10.3f   %zu rounds, predicted %.3f ms\n", setting_names[k],
         setting_max[4 * k].item<double>() * 1e3, setting_max[4 * k + 1].item<double>() * 1e3,
-        setting_max[4 * k + 2].item<double>() * 1e3, setting_max[4 * k + 3].item<double>() * 1e3);
+        setting_max[4 * k + 2].item<double>() * 1e3, setting_max[4 * k + 3].item<double>() * 1e3,
+        setting_rounds[k], setting_predicted[k] * 1e3);
   }
+  std::printf("%-44s %12s\n", "rounds by cost (overlap on, check on)",
+              format("%zu -> %zu rounds, %.1f -> %.1f ms", setting_rounds[4], setting_rounds[1],
+                     setting_max[16].item<double>() * 1e3, setting_max[4].item<double>() * 1e3)
+                  .c_str());
   const double exposed_off = setting_max[2].item<double>();
   const double exposed_on = setting_max[6].item<double>();
   const double check_cost = setting_max[4].item<double>() - setting_max[12].item<double>();
@@ -410,8 +439,11 @@ int run_measure(Flags& flags) {
       model.name.c_str(), world, fsdp_step * 1e3, mx(kOrthogonalize) * 1e3,
       gemm_mean > 0 ? 100.0 * ns_rate / gemm_mean : 0.0, worst_byte_ratio);
   headline += format(
-      ", exposed communication %.1f -> %.1f ms with overlap, agreement check %.2f ms (phase)",
-      exposed_off * 1e3, exposed_on * 1e3, check_phase * 1e3);
+      ", exposed communication %.1f -> %.1f ms with overlap, agreement check %.2f ms (phase), "
+      "rounds by cost %zu -> %zu: step %.1f -> %.1f ms (exposed %.1f -> %.1f)",
+      exposed_off * 1e3, exposed_on * 1e3, check_phase * 1e3, setting_rounds[4], setting_rounds[1],
+      setting_max[16].item<double>() * 1e3, setting_max[4].item<double>() * 1e3,
+      setting_max[18].item<double>() * 1e3, exposed_on * 1e3);
   if (compare) {
     headline += format(", %.2fx faster than single-device Muon",
                        fsdp_step > 0 ? mx(kNumPhases + 5) / fsdp_step : 0.0);

@@ -79,6 +79,19 @@ std::string show(const Cell& c) {
                 c.ms);
 }
 
+// `plan` in the fewest rounds that fit the budget (what FsdpMuon ran before the cost model chose
+// the number of rounds): same owners, rounds packed again.
+OwnerPlan fewest_rounds(const std::vector<fsdp_muon::PlanGroup>& groups, const OwnerPlan& plan,
+                        const OwnerPlanOptions& options) {
+  OwnerPlan fewest = plan;
+  const int64_t budget = options.prefetch_budget_bytes();
+  fsdp_muon::detail::pack_rounds(groups, options.overlap_communication() ? budget / 2 : budget,
+                                 fewest);
+  fsdp_muon::detail::finish_rounds(groups.size(), budget, options.overlap_communication(), fewest);
+  fsdp_muon::detail::transfer_seconds(groups, fewest);
+  return fewest;
+}
+
 }  // namespace
 
 int run_plan_hsdp(Flags& flags) {
@@ -118,11 +131,14 @@ int run_plan_hsdp(Flags& flags) {
       "  /w,r     by_cost ms / the better of world and replica (goal <= 1.00);\n"
       "  /1-D     by_cost ms / 1-D ms (the optimizer step only: HSDP's cheaper gradient\n"
       "           reduction is not in it);\n"
-      "  /Dion    by_cost ms / replica ms\n",
+      "  /Dion    by_cost ms / replica ms\n"
+      "  rounds   by_cost's rounds and pipelined ms (OwnerPlan::pipelined_seconds: the step's\n"
+      "           timeline with overlap, %.0f us per exchange) in the fewest rounds that fit ->\n"
+      "           as many as the cost model chose\n",
       static_cast<long long>(ns_steps), fsdp_muon::to_string(defaults.owner_policy()),
       fsdp_muon::to_string(defaults.owner_schedule()), defaults.max_bytes_ratio(),
       static_cast<long long>(defaults.prefetch_budget_bytes() >> 20), flops / 1e12, intra / 1e9,
-      inter / 1e9);
+      inter / 1e9, defaults.exchange_latency_seconds() * 1e6);
   const std::string cols = "   inter    intra  NS/fl   #r       ms";
   const auto title = [&](const char* plan) {
     const std::string t = std::string(" ") + plan + " ";
@@ -131,8 +147,10 @@ int run_plan_hsdp(Flags& flags) {
   };
   std::printf("\n%-16s %7s | %s | %s | %s |\n", "", "", title("world").c_str(),
               title("replica").c_str(), title("1-D").c_str());
-  std::printf("%-16s %7s |%s |%s |%s | %-16s %8s %6s %6s %6s\n", "model", "mesh", cols.c_str(),
-              cols.c_str(), cols.c_str(), "by_cost", "ms", "/w,r", "/1-D", "/Dion");
+  std::printf("%-16s %7s |%s |%s |%s | %-16s %8s %6s %6s %6s | %9s %17s\n", "model", "mesh",
+              cols.c_str(), cols.c_str(), cols.c_str(), "by_cost", "ms", "/w,r", "/1-D", "/Dion",
+              "rounds", "pipelined ms");
+  double worst_pipe = 0, best_pipe = 1e300;
   double worst_best = 0, best_dion = 1e300, worst_dion = 0, best_flat = 1e300, worst_flat = 0;
   std::string worst_where;
   for (const std::string& name : models) {
@@ -155,12 +173,16 @@ int run_plan_hsdp(Flags& flags) {
       const double over_flat = chosen / flat.estimated_seconds();
       const double over_dion = chosen / replica.estimated_seconds();
       const std::string mesh_name = format("%dx%d", mesh.replicas, mesh.shard_size);
-      std::printf("%-16s %7s |%s |%s |%s | %-16s %8.2f %6.2f %6.2f %6.2f\n",
-                  model.name.substr(0, 16).c_str(), mesh_name.c_str(),
-                  show(cell(world, floor)).c_str(), show(cell(replica, floor)).c_str(),
-                  show(cell(flat, floor)).c_str(),
-                  fsdp_muon::to_string(by_cost.replica_newton_schulz), chosen * 1e3, over_best,
-                  over_flat, over_dion);
+      const OwnerPlan fewest = fewest_rounds(groups, by_cost, options);
+      std::printf(
+          "%-16s %7s |%s |%s |%s | %-16s %8.2f %6.2f %6.2f %6.2f | %4zu->%-4zu %8.2f->%-8.2f\n",
+          model.name.substr(0, 16).c_str(), mesh_name.c_str(), show(cell(world, floor)).c_str(),
+          show(cell(replica, floor)).c_str(), show(cell(flat, floor)).c_str(),
+          fsdp_muon::to_string(by_cost.replica_newton_schulz), chosen * 1e3, over_best, over_flat,
+          over_dion, fewest.rounds.size(), by_cost.rounds.size(), fewest.pipelined_seconds() * 1e3,
+          by_cost.pipelined_seconds() * 1e3);
+      worst_pipe = std::max(worst_pipe, by_cost.pipelined_seconds() / fewest.pipelined_seconds());
+      best_pipe = std::min(best_pipe, by_cost.pipelined_seconds() / fewest.pipelined_seconds());
       if (over_best > worst_best) {
         worst_best = over_best;
         worst_where = model.name + " " + mesh_name;
@@ -174,8 +196,10 @@ int run_plan_hsdp(Flags& flags) {
   std::printf(
       "\nheadline: kByCost's predicted optimizer-step time / the better of kOncePerWorld and "
       "kOncePerReplica: worst %.2f (%s); / Dion's and torchtitan's scheme (kOncePerReplica): "
-      "%.2f to %.2f; / the 1-D plan over all ranks: %.2f to %.2f\n",
-      worst_best, worst_where.c_str(), best_dion, worst_dion, best_flat, worst_flat);
+      "%.2f to %.2f; / the 1-D plan over all ranks: %.2f to %.2f; rounds by cost: pipelined "
+      "time %.2f to %.2f of the fewest rounds'\n",
+      worst_best, worst_where.c_str(), best_dion, worst_dion, best_flat, worst_flat, best_pipe,
+      worst_pipe);
   return 0;
 }
 

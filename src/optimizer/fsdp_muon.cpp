@@ -179,6 +179,9 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
     construct();
     TORCH_CHECK(false, "fsdp_muon::FsdpMuon: no parameters given");
   }
+  // docs/DESIGN.md §7: the cost model's rates measured before anything is planned (collective
+  // over the groups' mesh; every rank first agrees that it measures).
+  impl_->measured = detail::calibrate(param_groups, defaults, impl_->config);
   // Every rank takes part in both exchanges, so a rank that fails makes all fail, none hang.
   detail::run_agreed(*comm, "fsdp_muon::FsdpMuon: construction", construct);
   // Then the ranks compare everything that changes who computes what or the result: one 8-byte
@@ -419,7 +422,9 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   }
 }
 
-OwnerPlanOptions FsdpMuon::Impl::plan_options() const { return config.owner_plan_options(); }
+OwnerPlanOptions FsdpMuon::Impl::plan_options() const {
+  return detail::calibrated_plan_options(config, measured);
+}
 
 // What every rank must have built identically, one "<key> = <value>" line each: the world and
 // mesh shape, every FsdpMuonConfig setting, per optimizer group every MuonOptions field (exact)
@@ -436,6 +441,7 @@ std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& sel
       "bytes_per_second = " + detail::exact_double(config.bytes_per_second()),
       "inter_node_bytes_per_second = " + detail::exact_double(config.inter_node_bytes_per_second()),
       std::string("replica_newton_schulz = ") + to_string(config.replica_newton_schulz()),
+      "exchange_latency_seconds = " + detail::exact_double(config.exchange_latency_seconds()),
       "calibrate_rates = " + flag(config.calibrate_rates()),
       std::string("owner_schedule = ") + to_string(config.owner_schedule()),
       "prefetch_budget_bytes = " + std::to_string(config.prefetch_budget_bytes()),
@@ -515,6 +521,13 @@ std::string FsdpMuon::describe() const {
 
 const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
   impl_->timer->add_to(impl_->stats, *impl_->world_comm);
+  const OwnerPlan& plan = impl_->plan;
+  impl_->stats.predicted_seconds = plan.pipelined_seconds();
+  impl_->stats.rates_measured = impl_->measured.measured;
+  impl_->stats.newton_schulz_flops_per_second = plan.newton_schulz_flops_per_second;
+  impl_->stats.bytes_per_second = plan.bytes_per_second;
+  impl_->stats.inter_node_bytes_per_second = plan.inter_node_bytes_per_second;
+  impl_->stats.exchange_latency_seconds = plan.exchange_latency_seconds;
   return impl_->stats;
 }
 

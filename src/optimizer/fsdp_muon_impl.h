@@ -16,6 +16,7 @@
 
 #include "optimizer/exchange_layout.h"
 #include "optimizer/phase_timer.h"
+#include "optimizer/rate_calibration.h"
 
 namespace fsdp_muon {
 namespace detail {
@@ -97,6 +98,8 @@ struct FsdpMuon::Impl {
   std::vector<std::vector<detail::MatrixPlacement>> round_placement;
   std::unordered_map<const c10::TensorImpl*, size_t> matrix_of;
   OwnerPlan plan;
+  // The rates measured at construction (FsdpMuonConfig::calibrate_rates), before planning.
+  detail::MeasuredRates measured;
   // Parameter identities per optimizer group as constructed: step() compares against them.
   std::vector<std::vector<const c10::TensorImpl*>> frozen;
   // [round], laid out again when the active set changes

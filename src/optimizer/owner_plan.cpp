@@ -76,6 +76,7 @@ OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
   plan.newton_schulz_flops_per_second = options.newton_schulz_flops_per_second();
   plan.bytes_per_second = options.bytes_per_second();
   plan.inter_node_bytes_per_second = options.inter_node_bytes_per_second();
+  plan.exchange_latency_seconds = options.exchange_latency_seconds();
 
   for (size_t g = 0; g < num_groups; ++g) {
     TORCH_CHECK(groups[g].element_bytes >= 0, "fsdp_muon::plan_owners: group '", groups[g].name,
@@ -107,6 +108,46 @@ void check_options(const OwnerPlanOptions& options) {
               " FLOP/s (newton_schulz_flops_per_second), ", options.bytes_per_second(),
               " B/s (bytes_per_second) and ", options.inter_node_bytes_per_second(),
               " B/s (inter_node_bytes_per_second)");
+  TORCH_CHECK(options.exchange_latency_seconds() >= 0,
+              "fsdp_muon::plan_owners: exchange_latency_seconds must be >= 0, got ",
+              options.exchange_latency_seconds());
+}
+
+// kRounds (docs/DESIGN.md §3): each rank's owned matrices of `plan` packed into rounds within
+// `exchange_budget`. Without overlap, the fewest rounds that fit (a few more where that
+// shortens the critical path); with it, the count among those asked for (1, 2, 4, ... 64, at
+// most the most matrices a rank owns) whose pipelined_seconds() is lowest, a larger count only
+// where at least 1% lower.
+OwnerPlan rounds_by_cost(const std::vector<PlanGroup>& groups, const OwnerPlan& plan,
+                         int64_t exchange_budget, const OwnerPlanOptions& options) {
+  size_t most_owned = 0;
+  {
+    std::vector<size_t> owned(plan.world_size, 0);
+    for (const auto& owners : plan.owner) {
+      for (int o : owners) {
+        if (o >= 0) most_owned = std::max(most_owned, ++owned[o]);
+      }
+    }
+  }
+  std::optional<OwnerPlan> best;
+  double best_seconds = 0;
+  for (size_t ask = 1;; ask *= 2) {
+    OwnerPlan candidate = plan;
+    pack_rounds(groups, exchange_budget, candidate, ask);
+    finish_rounds(groups.size(), options.prefetch_budget_bytes(), options.overlap_communication(),
+                  candidate);
+    detail::transfer_seconds(groups, candidate);
+    const double seconds = candidate.pipelined_seconds();
+    // More rounds only where they are predicted at least 1% faster: a split that hides nothing
+    // (sums equal but for rounding) must not win, and each round costs more than the model's
+    // latency (its own layout, buffers and apply).
+    if (!best || seconds < 0.99 * best_seconds) {
+      best = std::move(candidate);
+      best_seconds = seconds;
+    }
+    if (!options.overlap_communication() || ask >= 64 || ask >= most_owned) break;
+  }
+  return *best;
 }
 
 OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_size,
@@ -209,8 +250,8 @@ OwnerPlan plan_in_windows(const std::vector<PlanGroup>& groups, const OwnerPlan&
 }
 
 // The plan over `world_size` ranks of one replica (the 1-D plan of docs/DESIGN.md §3).
-OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_size,
-                               const OwnerPlanOptions& options) {
+OwnerPlan plan_shard_ranks(const std::vector<PlanGroup>& groups, int world_size,
+                           const OwnerPlanOptions& options) {
   OwnerPlan plan = unassigned_plan(groups, world_size, options);
   check_options(options);
   if (options.owner_policy() == OwnerPolicy::kBalanced &&
@@ -234,11 +275,21 @@ OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_s
   if (plan.schedule == OwnerSchedule::kWindows) {
     return plan_in_windows(groups, plan, std::move(starts), exchange_budget, options);
   }
-  for (OwnerPlan& start : starts) {
-    pack_rounds(groups, exchange_budget, start);
-    finish_rounds(groups.size(), budget, options.overlap_communication(), start);
+  for (OwnerPlan& start : starts) start = rounds_by_cost(groups, start, exchange_budget, options);
+  if (!options.overlap_communication()) return shortest(starts);
+  // With overlap the rounds were chosen by the timeline; so is the start (the first on a tie).
+  size_t best = 0;
+  for (size_t k = 1; k < starts.size(); ++k) {
+    if (starts[k].pipelined_seconds() < starts[best].pipelined_seconds()) best = k;
   }
-  return shortest(starts);
+  return starts[best];
+}
+
+OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_size,
+                               const OwnerPlanOptions& options) {
+  OwnerPlan plan = plan_shard_ranks(groups, world_size, options);
+  detail::transfer_seconds(groups, plan);
+  return plan;
 }
 
 // kOncePerWorld on `mesh` (replicas > 1; docs/DESIGN.md §7): the shard plan's owners, each shard
@@ -275,6 +326,7 @@ OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape me
   plan.newton_schulz_flops_per_second = shard.newton_schulz_flops_per_second;
   plan.bytes_per_second = shard.bytes_per_second;
   plan.inter_node_bytes_per_second = shard.inter_node_bytes_per_second;
+  plan.exchange_latency_seconds = shard.exchange_latency_seconds;
   plan.policy = shard.policy;
   plan.schedule = shard.schedule;
   plan.element_bytes = shard.element_bytes;
@@ -321,13 +373,13 @@ OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape me
   const int64_t budget = options.prefetch_budget_bytes();
   const int64_t exchange_budget =
       options.overlap_communication() && budget != kUnlimitedPrefetch ? budget / 2 : budget;
-  if (plan.schedule == OwnerSchedule::kWindows) {
-    plan.windows = shard.windows;
-    rounds_from_windows(groups, plan);
-  } else {
-    pack_rounds(groups, exchange_budget, plan);
+  if (plan.schedule == OwnerSchedule::kRounds) {
+    return rounds_by_cost(groups, plan, exchange_budget, options);
   }
+  plan.windows = shard.windows;
+  rounds_from_windows(groups, plan);
   finish_rounds(num_groups, budget, options.overlap_communication(), plan);
+  detail::transfer_seconds(groups, plan);
   return plan;
 }
 
@@ -380,7 +432,8 @@ OwnerPlanOptions::OwnerPlanOptions(const FsdpMuonConfig& config)
       prefetch_budget_bytes_(config.prefetch_budget_bytes()),
       overlap_communication_(config.overlap_communication()),
       replica_newton_schulz_(config.replica_newton_schulz()),
-      inter_node_bytes_per_second_(config.inter_node_bytes_per_second()) {}
+      inter_node_bytes_per_second_(config.inter_node_bytes_per_second()),
+      exchange_latency_seconds_(config.exchange_latency_seconds()) {}
 
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
                       const OwnerPlanOptions& options) {

@@ -62,8 +62,13 @@ void assign_within_bytes(const std::vector<PlanGroup>& groups, double max_bytes,
 
 // ---- round packing (round_packing.cpp) ----
 
-// kRounds: the fewest rounds within `round_budget` bytes per rank, packed longest first.
-void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, OwnerPlan& plan);
+// kRounds: the fewest rounds within `round_budget` bytes per rank, and at least `min_rounds`,
+// packed longest first (empty rounds are dropped, so a plan may have fewer).
+void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, OwnerPlan& plan,
+                 size_t min_rounds = 1);
+// OwnerPlan::round_gather_seconds / round_scatter_seconds of a plan whose rounds are set
+// (kOncePerWorld's exchange where the plan is over a mesh's world).
+void transfer_seconds(const std::vector<PlanGroup>& groups, OwnerPlan& plan);
 // kWindows: one round per window of `plan.windows`, its groups' matrices.
 void rounds_from_windows(const std::vector<PlanGroup>& groups, OwnerPlan& plan);
 // Which round completes each group, and which rounds overlap the next.

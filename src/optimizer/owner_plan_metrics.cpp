@@ -23,6 +23,48 @@ double OwnerPlan::estimated_seconds() const {
                            inter_node_bytes_per_second);
 }
 
+double OwnerPlan::pipelined_seconds() const {
+  const size_t count = rounds.size();
+  const auto at = [](const std::vector<double>& v, size_t t) { return t < v.size() ? v[t] : 0.0; };
+  const auto ns = [&](size_t t) {
+    const auto& per_rank = round_cost_per_rank[t];
+    const int64_t most = per_rank.empty() ? 0 : *std::max_element(per_rank.begin(), per_rank.end());
+    return static_cast<double>(most) / newton_schulz_flops_per_second;
+  };
+  const bool pipelined =
+      std::any_of(overlap_with_next.begin(), overlap_with_next.end(), [](bool b) { return b; });
+  if (!pipelined) {
+    double total = 0;
+    for (size_t t = 0; t < count; ++t) {
+      total += at(round_gather_seconds, t) + ns(t) + at(round_scatter_seconds, t);
+    }
+    return total;
+  }
+  // FsdpMuon::Impl::run_pipelined step by step: `now` is the compute stream, `link` the time the
+  // link is free; a collective starts when it is issued and the link is free.
+  double now = 0, link = 0;
+  std::vector<double> gathered(count, 0), scattered(count, 0);
+  const auto issue = [&](double seconds) {
+    link = std::max(link, now) + seconds;
+    return link;
+  };
+  if (count > 0) gathered[0] = issue(at(round_gather_seconds, 0));
+  for (size_t t = 0; t < count; ++t) {
+    const bool has_next = t + 1 < count;
+    now = std::max(now, gathered[t]);
+    if (has_next && overlap_with_next[t]) gathered[t + 1] = issue(at(round_gather_seconds, t + 1));
+    now += ns(t);
+    scattered[t] = issue(at(round_scatter_seconds, t));
+    if (t > 0 && overlap_with_next[t - 1]) now = std::max(now, scattered[t - 1]);
+    if (has_next && !overlap_with_next[t]) {
+      now = std::max(now, scattered[t]);
+      gathered[t + 1] = issue(at(round_gather_seconds, t + 1));
+    }
+  }
+  if (count > 0) now = std::max(now, scattered[count - 1]);
+  return now;
+}
+
 // A plan built by hand (the benchmarks' baselines) may leave inter_node_bytes_per_rank empty:
 // no inter-node bytes.
 static int64_t inter_bytes(const OwnerPlan& plan, int rank) {
@@ -118,7 +160,8 @@ std::string OwnerPlan::summary() const {
       inter_node_bytes_per_second > 0) {
     out << "  estimated " << estimated_seconds() * 1e3 << " ms at "
         << newton_schulz_flops_per_second / 1e12 << " TFLOP/s, " << bytes_per_second / 1e9
-        << " GB/s within and " << inter_node_bytes_per_second / 1e9 << " GB/s across replicas\n";
+        << " GB/s within and " << inter_node_bytes_per_second / 1e9
+        << " GB/s across replicas; pipelined " << pipelined_seconds() * 1e3 << " ms\n";
   }
   out << "  critical path / ideal: planned (" << rounds.size() << " exchanges) "
       << critical_path_ratio_planned() << ", one group at a time "

@@ -16,7 +16,8 @@ namespace detail {
 // each one's matrices by descending cost (ties: group, index): the busiest rank's go to its
 // cheapest round (longest-processing-time first), which sets the length of each round; every
 // other rank's go where they lengthen the round least.
-void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, OwnerPlan& plan) {
+void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, OwnerPlan& plan,
+                 size_t min_rounds) {
   const int world_size = plan.world_size;
   struct Item {
     int64_t cost;
@@ -56,6 +57,7 @@ void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, Own
                               : static_cast<size_t>((bytes + round_budget - 1) / round_budget);
     rounds = std::max(rounds, alone + shared);
   }
+  rounds = std::max(rounds, min_rounds);
   struct Bin {
     int64_t cost = 0;
     int64_t bytes = 0;
@@ -203,6 +205,49 @@ void finish_rounds(size_t num_groups, int64_t budget, bool overlap, OwnerPlan& p
       if (budget != kUnlimitedPrefetch && pair > budget) fits = false;
     }
     plan.overlap_with_next[t] = fits;
+  }
+}
+
+void transfer_seconds(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
+  const bool world = plan.mesh.replicas > 1 && plan.world_size == plan.mesh.world_size();
+  const int shard_size = world ? plan.mesh.shard_size : plan.world_size;
+  const int replicas = world ? plan.mesh.replicas : 1;
+  const size_t rounds = plan.rounds.size();
+  plan.round_gather_seconds.assign(rounds, 0.0);
+  plan.round_scatter_seconds.assign(rounds, 0.0);
+  std::vector<int64_t> gather(plan.world_size), scatter(plan.world_size), inter(plan.world_size);
+  for (size_t t = 0; t < rounds; ++t) {
+    std::fill(gather.begin(), gather.end(), 0);
+    std::fill(scatter.begin(), scatter.end(), 0);
+    std::fill(inter.begin(), inter.end(), 0);
+    for (const auto& [g, i] : plan.rounds[t]) {
+      const int o = plan.owner[g][i];
+      if (o < 0) continue;
+      const PlanMatrix& m = groups[g].matrices[i];
+      const int64_t eb = group_element_bytes(groups[g], plan);
+      const int replica = o / shard_size;
+      for (int h = 0; h < shard_size; ++h) {
+        if (h == o % shard_size) continue;
+        const int64_t bytes = held_numel(m, h) * eb;
+        gather[replica * shard_size + h] += bytes;
+        scatter[o] += bytes;
+      }
+      // Every other replica gets all of it (kOncePerWorld).
+      inter[o] += (replicas - 1) * moved_numel(m) * eb;
+    }
+    double g_seconds = 0, s_seconds = 0;
+    bool g_moves = false, s_moves = false;
+    for (int r = 0; r < plan.world_size; ++r) {
+      g_seconds = std::max(g_seconds, static_cast<double>(gather[r]) / plan.bytes_per_second);
+      s_seconds =
+          std::max(s_seconds, static_cast<double>(scatter[r]) / plan.bytes_per_second +
+                                  static_cast<double>(inter[r]) / plan.inter_node_bytes_per_second);
+      g_moves = g_moves || gather[r] > 0;
+      s_moves = s_moves || scatter[r] + inter[r] > 0;
+    }
+    // FsdpMuon skips an exchange where nothing moves.
+    plan.round_gather_seconds[t] = g_moves ? g_seconds + plan.exchange_latency_seconds : 0.0;
+    plan.round_scatter_seconds[t] = s_moves ? s_seconds + plan.exchange_latency_seconds : 0.0;
   }
 }
 

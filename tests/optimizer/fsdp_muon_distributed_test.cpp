@@ -335,8 +335,16 @@ TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
           pm.normuon = options.normalization() == Normalization::kNorMuon;
         }
       }
-      // The planning API is the single source of truth for what runs.
-      const OwnerPlan expected = plan_owners(groups, world().size(), config.owner_plan_options());
+      // The planning API is the single source of truth for what runs, at the rates planned with
+      // (measured at construction where the config leaves them at their defaults).
+      const OwnerPlan& planned = fsdp.owner_plan();
+      const OwnerPlan expected =
+          plan_owners(groups, world().size(),
+                      config.owner_plan_options()
+                          .newton_schulz_flops_per_second(planned.newton_schulz_flops_per_second)
+                          .bytes_per_second(planned.bytes_per_second)
+                          .inter_node_bytes_per_second(planned.inter_node_bytes_per_second)
+                          .exchange_latency_seconds(planned.exchange_latency_seconds));
       EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
       EXPECT_EQ(fsdp.owner_plan().windows, expected.windows);
       EXPECT_EQ(fsdp.owner_plan().rounds, expected.rounds);
@@ -419,6 +427,7 @@ TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes
       }
     } else {
       EXPECT_TRUE(fsdp.owner_plan().windows.empty());
+      // Everything fits one round; at 1e15 B/s splitting it would hide nothing.
       if (run.budget == kUnlimitedPrefetch) {
         EXPECT_EQ(plan.rounds.size(), 1u);
       }
@@ -933,6 +942,83 @@ TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW) {
           << (shard - slice).abs().max().item<double>();
       EXPECT_TRUE(at::equal(module_params[i].detach(), expected)) << name;
     }
+  }
+}
+
+// ---- the cost model's rates, measured at construction (docs/DESIGN.md §7) ----
+
+// The rates a FsdpMuon planned with, as every rank sees them: rank 0's, after checking that
+// every rank has exactly the same.
+std::vector<double> rates_alike(const FsdpMuon& fsdp) {
+  const FsdpMuonStepStats& st = fsdp.last_step_stats();
+  const std::vector<double> mine = {st.newton_schulz_flops_per_second, st.bytes_per_second,
+                                    st.inter_node_bytes_per_second, st.exchange_latency_seconds,
+                                    st.rates_measured ? 1.0 : 0.0};
+  const at::Tensor send = at::tensor(mine, at::kDouble);
+  const at::Tensor all = at::empty({world().size() * send.numel()}, at::kDouble);
+  world().all_gather(send, all);
+  for (int r = 0; r < world().size(); ++r) {
+    EXPECT_TRUE(
+        at::equal(all.narrow(0, r * send.numel(), send.numel()), all.narrow(0, 0, send.numel())))
+        << "rank " << r << " planned with other rates than rank 0";
+  }
+  return mine;
+}
+
+TEST(FsdpMuonCalibration, RatesMeasuredAlikeOnEveryRank) {
+  Model model = make_model(61);
+  const FsdpMuonConfig defaults;
+  {
+    FsdpMuon fsdp(sharded_matrices(model), MuonOptions());
+    const std::vector<double> rates = rates_alike(fsdp);
+    const FsdpMuonStepStats& st = fsdp.last_step_stats();
+    EXPECT_TRUE(st.rates_measured);
+    EXPECT_GT(rates[0], 0);
+    EXPECT_NE(rates[0], defaults.newton_schulz_flops_per_second());
+    if (world().size() > 1) {
+      EXPECT_GT(rates[1], 0);
+      EXPECT_NE(rates[1], defaults.bytes_per_second());
+      EXPECT_GE(rates[3], 0);
+      EXPECT_NE(rates[3], defaults.exchange_latency_seconds());
+    } else {  // nothing moves: the link rates stay the config's
+      EXPECT_EQ(rates[1], defaults.bytes_per_second());
+      EXPECT_EQ(rates[3], defaults.exchange_latency_seconds());
+    }
+    EXPECT_EQ(rates[2], defaults.inter_node_bytes_per_second());  // one replica
+    EXPECT_EQ(st.predicted_seconds, fsdp.owner_plan().pipelined_seconds());
+    EXPECT_GT(st.predicted_seconds, 0);
+  }
+  {
+    // A rate set by hand is kept; the others are measured.
+    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), FsdpMuonConfig().bytes_per_second(1e9));
+    const std::vector<double> rates = rates_alike(fsdp);
+    EXPECT_TRUE(fsdp.last_step_stats().rates_measured);
+    EXPECT_EQ(rates[1], 1e9);
+    EXPECT_NE(rates[0], defaults.newton_schulz_flops_per_second());
+  }
+  // calibrate_rates(false), or every rate set: nothing measured, the config's rates exactly.
+  for (const FsdpMuonConfig& config :
+       {FsdpMuonConfig().calibrate_rates(false), FsdpMuonConfig()
+                                                     .newton_schulz_flops_per_second(1e12)
+                                                     .bytes_per_second(2e9)
+                                                     .inter_node_bytes_per_second(3e8)
+                                                     .exchange_latency_seconds(1e-3)}) {
+    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), config);
+    EXPECT_EQ(rates_alike(fsdp),
+              (std::vector<double>{config.newton_schulz_flops_per_second(),
+                                   config.bytes_per_second(), config.inter_node_bytes_per_second(),
+                                   config.exchange_latency_seconds(), 0.0}));
+  }
+  // Some ranks measure, others not: the same error on every rank, no hang.
+  if (world().size() > 1) {
+    expect_error(
+        [&] {
+          FsdpMuon(sharded_matrices(model), MuonOptions(),
+                   FsdpMuonConfig().calibrate_rates(world().rank() != 0));
+        },
+        {"fsdp_muon::FsdpMuon: " + std::to_string(world().size() - 1) + " of " +
+         std::to_string(world().size()) +
+         " ranks measure the cost model's rates at construction and the others do not"});
   }
 }
 

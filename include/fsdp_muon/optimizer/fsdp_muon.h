@@ -81,12 +81,22 @@ struct FsdpMuonConfig {
   // mesh; bytes_per_second is the rate within a replica. The default is an estimate for 400 Gb/s
   // InfiniBand per GPU under all-to-all (~25 GB/s achieved), not a measurement.
   TORCH_ARG(double, inter_node_bytes_per_second) = 2.5e10;
+  // The cost model's fixed cost of one collective exchange (a gather or a scatter), with which
+  // overlap_communication decides how many rounds a step has (OwnerPlan::pipelined_seconds).
+  // The default is an estimate for an NCCL all-to-all within a node.
+  TORCH_ARG(double, exchange_latency_seconds) = 5e-5;
   // On a mesh with several replicas: who orthogonalizes each matrix (see ReplicaNewtonSchulz).
   // kByCost, the default, picks at construction whichever of kOncePerWorld and kOncePerReplica
   // the cost model above predicts faster. The result bits are the same under all three.
   TORCH_ARG(ReplicaNewtonSchulz, replica_newton_schulz) = ReplicaNewtonSchulz::kByCost;
-  // Reserved for measuring the cost model's rates at construction (issue 21, item 4). Today it
-  // has no effect: FsdpMuon plans with the three rates above, whatever it says.
+  // Measure the cost model's rates at construction (docs/DESIGN.md §7): one Newton–Schulz of
+  // the median matrix (scaled down to at most 2^16 elements on the CPU, 2^22 on CUDA) and a
+  // short all-to-all on the shard and on the replicate communicators, the slowest rank's times
+  // on every rank, a few ms. Each of the four rates above left at its default is replaced by
+  // its measurement (a rate set to any other value is kept; one nothing measures, such as the
+  // inter-node rate on one replica, keeps its default); with every rate set, nothing is
+  // measured. The plan (owners, rounds) then depends on the machine and its load, the result
+  // bits never do. last_step_stats() reports the rates planned with.
   TORCH_ARG(bool, calibrate_rates) = true;
   // When ranks meet (see OwnerSchedule): kRounds, the default, chosen from bench/RESULTS.md,
   // packs every rank's owned matrices into rounds of about equal cost over the whole model.
@@ -102,7 +112,9 @@ struct FsdpMuonConfig {
   // Start the gather of the next round (or window) before orthogonalizing the current one, and
   // let the current one's scatter run while the next is orthogonalized (docs/DESIGN.md §3);
   // each round is then packed to half of prefetch_budget_bytes, so that what a rank holds at
-  // once stays within it. The result bits are the same either way.
+  // once stays within it, and under kRounds the cost model splits the step into more rounds
+  // where that hides more of the exchange (OwnerPlan::pipelined_seconds). The result bits are
+  // the same either way.
   TORCH_ARG(bool, overlap_communication) = true;
   // See NonFiniteGradients. With kSkipStep (the default: one NaN must not silently turn the
   // whole model into NaN) the model weights are still refreshed (another optimizer may have
@@ -170,6 +182,15 @@ struct FsdpMuonStepStats {
   double scatter_seconds = 0;
   double apply_seconds = 0;
   double refresh_seconds = 0;
+  // The owner plan's prediction of a step's gather + Newton–Schulz + scatter
+  // (OwnerPlan::pipelined_seconds), and the rates it was planned with: measured at construction
+  // where rates_measured (FsdpMuonConfig::calibrate_rates), the config's otherwise.
+  double predicted_seconds = 0;
+  bool rates_measured = false;
+  double newton_schulz_flops_per_second = 0;
+  double bytes_per_second = 0;
+  double inter_node_bytes_per_second = 0;
+  double exchange_latency_seconds = 0;
 };
 
 // One matrix FsdpMuon updates, as planned at construction: a 2-D parameter, or one block of a

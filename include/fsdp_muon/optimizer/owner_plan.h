@@ -136,6 +136,7 @@ struct OwnerPlanOptions {
   // bytes_per_second is the rate within a replica (the shard group, one node); this one the rate
   // between replicas (across nodes).
   TORCH_ARG(double, inter_node_bytes_per_second);
+  TORCH_ARG(double, exchange_latency_seconds);
   // Bytes of one element moved and held, for a PlanGroup whose element_bytes is 0 (FsdpMuon
   // sets every group's: its main dtype's). The planner's own setting.
   TORCH_ARG(int64_t, element_bytes) = 4;
@@ -153,6 +154,7 @@ struct OwnerPlan {
   double newton_schulz_flops_per_second = 0;
   double bytes_per_second = 0;
   double inter_node_bytes_per_second = 0;
+  double exchange_latency_seconds = 0;
   OwnerPolicy policy = OwnerPolicy::kHoldersOnly;
   OwnerSchedule schedule = OwnerSchedule::kWindows;
   int64_t element_bytes = 4;
@@ -168,6 +170,10 @@ struct OwnerPlan {
   // [round][rank]: Newton–Schulz FLOPs / full-matrix bytes of the rank's owned matrices in it.
   std::vector<std::vector<int64_t>> round_cost_per_rank;
   std::vector<std::vector<int64_t>> round_full_bytes_per_rank;
+  // [round]: the busiest rank's time to send its part of the round's gather / scatter at the
+  // rates planned with (within and across replicas), plus exchange_latency_seconds.
+  std::vector<double> round_gather_seconds;
+  std::vector<double> round_scatter_seconds;
   // [group]: the round after which all of the group's matrices are updated (its model weights
   // can be refreshed); the last round for a group without matrices.
   std::vector<size_t> refresh_after_round;
@@ -232,6 +238,13 @@ struct OwnerPlan {
                            double inter_node_bytes_per_second) const;
   // The above at the rates the plan was made with.
   double estimated_seconds() const;
+  // The step's timeline as FsdpMuon runs it (docs/DESIGN.md §3): one compute stream (assemble,
+  // Newton–Schulz at the plan's rate, apply) and one link that runs the collectives in the order
+  // they start (gather 0, then per round gather t+1 where it overlaps, scatter t), each taking
+  // round_gather_seconds / round_scatter_seconds. Without overlap it is the sum over rounds of
+  // gather + Newton–Schulz + scatter. What FsdpMuonConfig::overlap_communication chooses the
+  // number of rounds by.
+  double pipelined_seconds() const;
   // A few lines for logs and benchmarks.
   std::string summary() const;
 };
@@ -243,7 +256,10 @@ struct OwnerPlan {
 // descending cost, go to the cheapest of R rounds where their full bytes fit the budget (half
 // of it with overlap; a matrix larger than that alone in a round), R the fewest rounds that
 // fit every rank; each rank's rounds are then sorted by descending cost, so that the
-// expensive rounds of all ranks coincide.
+// expensive rounds of all ranks coincide. With overlap_communication, R is at least the
+// fewest that fit and at most 64, the count (of 1, 2, 4, ... 64 rounds asked for) whose
+// pipelined_seconds() is lowest (more rounds only where at least 1% lower): more rounds hide
+// more of the exchange behind Newton–Schulz, each costs exchange_latency_seconds twice.
 //
 // kWindows: window by window (one window, all groups, under the default unlimited budget).
 // Holders-only: a matrix held by one rank goes to it; every other matrix of the window, all its

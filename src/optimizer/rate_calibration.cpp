@@ -1,0 +1,197 @@
+// Rate calibration (docs/DESIGN.md §7): the cost model's rates measured where FsdpMuon runs.
+#include "optimizer/rate_calibration.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <fsdp_muon/fsdp/parameter_group.h>
+#include <fsdp_muon/muon/muon_options.h>
+
+#include "comm/agreement.h"
+
+namespace fsdp_muon::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Waits for the device work behind `t` (a host copy on CUDA; CPU work is done already).
+void settle(const at::Tensor& t) {
+  if (t.is_cuda()) (void)t.sum().item<double>();
+}
+
+// One all-to-all of `per_peer` fp32 elements to every peer, timed.
+double time_all_to_all(Communicator& comm, int64_t per_peer) {
+  const int64_t n = comm.size();
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(comm.device());
+  const at::Tensor send = at::zeros({n * per_peer}, options);
+  const at::Tensor recv = at::empty({n * per_peer}, options);
+  const std::vector<int64_t> counts(n, per_peer);
+  settle(send);
+  const auto start = Clock::now();
+  comm.all_to_all_v(send, counts, recv, counts);
+  settle(recv);
+  return seconds_since(start);
+}
+
+// [latency, bulk] seconds on `comm`: the second of two one-element all-to-alls, then one of
+// `per_peer` elements per peer. Zeros for a communicator of one rank (nothing to send).
+std::pair<double, double> probe(Communicator& comm, int64_t per_peer) {
+  if (comm.size() == 1) return {0.0, 0.0};
+  (void)time_all_to_all(comm, 1);
+  const double latency = time_all_to_all(comm, 1);
+  return {latency, time_all_to_all(comm, per_peer)};
+}
+
+double link_rate(const Communicator& comm, int64_t per_peer, double latency, double bulk) {
+  const double sent = static_cast<double>((comm.size() - 1) * per_peer * 4);
+  // A bulk transfer no slower than the latency probe: the link is faster than this clock can
+  // tell; its bytes over the latency is a lower bound.
+  return sent / std::max(bulk - latency, std::max(latency, 1e-9));
+}
+
+}  // namespace
+
+CalibrationShape representative_shape(std::vector<CalibrationShape> shapes, int64_t max_elements) {
+  if (shapes.empty()) return {};
+  std::stable_sort(shapes.begin(), shapes.end(),
+                   [](const CalibrationShape& a, const CalibrationShape& b) {
+                     return newton_schulz_flops(a.rows, a.cols, a.newton_schulz) <
+                            newton_schulz_flops(b.rows, b.cols, b.newton_schulz);
+                   });
+  CalibrationShape median = shapes[(shapes.size() - 1) / 2];
+  const double numel = static_cast<double>(median.rows) * static_cast<double>(median.cols);
+  if (numel > static_cast<double>(max_elements)) {
+    const double scale = std::sqrt(static_cast<double>(max_elements) / numel);
+    median.rows = std::max<int64_t>(1, static_cast<int64_t>(std::floor(median.rows * scale)));
+    median.cols = std::max<int64_t>(1, static_cast<int64_t>(std::floor(median.cols * scale)));
+  }
+  return median;
+}
+
+MeasuredRates measure_rates(const DeviceMesh& mesh, const CalibrationShape& shape,
+                            int64_t bytes_per_peer) {
+  TORCH_CHECK(bytes_per_peer >= 4, "fsdp_muon::measure_rates: bytes_per_peer must be >= 4, got ",
+              bytes_per_peer);
+  const auto start = Clock::now();
+  const int64_t per_peer = bytes_per_peer / 4;
+  // [Newton–Schulz, shard latency, shard bulk, replicate latency, replicate bulk] seconds.
+  std::vector<double> times(5, 0.0);
+  if (shape.rows > 0 && shape.cols > 0) {
+    // Values do not change a GEMM's time; a fixed matrix leaves the caller's RNG alone.
+    const at::Tensor x =
+        at::sin(at::arange(shape.rows * shape.cols,
+                           at::TensorOptions().dtype(at::kFloat).device(mesh.world->device())))
+            .reshape({shape.rows, shape.cols});
+    settle(newton_schulz(x, shape.newton_schulz));  // the first call pays one-time set-up
+    const auto ns_start = Clock::now();
+    settle(newton_schulz(x, shape.newton_schulz));
+    times[0] = seconds_since(ns_start);
+  }
+  std::tie(times[1], times[2]) = probe(*mesh.shard, per_peer);
+  std::tie(times[3], times[4]) = probe(*mesh.replicate, per_peer);
+  // The slowest rank's figures, on every rank.
+  at::Tensor slowest = at::tensor(times, at::kDouble).to(mesh.world->device());
+  mesh.world->all_reduce(slowest, ReduceOp::kMax);
+  slowest = slowest.cpu();
+  const auto at_ = [&](int i) { return slowest[i].item<double>(); };
+
+  MeasuredRates rates;
+  rates.measured = true;
+  if (at_(0) > 0) {
+    rates.newton_schulz_flops_per_second =
+        newton_schulz_flops(shape.rows, shape.cols, shape.newton_schulz) / at_(0);
+  }
+  if (mesh.shard->size() > 1) {
+    rates.bytes_per_second = link_rate(*mesh.shard, per_peer, at_(1), at_(2));
+    rates.exchange_latency_seconds = at_(1);
+  }
+  if (mesh.replicate->size() > 1) {
+    rates.inter_node_bytes_per_second = link_rate(*mesh.replicate, per_peer, at_(3), at_(4));
+    if (rates.exchange_latency_seconds < 0) rates.exchange_latency_seconds = at_(3);
+  }
+  rates.seconds = seconds_since(start);
+  return rates;
+}
+
+OwnerPlanOptions calibrated_plan_options(const FsdpMuonConfig& config,
+                                         const MeasuredRates& measured) {
+  OwnerPlanOptions options = config.owner_plan_options();
+  if (!measured.measured) return options;
+  const FsdpMuonConfig defaults;
+  if (measured.newton_schulz_flops_per_second > 0 &&
+      config.newton_schulz_flops_per_second() == defaults.newton_schulz_flops_per_second()) {
+    options.newton_schulz_flops_per_second(measured.newton_schulz_flops_per_second);
+  }
+  if (measured.bytes_per_second > 0 && config.bytes_per_second() == defaults.bytes_per_second()) {
+    options.bytes_per_second(measured.bytes_per_second);
+  }
+  if (measured.inter_node_bytes_per_second > 0 &&
+      config.inter_node_bytes_per_second() == defaults.inter_node_bytes_per_second()) {
+    options.inter_node_bytes_per_second(measured.inter_node_bytes_per_second);
+  }
+  if (measured.exchange_latency_seconds >= 0 &&
+      config.exchange_latency_seconds() == defaults.exchange_latency_seconds()) {
+    options.exchange_latency_seconds(measured.exchange_latency_seconds);
+  }
+  return options;
+}
+
+MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                        const MuonOptions& muon_defaults, const FsdpMuonConfig& config) {
+  std::optional<DeviceMesh> found;
+  for (const auto& group : param_groups) {
+    for (const at::Tensor& p : group.params()) {
+      if (found) break;
+      if (auto info = find_sharded_parameter(p)) found = info->group->mesh();
+    }
+  }
+  if (!found) return {};  // nobody to measure with; FsdpMuon reports the error
+  const DeviceMesh& mesh = *found;
+  const FsdpMuonConfig defaults;
+  const bool wants =
+      config.calibrate_rates() &&
+      (config.newton_schulz_flops_per_second() == defaults.newton_schulz_flops_per_second() ||
+       config.bytes_per_second() == defaults.bytes_per_second() ||
+       config.inter_node_bytes_per_second() == defaults.inter_node_bytes_per_second() ||
+       config.exchange_latency_seconds() == defaults.exchange_latency_seconds());
+  std::vector<CalibrationShape> shapes;
+  const std::vector<int64_t> calibrating = agree_on_sum(
+      *mesh.world, "fsdp_muon::FsdpMuon: rate calibration", 1, [&](std::vector<int64_t>& mine) {
+        mine[0] = wants ? 1 : 0;
+        if (!wants) return;
+        for (const auto& group : param_groups) {
+          const auto* options = group.has_options()
+                                    ? dynamic_cast<const MuonOptions*>(&group.options())
+                                    : &muon_defaults;
+          if (options == nullptr) continue;  // an error FsdpMuon reports later
+          for (const at::Tensor& p : group.params()) {
+            const auto info = find_sharded_parameter(p);
+            if (!info) continue;
+            const std::vector<int64_t>& shape = info->slot().shape;
+            if (shape.size() < 2 || shape.size() > 3) continue;
+            shapes.push_back(
+                {shape[shape.size() - 2], shape.back(), options->newton_schulz_options()});
+          }
+        }
+      });
+  const int64_t world = mesh.world->size();
+  TORCH_CHECK(calibrating[0] == 0 || calibrating[0] == world,
+              "fsdp_muon::FsdpMuon: ", calibrating[0], " of ", world,
+              " ranks measure the cost model's rates at construction and the others do not; "
+              "give every rank the same FsdpMuonConfig (calibrate_rates and the four rates)");
+  if (calibrating[0] == 0) return {};
+  const bool cuda = mesh.world->device().is_cuda();
+  return measure_rates(mesh, representative_shape(std::move(shapes), cuda ? 1 << 22 : 1 << 16),
+                       cuda ? 8 << 20 : 256 << 10);
+}
+
+}  // namespace fsdp_muon::detail
