@@ -154,6 +154,8 @@ int run_measure(Flags& flags) {
   const std::string prefetch = flags.get("prefetch-mib", "1024");
   const std::string schedule_name = flags.get("schedule", "rounds");
   const int64_t threads = flags.get_int("threads", 0);
+  // HSDP: groups sharded over this many ranks and replicated over the rest (0: every rank).
+  const int64_t shard_size = flags.get_int("shard-size", 0);
   const bool compare = flags.has("compare");
   const std::string scale_flag = flags.get("scale", "");
   // The cost model's rates (FsdpMuonConfig's defaults when not given): with overlap they decide
@@ -179,6 +181,10 @@ int run_measure(Flags& flags) {
   const auto comm = fsdp_muon::init_from_env();
   const c10::Device device = comm->device();
   const int rank = comm->rank(), world = comm->size();
+  TORCH_CHECK(shard_size >= 0, "--shard-size must be >= 1 (0: every rank)");
+  const fsdp_muon::DeviceMesh mesh =
+      shard_size > 0 ? fsdp_muon::make_device_mesh(comm, static_cast<int>(shard_size))
+                     : fsdp_muon::one_dimensional_mesh(comm);
   // On a CPU the default presets are scaled down to run in seconds; on a GPU they are full size.
   const int64_t default_scale = device.is_cuda() ? 1 : (preset == "gpt2" ? 1 : 8);
   const int64_t scale = scale_flag.empty() ? default_scale : std::stoll(scale_flag);
@@ -201,7 +207,7 @@ int run_measure(Flags& flags) {
       named.emplace_back(pname, (at::randn(shape) * 0.02).to(device).requires_grad_(true));
     }
     groups.push_back(std::make_shared<fsdp_muon::FsdpParameterGroup>(
-        named, comm, fsdp_muon::FsdpParameterGroupOptions().name(name)));
+        named, mesh, fsdp_muon::FsdpParameterGroupOptions().name(name)));
     for (size_t i = 0; i < groups.back()->num_parameters(); ++i) {
       if (groups.back()->slot(i).shape.size() == 2) {
         matrices.push_back(groups.back()->sharded_parameter(i));
@@ -223,10 +229,13 @@ int run_measure(Flags& flags) {
           .exchange_latency_seconds(latency_us * 1e-6);
   fsdp_muon::FsdpMuon muon(matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype), config);
   const fsdp_muon::OwnerPlan& plan = muon.owner_plan();
+  // The plan's ranks: world ranks when owners span the replicas, else shard ranks.
+  const int plan_rank = plan.world_size == world ? rank : mesh.shard->rank();
 
   torch::manual_seed(1000 + rank);
   std::vector<double> sum(kNumPhases, 0.0);
   int64_t gather_bytes = 0, scatter_bytes = 0, transient = 0;
+  int64_t inter_bytes = 0, reduce_shard_bytes = 0, reduce_replicate_bytes = 0;
   for (int64_t s = 0; s < warmup + steps; ++s) {
     for (const auto& g : groups) {
       g->zero_grad();
@@ -234,7 +243,11 @@ int run_measure(Flags& flags) {
     }
     sync(device);
     auto t0 = Clock::now();
+    mesh.shard->reset_stats();
+    mesh.replicate->reset_stats();
     for (const auto& g : groups) g->reduce_scatter_grads();
+    reduce_shard_bytes = mesh.shard->stats().total_bytes();
+    reduce_replicate_bytes = mesh.replicate->stats().total_bytes();
     sync(device);
     const double rs = seconds_since(t0);
     t0 = Clock::now();
@@ -255,6 +268,7 @@ int run_measure(Flags& flags) {
     for (int p = 0; p < kNumPhases; ++p) sum[p] += phases[p] / steps;
     gather_bytes = st.gather_bytes;
     scatter_bytes = st.scatter_bytes;
+    inter_bytes = st.gather_inter_node_bytes + st.scatter_inter_node_bytes;
     transient = std::max(transient, st.max_transient_bytes);
   }
 
@@ -331,11 +345,15 @@ int run_measure(Flags& flags) {
   std::vector<double> local(sum);
   local.push_back(static_cast<double>(gather_bytes + scatter_bytes));
   local.push_back(
-      static_cast<double>(plan.gather_bytes_per_rank[rank] + plan.scatter_bytes_per_rank[rank]));
+      static_cast<double>(plan.gather_bytes_per_rank[plan_rank] +
+                          plan.scatter_bytes_per_rank[plan_rank]));
   local.push_back(static_cast<double>(transient));
   local.push_back(gemm_rate);
-  local.push_back(static_cast<double>(plan.cost_per_rank[rank]));
+  local.push_back(static_cast<double>(plan.cost_per_rank[plan_rank]));
   local.push_back(muon_step);
+  local.push_back(static_cast<double>(inter_bytes));
+  local.push_back(static_cast<double>(reduce_shard_bytes));
+  local.push_back(static_cast<double>(reduce_replicate_bytes));
   const at::Tensor mine = at::tensor(local, at::kDouble).to(device);
   at::Tensor maxes = mine.clone(), sums = mine.clone();
   comm->all_reduce(maxes, fsdp_muon::ReduceOp::kMax);
@@ -367,6 +385,12 @@ int run_measure(Flags& flags) {
       device.str().c_str(), comm->backend_name().c_str(), ns_dtype_name.c_str(),
       policy_name.c_str(), prefetch.c_str(), static_cast<long long>(steps),
       static_cast<long long>(warmup));
+  std::printf("mesh %s (replicas x shard): %s\n", mesh.shape().c_str(), muon.describe().c_str());
+  std::printf(
+      "bytes per rank per step (max rank): optimizer %.3f MiB, of it inter-node %.3f MiB; "
+      "gradient reduction %.3f MiB in the shard group, %.3f MiB across replicas\n",
+      mx(kNumPhases) / kMiB, mx(kNumPhases + 6) / kMiB, mx(kNumPhases + 7) / kMiB,
+      mx(kNumPhases + 8) / kMiB);
   if (device.is_cuda()) {
     std::printf(
         "(CUDA: phase times are execution times on the stream, from CUDA events; the step "
