@@ -127,6 +127,9 @@ int run_strategies_driver(Flags& flags) {
   const int64_t steps = flags.get_int("steps", 5);
   const int64_t warmup = flags.get_int("warmup", 1);
   const int64_t threads = flags.get_int("threads", 1);
+  // HSDP: groups sharded over this many ranks and replicated over W / shard-size (0: every rank,
+  // the 1-D run, whose command lines and output are those of a run without the flag).
+  const int64_t shard_size = flags.get_int("shard-size", 0);
   const std::string out_dir = flags.get("out-dir", "fsdp_strategies_bench_out");
   const char* env_python = std::getenv("FSDP_MUON_PYTHON");
   const std::string python = flags.get("python", env_python != nullptr ? env_python : "");
@@ -144,6 +147,31 @@ int run_strategies_driver(Flags& flags) {
     TORCH_CHECK(w >= 1 && w <= 64, "fsdp_strategies_bench: --world-sizes: ", w,
                 " is not in [1, 64]");
   }
+  // A shard size that does not divide a world size is an error before anything is launched,
+  // not a skipped W: the user asked for that mesh, and a table without the W they listed would
+  // read as a complete run.
+  TORCH_CHECK(shard_size >= 0,
+              "fsdp_strategies_bench: --shard-size must be >= 1 (or 0: every rank), got ",
+              shard_size);
+  if (shard_size > 0) {
+    std::string bad;
+    for (int64_t w : worlds) {
+      if (w % shard_size != 0)
+        bad += format("%s%lld", bad.empty() ? "" : ",", static_cast<long long>(w));
+    }
+    TORCH_CHECK(bad.empty(), "fsdp_strategies_bench: --shard-size ", shard_size,
+                " does not divide --world-sizes ", bad,
+                " (an HSDP mesh is W / shard-size replicas of shard-size ranks); give world "
+                "sizes that are multiples of ",
+                shard_size, ", or --shard-size 0 for every rank");
+  }
+  // The mesh of world size w, "<replicas>x<shard size>" as DeviceMesh::shape() prints it.
+  auto mesh_of = [&](int64_t w) {
+    const int64_t s = shard_size > 0 ? shard_size : w;
+    return format("%lldx%lld", static_cast<long long>(w / s), static_cast<long long>(s));
+  };
+  const std::string mesh_args =
+      shard_size > 0 ? format(" --shard-size %lld", static_cast<long long>(shard_size)) : "";
   TORCH_CHECK(std::system(("mkdir -p " + shell_quote(out_dir)).c_str()) == 0,
               "fsdp_strategies_bench: cannot create --out-dir ", out_dir);
 
@@ -164,9 +192,15 @@ int run_strategies_driver(Flags& flags) {
     std::printf("%s%lld", i ? "," : "", static_cast<long long>(worlds[i]));
   }
   std::printf(
-      " on %u CPU cores (Gloo); each W: ours (every strategy, prefetch on/off) in one "
+      " on %u CPU cores (Gloo)%s; each W: ours (every strategy, prefetch on/off) in one "
       "launch, then the peer in another; logs in %s\n",
-      cores, out_dir.c_str());
+      cores,
+      shard_size > 0
+          ? format(", HSDP: shard groups of %lld rank(s), replicated over W / %lld",
+                   static_cast<long long>(shard_size), static_cast<long long>(shard_size))
+                .c_str()
+          : "",
+      out_dir.c_str());
 
   std::vector<PerWorld> all;
   for (const int64_t w : worlds) {
@@ -180,11 +214,11 @@ int run_strategies_driver(Flags& flags) {
     const std::string load_before = load_average();
     const std::string ours_log =
         format("%s/ours_w%lld.log", out_dir.c_str(), static_cast<long long>(w));
-    const std::string ours =
-        run_logged(format("the worker at W=%lld", static_cast<long long>(w)),
-                   env + launch + " --no-python " + shell_quote(self_executable()) + " --worker " +
-                       model_args + format(" --threads %lld", static_cast<long long>(threads)),
-                   ours_log);
+    const std::string ours = run_logged(
+        format("the worker at W=%lld", static_cast<long long>(w)),
+        env + launch + " --no-python " + shell_quote(self_executable()) + " --worker " +
+            model_args + format(" --threads %lld", static_cast<long long>(threads)) + mesh_args,
+        ours_log);
     pw.ours = lines_with(ours, "strategy: ");
     TORCH_CHECK(pw.ours.size() == 6, "fsdp_strategies_bench: the worker at W=", w, " printed ",
                 pw.ours.size(), " result lines, expected 6 (see ", ours_log, ")");
@@ -193,12 +227,21 @@ int run_strategies_driver(Flags& flags) {
     const std::string peer =
         run_logged(format("the FSDP2 peer at W=%lld", static_cast<long long>(w)),
                    env + launch + " " + shell_quote(peer_script) + " " + model_args +
-                       format(" --threads %lld", static_cast<long long>(threads)),
+                       format(" --threads %lld", static_cast<long long>(threads)) + mesh_args,
                    peer_log);
     const auto peer_lines = lines_with(peer, "peer: ");
     TORCH_CHECK(peer_lines.size() == 1, "fsdp_strategies_bench: the peer at W=", w,
                 " printed no result line (see ", peer_log, ")");
     pw.peer = peer_lines[0];
+    if (shard_size > 0) {
+      // Both sides ran on the mesh asked for (the worker's DeviceMesh, the peer's DeviceMesh).
+      for (const ResultLine* r : {&pw.ours[0], &pw.peer}) {
+        const auto it = r->find("mesh");
+        TORCH_CHECK(it != r->end() && it->second == mesh_of(w), "fsdp_strategies_bench: at W=", w,
+                    " the ", r == &pw.peer ? peer_log : ours_log, " run reports mesh ",
+                    it == r->end() ? std::string("(none)") : it->second, ", expected ", mesh_of(w));
+      }
+    }
     all.push_back(pw);
 
     // This W's table.
@@ -206,11 +249,12 @@ int run_strategies_driver(Flags& flags) {
     const double model_bytes = num(any, "model_bytes");
     const double two_groups = 2.0 * num(any, "largest_group_bytes");
     std::printf(
-        "\n== W=%lld, %lld intra-op thread(s) per rank, load average %s -> %s: %.2f M "
+        "\n== W=%lld%s, %lld intra-op thread(s) per rank, load average %s -> %s: %.2f M "
         "parameters, weights %.2f MiB, weights + grads %.2f MiB, two groups' worth %.2f MiB\n",
-        static_cast<long long>(w), static_cast<long long>(threads), load_before.c_str(),
-        load_average().c_str(), num(any, "params") / 1e6, model_bytes / kMiB,
-        2 * model_bytes / kMiB, two_groups / kMiB);
+        static_cast<long long>(w),
+        shard_size > 0 ? format(" (mesh %s, replicas x shard)", mesh_of(w).c_str()).c_str() : "",
+        static_cast<long long>(threads), load_before.c_str(), load_average().c_str(),
+        num(any, "params") / 1e6, model_bytes / kMiB, 2 * model_bytes / kMiB, two_groups / kMiB);
     std::printf("%-30s %-4s %9s %8s %8s %8s %8s %8s %10s %7s %7s %9s %11s\n", "who", "pf",
                 "step ms", "fwd", "bwd", "rs", "adamw", "muon", "peak MiB", "/W+G", "/2grp",
                 "state MiB", "final loss");
@@ -234,6 +278,25 @@ int run_strategies_driver(Flags& flags) {
                 num(pw.peer, "sharded_state_bytes") / kMiB, pw.peer.at("final_loss").c_str());
     std::printf("  (FSDP2's flat staging buffers at its peak, not counted above: %.2f MiB)\n",
                 num(pw.peer, "peak_staging_bytes") / kMiB);
+    if (shard_size > 0) {
+      // Ours by communicator (the worker checked them against the mesh and FsdpMuon's plan);
+      // FSDP2 on the same mesh: reduce-scatter in "shard", all-reduce over "replicate".
+      std::printf(
+          "  bytes per rank per step (MiB, max rank) on mesh %s: gradient reduction in the "
+          "shard group / across replicas, weight all-gathers, FsdpMuon gather + scatter within "
+          "the replica / to other replicas\n",
+          mesh_of(w).c_str());
+      std::printf("  %-28s %-4s %10s %10s %10s %11s %11s  %s\n", "who", "pf", "grad shard",
+                  "grad repl", "wt gather", "muon intra", "muon inter", "replica NS");
+      for (const auto& r : pw.ours) {
+        std::printf("  %-28s %-4s %10.3f %10.3f %10.3f %11.3f %11.3f  %s\n",
+                    format("fsdp_muon %s", r.at("strategy").c_str()).c_str(),
+                    r.at("prefetch") == "1" ? "on" : "off", num(r, "grad_shard_bytes") / kMiB,
+                    num(r, "grad_replica_bytes") / kMiB, num(r, "weight_gather_bytes") / kMiB,
+                    num(r, "optim_intra_bytes") / kMiB, num(r, "optim_inter_bytes") / kMiB,
+                    r.at("replica_ns").c_str());
+      }
+    }
   }
 
   // Summary against the goals, and the plot's data.
@@ -293,6 +356,12 @@ int run_strategies_driver(Flags& flags) {
   std::string worlds_text;
   for (const auto& pw : all)
     worlds_text += format("%s%d", worlds_text.empty() ? "" : ",", pw.world);
+  if (shard_size > 0) {
+    std::string meshes;
+    for (const auto& pw : all)
+      meshes += format("%s%s", meshes.empty() ? "" : ",", mesh_of(pw.world).c_str());
+    worlds_text += format(" (mesh %s, replicas x shard)", meshes.c_str());
+  }
   std::printf(
       "\nheadline: GPT-2 shapes (%lld layers, width %lld) at W=%s on the CPU: ZeRO-3 peak "
       "unsharded <= %.2fx two groups' worth (goal <= 1), ZeRO-3 step / ZeRO-1 %s (goal <= 1.15), "

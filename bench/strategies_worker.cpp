@@ -9,6 +9,12 @@
 // stepped. Every configuration starts from the same weights and sees the same batches, so their
 // final losses agree bitwise (one micro-batch): the run exits 1, after its table, when they
 // do not, so the GPU stage fails on a strategy that changes the numbers.
+//
+// --shard-size N puts the groups on an HSDP mesh (W / N replicas of N shard ranks; FsdpMuon
+// finds the mesh in the groups). Every configuration also counts the bytes its step sent by
+// communicator (gradient reduce-scatter in the shard group, all-reduce across replicas, weight
+// all-gathers, FsdpMuon's gather + scatter within and across replicas); the run exits 1 as well
+// when those are not what the mesh and FsdpMuon's plan make them.
 
 #include <algorithm>
 #include <chrono>
@@ -81,21 +87,35 @@ struct Measured {
   // optimizers' state (AdamW's moments, FsdpMuon's momentum), bytes as allocated.
   int64_t sharded_state = 0;
   double final_loss = 0;
+  // Bytes this rank sent in the last timed step, by communicator: gradient reduction in the
+  // shard group (reduce-scatter) and across replicas (all-reduce of the shard), weight
+  // all-gathers in the shard group (forward, backward, refresh), and FsdpMuon's owner exchange
+  // (gather + scatter) within the replica and to other replicas (FsdpMuonStepStats).
+  int64_t grad_shard_bytes = 0, grad_replica_bytes = 0, weight_gather_bytes = 0;
+  int64_t optim_intra_bytes = 0, optim_inter_bytes = 0;
+  // What the mesh and FsdpMuon's plan say those bytes must be (checked after the run): the
+  // groups' shard sizes through CommStats' formulas, the plan's per-rank gather + scatter and
+  // inter-node bytes.
+  int64_t expected_grad_shard_bytes = 0, expected_grad_replica_bytes = 0;
+  int64_t planned_optim_bytes = 0, planned_optim_inter_bytes = 0;
+  fsdp_muon::ReplicaNewtonSchulz replica_ns = fsdp_muon::ReplicaNewtonSchulz::kOncePerReplica;
 };
 
 // One configuration: the model, its groups and optimizers, and what its steps measured.
 class Trainer {
  public:
   Trainer(const Setup& setup, fsdp_muon::ShardingStrategy strategy, bool prefetch,
-          const std::shared_ptr<fsdp_muon::Communicator>& comm)
-      : setup_(setup), comm_(comm), device_(comm->device()) {
+          const fsdp_muon::DeviceMesh& mesh)
+      : setup_(setup), mesh_(mesh), comm_(mesh.world), device_(mesh.world->device()) {
     measured_.strategy = strategy;
     measured_.prefetch = prefetch;
     torch::manual_seed(1);  // every configuration starts from the same weights
     model_ = Gpt2(setup.config);
     model_->to(device_);
+    // Sharded over the mesh's shard group, replicated over its replicas (a 1-D mesh: the
+    // communicator's groups, bit for bit and byte for byte: docs/DESIGN.md §2, Meshes).
     groups_ = fsdp_muon::shard_module(
-        *model_, comm,
+        *model_, mesh,
         fsdp_muon::ShardModuleOptions()
             .policy(gpt2_group_of)
             .group_options(
@@ -121,6 +141,12 @@ class Trainer {
         }
       }
       if (!block) refresh_after_step_.push_back(group);
+      // CommStats' counts (src/comm/communicator.cpp) of the two reduction stages.
+      const int64_t shard_bytes =
+          group->shard_numel() * static_cast<int64_t>(c10::elementSize(group->main_dtype()));
+      const int64_t s = mesh.shard_size(), r = mesh.replicas();
+      measured_.expected_grad_shard_bytes += (s - 1) * shard_bytes;
+      measured_.expected_grad_replica_bytes += 2 * (r - 1) * shard_bytes / r;
     }
     muon_ = std::make_unique<fsdp_muon::FsdpMuon>(
         muon_params,
@@ -129,7 +155,19 @@ class Trainer {
                                                    torch::optim::AdamWOptions(setup.adamw_lr)
                                                        .betas(std::make_tuple(0.9, 0.95))
                                                        .weight_decay(0.0));
+    // FsdpMuon found the mesh in the groups; its plan's per-rank figures are indexed by world
+    // ranks when owners span the replicas, else by shard ranks (as fsdp_muon_bench reads them).
+    const fsdp_muon::OwnerPlan& plan = muon_->owner_plan();
+    const int plan_rank =
+        plan.world_size == mesh.world->size() ? mesh.world->rank() : mesh.shard->rank();
+    measured_.replica_ns = plan.replica_newton_schulz;
+    measured_.planned_optim_bytes =
+        plan.gather_bytes_per_rank[plan_rank] + plan.scatter_bytes_per_rank[plan_rank];
+    measured_.planned_optim_inter_bytes =
+        plan.inter_node_bytes_per_rank.empty() ? 0 : plan.inter_node_bytes_per_rank[plan_rank];
   }
+
+  std::string describe_optimizer() const { return muon_->describe(); }
 
   const GroupList& groups() const { return groups_; }
   int64_t model_bytes() const { return model_bytes_; }                  // weights, padded
@@ -151,6 +189,8 @@ class Trainer {
     const int64_t vocab = setup_.config.vocab;
     sync(device_);
     comm_->barrier();
+    // Counted from here (the barrier sends nothing); on a 1-D mesh world and shard are one.
+    for (const auto* c : {&mesh_.world, &mesh_.shard, &mesh_.replicate}) (*c)->reset_stats();
     const auto t0 = Clock::now();
     for (const auto& g : groups_) g->zero_grad();
     at::Tensor x = groups_.front()->forward(
@@ -171,6 +211,9 @@ class Trainer {
     for (const auto& g : groups_) g->reduce_scatter_grads();
     sync(device_);
     const auto t3 = Clock::now();
+    // Gradients are reduced in backward (ZeRO-2/3) or here (ZeRO-1): counted over both.
+    const int64_t grad_shard = mesh_.shard->stats().reduce_scatter_bytes;
+    const int64_t grad_replica = mesh_.replicate->stats().all_reduce_bytes;
     adamw_->step();
     sync(device_);
     const auto t4 = Clock::now();
@@ -179,6 +222,12 @@ class Trainer {
     sync(device_);
     const auto t5 = Clock::now();
     if (!timed) return;
+    const auto& st = muon_->last_step_stats();
+    measured_.grad_shard_bytes = grad_shard;
+    measured_.grad_replica_bytes = grad_replica;
+    measured_.weight_gather_bytes = mesh_.shard->stats().all_gather_bytes;
+    measured_.optim_intra_bytes = st.gather_intra_node_bytes + st.scatter_intra_node_bytes;
+    measured_.optim_inter_bytes = st.gather_inter_node_bytes + st.scatter_inter_node_bytes;
     auto secs = [](Clock::time_point a, Clock::time_point b) {
       return std::chrono::duration<double>(b - a).count();
     };
@@ -218,6 +267,7 @@ class Trainer {
 
  private:
   Setup setup_;
+  fsdp_muon::DeviceMesh mesh_;
   std::shared_ptr<fsdp_muon::Communicator> comm_;
   c10::Device device_;
   Gpt2 model_{nullptr};
@@ -300,6 +350,9 @@ int run_strategies_worker(Flags& flags) {
   const std::string prefetch_flag = flags.get("prefetch", "on,off");
   const int64_t threads = flags.get_int("threads", 0);
   const bool sequential_flag = flags.has("sequential");
+  // HSDP: each group sharded over this many ranks, replicated over world / shard-size (0: every
+  // rank, a 1-D mesh).
+  const int64_t shard_size = flags.get_int("shard-size", 0);
   const auto comm = fsdp_muon::init_from_env();
   const c10::Device device = comm->device();
   const int rank = comm->rank(), world = comm->size();
@@ -317,6 +370,13 @@ int run_strategies_worker(Flags& flags) {
   TORCH_CHECK(setup.steps >= 1 && setup.warmup >= 0 && setup.batch >= 1,
               "fsdp_strategies_bench: --steps and --batch must be >= 1, --warmup >= 0");
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+  TORCH_CHECK(shard_size >= 0,
+              "fsdp_strategies_bench: --shard-size must be >= 1 (or 0: every rank), got ",
+              shard_size);
+  // make_device_mesh names the world size and the shard size when one does not divide the other.
+  const fsdp_muon::DeviceMesh mesh =
+      shard_size > 0 ? fsdp_muon::make_device_mesh(comm, static_cast<int>(shard_size))
+                     : fsdp_muon::one_dimensional_mesh(comm);
 
   std::vector<fsdp_muon::ShardingStrategy> strategies;
   {
@@ -344,17 +404,19 @@ int run_strategies_worker(Flags& flags) {
   // rounds (run_rounds); on a GPU, whose allocator peak is per process, one after another.
   const bool sequential = sequential_flag || device.is_cuda();
   std::vector<Measured> results;
+  std::vector<std::string> optimizer_descriptions;  // FsdpMuon::describe() of each
   int64_t model_bytes = 0, largest_group = 0, num_params = 0;
   std::vector<std::unique_ptr<Trainer>> trainers;
   auto finish = [&](Trainer& t) {
     results.push_back(t.result());
+    optimizer_descriptions.push_back(t.describe_optimizer());
     model_bytes = t.model_bytes();
     largest_group = t.largest_group_bytes();
     num_params = t.num_params();
   };
   for (const auto strategy : strategies) {
     for (const bool prefetch : prefetches) {
-      trainers.push_back(std::make_unique<Trainer>(setup, strategy, prefetch, comm));
+      trainers.push_back(std::make_unique<Trainer>(setup, strategy, prefetch, mesh));
       if (sequential) {
         run_rounds({trainers.back().get()}, setup, *comm);
         finish(*trainers.back());
@@ -372,13 +434,17 @@ int run_strategies_worker(Flags& flags) {
   // Cross-rank: the slowest rank's times, the largest peaks.
   std::vector<double> local;
   for (const auto& m : results) {
-    for (double v : {m.step, m.forward, m.backward, m.reduce_scatter, m.adamw, m.muon,
-                     static_cast<double>(m.peak_total), static_cast<double>(m.peak_group_max),
-                     static_cast<double>(m.cuda_peak), static_cast<double>(m.sharded_state)}) {
+    for (double v :
+         {m.step, m.forward, m.backward, m.reduce_scatter, m.adamw, m.muon,
+          static_cast<double>(m.peak_total), static_cast<double>(m.peak_group_max),
+          static_cast<double>(m.cuda_peak), static_cast<double>(m.sharded_state),
+          static_cast<double>(m.grad_shard_bytes), static_cast<double>(m.grad_replica_bytes),
+          static_cast<double>(m.weight_gather_bytes), static_cast<double>(m.optim_intra_bytes),
+          static_cast<double>(m.optim_inter_bytes)}) {
       local.push_back(v);
     }
   }
-  constexpr int kFields = 10;
+  constexpr int kFields = 15;
   at::Tensor maxes = at::tensor(local, at::kDouble).to(device);
   comm->all_reduce(maxes, fsdp_muon::ReduceOp::kMax);
   maxes = comm->to_host(maxes);
@@ -395,14 +461,63 @@ int run_strategies_worker(Flags& flags) {
                               results.front().prefetch ? "on" : "off", results.front().final_loss);
     }
   }
+  // The bytes this rank sent must be what the mesh makes them: the two reduction stages as
+  // CommStats counts them for these groups' shards (none across replicas on a 1-D mesh, some on
+  // every rank with replicas), FsdpMuon's gather + scatter as its plan says, inter-node only
+  // when it orthogonalizes once in the world on several replicas.
+  std::string bytes_mismatch;
+  for (const auto& m : results) {
+    const std::string who =
+        format(" %s prefetch %s:", fsdp_muon::to_string(m.strategy), m.prefetch ? "on" : "off");
+    auto expect = [&](const char* what, int64_t got, int64_t want) {
+      if (got != want) {
+        bytes_mismatch += format("%s %s %lld bytes, expected %lld;", who.c_str(), what,
+                                 static_cast<long long>(got), static_cast<long long>(want));
+      }
+    };
+    expect("gradient reduce-scatter in the shard group", m.grad_shard_bytes,
+           m.expected_grad_shard_bytes);
+    expect("gradient all-reduce across replicas", m.grad_replica_bytes,
+           m.expected_grad_replica_bytes);
+    if ((mesh.replicas() > 1) != (m.grad_replica_bytes > 0)) {
+      bytes_mismatch += format("%s %lld gradient bytes across %d replica(s);", who.c_str(),
+                               static_cast<long long>(m.grad_replica_bytes), mesh.replicas());
+    }
+    expect("FsdpMuon gather + scatter", m.optim_intra_bytes + m.optim_inter_bytes,
+           m.planned_optim_bytes);
+    expect("FsdpMuon inter-node gather + scatter", m.optim_inter_bytes,
+           m.planned_optim_inter_bytes);
+    if (m.optim_inter_bytes > 0 &&
+        (mesh.replicas() == 1 || m.replica_ns != fsdp_muon::ReplicaNewtonSchulz::kOncePerWorld)) {
+      bytes_mismatch += format("%s %lld FsdpMuon inter-node bytes under %s on mesh %s;",
+                               who.c_str(), static_cast<long long>(m.optim_inter_bytes),
+                               fsdp_muon::to_string(m.replica_ns), mesh.shape().c_str());
+    }
+  }
   const auto losses_checked = [&]() {
-    if (loss_mismatch.empty()) return 0;
-    std::fprintf(stderr,
-                 "fsdp_strategies_bench: rank %d: the final losses differ between "
-                 "configurations that ran the same training:%s\n",
-                 rank, loss_mismatch.c_str());
-    return 1;
+    if (!bytes_mismatch.empty()) {
+      std::fprintf(stderr,
+                   "fsdp_strategies_bench: rank %d: bytes sent are not what mesh %s makes "
+                   "them:%s\n",
+                   rank, mesh.shape().c_str(), bytes_mismatch.c_str());
+    }
+    if (!loss_mismatch.empty()) {
+      std::fprintf(stderr,
+                   "fsdp_strategies_bench: rank %d: the final losses differ between "
+                   "configurations that ran the same training:%s\n",
+                   rank, loss_mismatch.c_str());
+    }
+    return loss_mismatch.empty() && bytes_mismatch.empty() ? 0 : 1;
   };
+  // Whether any rank failed either check, for rank 0's report.
+  at::Tensor failed =
+      at::tensor({loss_mismatch.empty() ? 0.0 : 1.0, bytes_mismatch.empty() ? 0.0 : 1.0},
+                 at::kDouble)
+          .to(device);
+  comm->all_reduce(failed, fsdp_muon::ReduceOp::kMax);
+  failed = comm->to_host(failed);
+  const bool losses_differ = failed[0].item<double>() > 0;
+  const bool bytes_differ = failed[1].item<double>() > 0;
   if (rank != 0) return losses_checked();
   auto field = [&](size_t r, int f) { return maxes[r * kFields + f].item<double>(); };
 
@@ -442,6 +557,25 @@ int run_strategies_worker(Flags& flags) {
         cuda ? format(" %10.2f", field(r, 8) / kMiB).c_str() : "", field(r, 9) / kMiB,
         m.final_loss);
   }
+  if (shard_size > 0) {
+    // The mesh, FsdpMuon's choice for it, and the bytes each communicator carried.
+    std::printf("\nmesh %s (replicas x shard): %s\n", mesh.shape().c_str(),
+                optimizer_descriptions.front().c_str());
+    std::printf(
+        "bytes per rank per step (MiB, max rank): gradient reduction in the shard group and "
+        "across replicas, weight all-gathers in the shard group, FsdpMuon's gather + scatter "
+        "within the replica and to other replicas\n");
+    std::printf("%-26s %-4s %11s %11s %11s %11s %11s  %s\n", "strategy", "pf", "grad shard",
+                "grad repl", "wt gather", "muon intra", "muon inter", "replica NS");
+    for (size_t r = 0; r < results.size(); ++r) {
+      const auto& m = results[r];
+      std::printf("%-26s %-4s %11.3f %11.3f %11.3f %11.3f %11.3f  %s\n",
+                  format("%s %s", fsdp_muon::to_string(m.strategy), zero_name(m.strategy)).c_str(),
+                  m.prefetch ? "on" : "off", field(r, 10) / kMiB, field(r, 11) / kMiB,
+                  field(r, 12) / kMiB, field(r, 13) / kMiB, field(r, 14) / kMiB,
+                  fsdp_muon::to_string(m.replica_ns));
+    }
+  }
   std::printf("\n");
   for (size_t r = 0; r < results.size(); ++r) {
     const auto& m = results[r];
@@ -457,12 +591,33 @@ int run_strategies_worker(Flags& flags) {
         static_cast<long long>(field(r, 6)), static_cast<long long>(field(r, 7)),
         static_cast<long long>(field(r, 9)), static_cast<long long>(model_bytes),
         static_cast<long long>(largest_group), static_cast<long long>(num_params), m.final_loss);
+    line += format(
+        " mesh=%s replicas=%d shard_size=%d replica_ns=%s grad_shard_bytes=%lld "
+        "grad_replica_bytes=%lld weight_gather_bytes=%lld optim_intra_bytes=%lld "
+        "optim_inter_bytes=%lld",
+        mesh.shape().c_str(), mesh.replicas(), mesh.shard_size(),
+        fsdp_muon::to_string(m.replica_ns), static_cast<long long>(field(r, 10)),
+        static_cast<long long>(field(r, 11)), static_cast<long long>(field(r, 12)),
+        static_cast<long long>(field(r, 13)), static_cast<long long>(field(r, 14)));
     if (device.is_cuda()) {
       line += format(" cuda_peak_active_bytes=%lld", static_cast<long long>(field(r, 8)));
     }
     std::printf("%s\n", line.c_str());
   }
 
+  if (shard_size > 0) {
+    // The checks, over every rank (the failing ranks' details are on stderr).
+    if (losses_differ || bytes_differ) {
+      std::printf("checks FAILED on some rank:%s%s\n",
+                  losses_differ ? " final losses differ between configurations;" : "",
+                  bytes_differ ? " bytes by communicator are not what the mesh makes them;" : "");
+    } else {
+      std::printf(
+          "checks passed on every rank: final losses bitwise equal across the %zu "
+          "configurations; bytes by communicator as mesh %s and each FsdpMuon plan make them\n",
+          results.size(), mesh.shape().c_str());
+    }
+  }
   // Headline for this W: ZeRO-3's peak against two groups' worth, its step against ZeRO-1's.
   auto find = [&](fsdp_muon::ShardingStrategy s, bool prefetch) -> int {
     for (size_t r = 0; r < results.size(); ++r) {
@@ -473,7 +628,9 @@ int run_strategies_worker(Flags& flags) {
   const int z1 = find(fsdp_muon::ShardingStrategy::kOptim, true);
   const int z3 = find(fsdp_muon::ShardingStrategy::kOptimGradsParams, true);
   std::string headline =
-      format("headline: %s W=%d on %s:", model_name.c_str(), world, device.str().c_str());
+      format("headline: %s W=%d%s on %s:", model_name.c_str(), world,
+             shard_size > 0 ? format(" (mesh %s)", mesh.shape().c_str()).c_str() : "",
+             device.str().c_str());
   if (z3 >= 0) {
     headline += format(
         " ZeRO-3 peak unsharded %.2f MiB = %.2fx two groups' worth (%.3fx "
