@@ -29,6 +29,13 @@ peak_staging_bytes: FSDP2's flat communication buffers alive at the same sample 
   reduce-scatter); reported beside, not added in.
 sharded_state_bytes: what stays sharded after a step (local shards of parameters and gradients,
   the optimizers' state), the counterpart of the benchmark's column of the same name.
+--shard-size N: HSDP, the mesh (W / N, N) with dims ("replicate", "shard") (rank = replica * N +
+  shard rank, as the library's DeviceMesh; N = W is the 1-D mesh): fully_shard shards over
+  "shard", reduce-scatters there and all-reduces over "replicate". torch.optim.Muon takes the
+  DTensors as they are and runs Newton-Schulz on them through DTensor's sharding propagation
+  (collectives inside the matmuls and the norm, over both mesh dims); the run checks the HSDP
+  placements and, after training, that every replica holds the same bits of every parameter and
+  momentum, and fails otherwise. The line then carries mesh=<replicas>x<shard size>.
 On CUDA it also prints cuda_peak_allocated_bytes, the caching allocator's peak over the timed
 steps (everything: parameters, gradients, activations, optimizer states).
 """
@@ -60,7 +67,12 @@ def parse_args():
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP2's ZeRO-2-like mode (parameters stay unsharded after forward)")
+    p.add_argument("--shard-size", type=int, default=0,
+                   help="HSDP: shard over this many ranks, replicate over world / shard-size "
+                        "(0: every rank)")
     a = p.parse_args()
+    if a.shard_size < 0:
+        p.error(f"--shard-size must be >= 1 (or 0: every rank), got {a.shard_size}")
     if a.width % a.heads:
         p.error(f"--width ({a.width}) must be a multiple of --heads ({a.heads})")
     if a.steps < 1 or a.warmup < 0:
@@ -208,6 +220,54 @@ class UnshardedBytes:
         self.peak_staging = max(self.peak_staging, staging)
 
 
+def make_mesh(init_device_mesh, device, world, shard_size):
+    """FSDP2's mesh: 1-D over every rank, or for HSDP (replicas, shard_size) with dims
+    ("replicate", "shard"), rank = replica * shard_size + shard rank, as the library's
+    DeviceMesh. shard_size == world is the 1-D mesh, as make_device_mesh makes it."""
+    if shard_size == 0 or shard_size == world:
+        return init_device_mesh(device.type, (world,))
+    if world % shard_size:
+        raise SystemExit(f"fsdp2_muon.py: --shard-size {shard_size} does not divide the world "
+                         f"size {world}; give a divisor of {world}, or 0 for every rank")
+    return init_device_mesh(device.type, (world // shard_size, shard_size),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def check_hsdp(model, mesh, muon_params, muon):
+    """Under HSDP: every parameter replicated over "replicate" and sharded over "shard"
+    (FSDP2's HSDP placements), and after training every replica holds the same bits of every
+    parameter and Muon momentum. torch.optim.Muon (torch/optim/_muon.py) runs its
+    Newton-Schulz on the DTensors themselves: DTensor's sharding propagation turns the
+    matmuls and the norm into collectives over both mesh dims (Partial sums reduced by two
+    sequential all-reduces), which computes the full matrices' iteration but could let the
+    replicas drift apart; that would be a silent error, so it is an error here."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    want = (Replicate(), Shard(0))
+    for name, p in model.named_parameters():
+        if tuple(p.placements) != want:
+            raise SystemExit(f"fsdp2_muon.py: parameter {name} has placements {p.placements} on "
+                             f"mesh {mesh}, expected {want} (FSDP2 HSDP)")
+    group = mesh.get_group("replicate")
+    tensors = [p.to_local() for p in model.parameters()]
+    tensors += [muon.state[p]["momentum_buffer"].to_local() for p in muon_params
+                if "momentum_buffer" in muon.state[p]]
+    spread = torch.zeros(2, dtype=torch.float64, device=tensors[0].device)  # [differ, largest]
+    for t in tensors:
+        t = t.detach().reshape(-1).float().clone()
+        lo, hi = t.clone(), t.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(lo, hi):
+            spread[0] = 1
+            spread[1] = max(spread[1].item(), (hi - lo).abs().max().item())
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)  # every rank decides alike
+    if spread[0].item():
+        raise SystemExit("fsdp2_muon.py: the replicas of an HSDP mesh hold different bits "
+                         f"after training (largest spread {spread[1].item():.3e}); "
+                         "torch.optim.Muon on these DTensors is not replica-consistent")
+
+
 def main():
     a = parse_args()
     if a.threads > 0:
@@ -224,7 +284,8 @@ def main():
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = make_mesh(init_device_mesh, device, world, a.shard_size)
+    replicas = world // a.shard_size if a.shard_size > 0 else 1
 
     torch.manual_seed(1)
     model = Gpt2(a).to(device)
@@ -251,6 +312,7 @@ def main():
         if g is not None:
             groups.append(g)
     tracker = UnshardedBytes(groups)
+    hsdp = mesh.ndim == 2
 
     gen = torch.Generator().manual_seed(1000 + rank)
     times = []
@@ -299,6 +361,9 @@ def main():
     times.sort()
     mid = len(times) // 2
     median_step = times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+    if hsdp:
+        check_hsdp(model, mesh, muon_params, muon)
+
     stats = torch.tensor([median_step, float(tracker.peak), float(tracker.peak_staging),
                           float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda"
                           else 0.0, float(sharded_state)], dtype=torch.float64, device=device)
@@ -308,6 +373,9 @@ def main():
         fields = {
             "name": "fsdp2_muon",
             "world": world,
+            "mesh": f"{replicas}x{world // replicas}",
+            "replicas": replicas,
+            "shard_size": world // replicas,
             "device": device.type,
             "layers": a.layers,
             "width": a.width,
