@@ -98,6 +98,11 @@ void Flags::finish() const {
               "\n", usage_);
 }
 
+std::string bytes_ratio_name(double max_bytes_ratio) {
+  return max_bytes_ratio == fsdp_muon::kBytesRatioByCost ? std::string("by cost")
+                                                         : format("%.2f", max_bytes_ratio);
+}
+
 std::string format(const char* fmt, ...) {
   char buf[1024];
   va_list args;

@@ -116,7 +116,7 @@ int run_plan_hsdp(Flags& flags) {
   std::printf(
       "HSDP owner plans (no processes), replicas x shard size, one FSDP group per layer, bf16\n"
       "layout, %lld NS steps, fp32 exchange, FsdpMuonConfig's defaults (policy %s, schedule %s,\n"
-      "max_bytes_ratio %.2f, %lld MiB budget, overlap). Rates: Newton-Schulz %.0f TFLOP/s,\n"
+      "max_bytes_ratio %s, %lld MiB budget, overlap). Rates: Newton-Schulz %.0f TFLOP/s,\n"
       "within a node %.0f GB/s per rank (H200 NVLink estimate), across nodes %.0f GB/s per rank\n"
       "(InfiniBand estimate: 400 Gb/s per GPU under all-to-all). Per plan, per rank per step:\n"
       "  inter   MiB the busiest rank sends across nodes (replicas)\n"
@@ -136,7 +136,8 @@ int run_plan_hsdp(Flags& flags) {
       "           timeline with overlap, %.0f us per exchange) in the fewest rounds that fit ->\n"
       "           as many as the cost model chose\n",
       static_cast<long long>(ns_steps), fsdp_muon::to_string(defaults.owner_policy()),
-      fsdp_muon::to_string(defaults.owner_schedule()), defaults.max_bytes_ratio(),
+      fsdp_muon::to_string(defaults.owner_schedule()),
+      bytes_ratio_name(defaults.max_bytes_ratio()).c_str(),
       static_cast<long long>(defaults.prefetch_budget_bytes() >> 20), flops / 1e12, intra / 1e9,
       inter / 1e9, defaults.exchange_latency_seconds() * 1e6);
   const std::string cols = "   inter    intra  NS/fl   #r       ms";

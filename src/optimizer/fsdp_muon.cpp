@@ -508,8 +508,14 @@ std::string FsdpMuon::describe() const {
       << (world_owners
               ? "once in the world, by one of its " + std::to_string(d.world()) + " ranks"
               : "in every replica, by one of its " + std::to_string(d.world()) + " shard ranks")
-      << "; " << d.matrices.size() << " matrices in " << plan.rounds.size()
-      << " round(s). Cost model: Newton-Schulz " << plan.newton_schulz_flops_per_second
+      << "; " << d.matrices.size() << " matrices in " << plan.rounds.size() << " round(s).";
+  if (plan.policy == OwnerPolicy::kBalanced) {
+    out << " Bytes per rank within " << plan.max_bytes_ratio << "x of holders-only ("
+        << (d.config.max_bytes_ratio() == kBytesRatioByCost ? "the limit the cost model chose"
+                                                            : "max_bytes_ratio")
+        << ").";
+  }
+  out << " Cost model: Newton-Schulz " << plan.newton_schulz_flops_per_second
       << " FLOP/s, intra-node " << plan.bytes_per_second << " B/s, inter-node "
       << plan.inter_node_bytes_per_second << " B/s per rank; predicted "
       << plan.estimated_seconds() * 1e3 << " ms per step (Newton-Schulz critical path "

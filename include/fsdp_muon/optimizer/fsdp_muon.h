@@ -67,14 +67,16 @@ struct FsdpMuonConfig {
   TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPolicy::kBalanced;
   // kBalanced: the bytes a rank may send per step (gather + scatter), as a multiple of the
   // busiest rank's under holders-only (OwnerPlan::holders_only_max_bytes); >= 1, infinity for
-  // no limit, or kBytesRatioByCost: the cost model below chooses it.
-  TORCH_ARG(double, max_bytes_ratio) = 1.5;
+  // no limit, or kBytesRatioByCost, the default: the cost model below chooses it, with the
+  // rates calibrate_rates measured (so trading bytes for balance is priced on this machine's
+  // links, not guessed; OwnerPlan::max_bytes_ratio says which limit it took).
+  TORCH_ARG(double, max_bytes_ratio) = kBytesRatioByCost;
   // The cost model (docs/DESIGN.md §7): a plan's step costs its orthogonalize critical path in
   // FLOPs at this Newton–Schulz rate plus its busiest rank's bytes at this per-rank send rate
   // (OwnerPlan::estimated_seconds). With max_bytes_ratio(kBytesRatioByCost) the planner keeps,
   // among a fixed list of limits from 1 to unlimited, the limit whose plan costs least. The
   // defaults are estimates for an H200 NVLink node (bf16 Newton–Schulz at ~40% of peak,
-  // ~150 GB/s of all-to-all per rank), not measurements: set your machine's measured rates.
+  // ~150 GB/s of all-to-all per rank), not measurements: calibrate_rates replaces them.
   TORCH_ARG(double, newton_schulz_flops_per_second) = 4e14;
   TORCH_ARG(double, bytes_per_second) = 1.5e11;
   // The cost model's per-rank send rate between replicas (across nodes) on a replicate x shard
