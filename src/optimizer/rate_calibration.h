@@ -38,12 +38,12 @@ struct CalibrationShape {
 // ratio kept to at most `max_elements` (each side at least 1). Empty `shapes`: rows == 0.
 CalibrationShape representative_shape(std::vector<CalibrationShape> shapes, int64_t max_elements);
 
-// Collective over mesh.world (every rank calls it, with the same shape): times one
-// Newton–Schulz of `shape` on mesh.world's device (after one untimed call), then, on the shard
-// and on the replicate communicator each, an all-to-all of one element per peer (the latency)
-// and one of `bytes_per_peer` per peer (the rate: its bytes sent over its time less the
-// latency's). The times are the maximum over the world's ranks (one all-reduce), so every rank
-// returns the same rates.
+// Collective over mesh.world (every rank calls it, with the same shape): times a Newton–Schulz
+// of `shape` on mesh.world's device (after one untimed call), then, on the shard and on the
+// replicate communicator each, an all-to-all of one element per peer (the latency) and one of
+// `bytes_per_peer` per peer (the rate: its bytes sent over its time less the latency's); each
+// time is the fastest of three runs on a rank, then the maximum over the world's ranks (one
+// all-reduce), so every rank returns the same rates.
 MeasuredRates measure_rates(const DeviceMesh& mesh, const CalibrationShape& shape,
                             int64_t bytes_per_peer);
 
@@ -58,7 +58,7 @@ OwnerPlanOptions calibrated_plan_options(const FsdpMuonConfig& config,
 // group (FsdpParameterGroup::mesh; none: nothing measured): a rank measures when
 // config.calibrate_rates() and some rate is still at its default. The ranks first agree on that
 // (one all-reduce; ranks that differ are an error on every rank), then measure_rates() times the
-// median 2-D parameter (the last two sides of a 3-D one) by Newton–Schulz FLOPs, within 2^16
+// median 2-D parameter (the last two sides of a 3-D one) by Newton–Schulz FLOPs, within 2^18
 // elements on the CPU and 2^22 on CUDA, and all-to-alls of 256 KiB (CPU) or 8 MiB (CUDA) per
 // peer. Nothing measured (measured == false) when no rank calibrates.
 // `defaults`: the options of a parameter group given without its own.

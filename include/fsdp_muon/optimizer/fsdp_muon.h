@@ -91,10 +91,10 @@ struct FsdpMuonConfig {
   // kByCost, the default, picks at construction whichever of kOncePerWorld and kOncePerReplica
   // the cost model above predicts faster. The result bits are the same under all three.
   TORCH_ARG(ReplicaNewtonSchulz, replica_newton_schulz) = ReplicaNewtonSchulz::kByCost;
-  // Measure the cost model's rates at construction (docs/DESIGN.md §7): one Newton–Schulz of
-  // the median matrix (scaled down to at most 2^16 elements on the CPU, 2^22 on CUDA) and a
-  // short all-to-all on the shard and on the replicate communicators, the slowest rank's times
-  // on every rank, a few ms. Each of the four rates above left at its default is replaced by
+  // Measure the cost model's rates at construction (docs/DESIGN.md §7): Newton–Schulz of the
+  // median matrix (scaled down to at most 2^18 elements on the CPU, 2^22 on CUDA) and short
+  // all-to-alls on the shard and on the replicate communicators, each the fastest of three
+  // runs, the slowest rank's times on every rank: tens of ms. Each of the four rates above left at its default is replaced by
   // its measurement (a rate set to any other value is kept; one nothing measures, such as the
   // inter-node rate on one replica, keeps its default); with every rate set, nothing is
   // measured. The plan (owners, rounds) then depends on the machine and its load, the result
