@@ -141,47 +141,38 @@ std::vector<SettingTimes> time_settings(
   return times;
 }
 
-}  // namespace
+// The flags of one run, shared by every mesh it measures.
+struct MeasureArgs {
+  std::string preset;
+  int64_t layers = 0, experts = 16, steps = 5, warmup = 1;
+  std::string ns_dtype_name, policy_name, prefetch, schedule_name, scale_flag;
+  bool compare = false;
+  double ns_gflops = 0, gbps = 0, latency_us = 0;
+};
 
-int run_measure(Flags& flags) {
-  const std::string preset = flags.get("preset", "llama3-layer");
-  const int64_t layers = flags.get_int("layers", 0);
-  const int64_t experts = flags.get_int("experts", 16);
-  const int64_t steps = flags.get_int("steps", 5);
-  const int64_t warmup = flags.get_int("warmup", 1);
-  const std::string ns_dtype_name = flags.get("ns-dtype", "bf16");
-  const std::string policy_name = flags.get("policy", "holders-only");
-  const std::string prefetch = flags.get("prefetch-mib", "1024");
-  const std::string schedule_name = flags.get("schedule", "rounds");
-  const int64_t threads = flags.get_int("threads", 0);
-  // HSDP: groups sharded over this many ranks and replicated over the rest (0: every rank).
-  const int64_t shard_size = flags.get_int("shard-size", 0);
-  const bool compare = flags.has("compare");
-  const std::string scale_flag = flags.get("scale", "");
-  // The cost model's rates (FsdpMuonConfig's defaults when not given): with overlap they decide
-  // how many rounds a step has.
-  const fsdp_muon::FsdpMuonConfig rate_defaults;
-  const double ns_gflops =
-      flags.get_double("ns-gflops", rate_defaults.newton_schulz_flops_per_second() / 1e9);
-  const double gbps = flags.get_double("gbps", rate_defaults.bytes_per_second() / 1e9);
-  const double latency_us =
-      flags.get_double("latency-us", rate_defaults.exchange_latency_seconds() * 1e6);
-  flags.finish();
+// One mesh's figures for the side-by-side table (max over ranks; filled on rank 0 only).
+struct MeshRow {
+  std::string mesh, replica_newton_schulz;
+  size_t rounds = 0;
+  double optimizer_mib = 0, inter_mib = 0, reduce_shard_mib = 0, reduce_replicate_mib = 0;
+  double reduce_ms = 0, step_ms = 0, orthogonalize_ms = 0;
+};
 
-  TORCH_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
-  TORCH_CHECK(ns_dtype_name == "bf16" || ns_dtype_name == "fp32", "--ns-dtype: bf16 or fp32");
-  TORCH_CHECK(
-      policy_name == "holders-only" || policy_name == "any-rank" || policy_name == "balanced",
-      "--policy: holders-only, any-rank or balanced");
-  TORCH_CHECK(schedule_name == "rounds" || schedule_name == "windows",
-              "--schedule: rounds or windows");
-  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+// Builds the groups on the mesh of `shard_size` (0: every rank), steps FsdpMuon on them and
+// prints the full report; returns the row of the side-by-side table.
+MeshRow measure_on_mesh(const MeasureArgs& args,
+                        const std::shared_ptr<fsdp_muon::Communicator>& comm, int64_t shard_size) {
+  const std::string& preset = args.preset;
+  const int64_t layers = args.layers, experts = args.experts, steps = args.steps,
+                warmup = args.warmup;
+  const std::string &ns_dtype_name = args.ns_dtype_name, &policy_name = args.policy_name,
+                    &prefetch = args.prefetch, &schedule_name = args.schedule_name,
+                    &scale_flag = args.scale_flag;
+  const bool compare = args.compare;
+  const double ns_gflops = args.ns_gflops, gbps = args.gbps, latency_us = args.latency_us;
   const c10::ScalarType ns_dtype = ns_dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
-
-  const auto comm = fsdp_muon::init_from_env();
   const c10::Device device = comm->device();
   const int rank = comm->rank(), world = comm->size();
-  TORCH_CHECK(shard_size >= 0, "--shard-size must be >= 1 (0: every rank)");
   const fsdp_muon::DeviceMesh mesh =
       shard_size > 0 ? fsdp_muon::make_device_mesh(comm, static_cast<int>(shard_size))
                      : fsdp_muon::one_dimensional_mesh(comm);
@@ -344,9 +335,8 @@ int run_measure(Flags& flags) {
   // Cross-rank: max and mean of every phase, bytes, rates.
   std::vector<double> local(sum);
   local.push_back(static_cast<double>(gather_bytes + scatter_bytes));
-  local.push_back(
-      static_cast<double>(plan.gather_bytes_per_rank[plan_rank] +
-                          plan.scatter_bytes_per_rank[plan_rank]));
+  local.push_back(static_cast<double>(plan.gather_bytes_per_rank[plan_rank] +
+                                      plan.scatter_bytes_per_rank[plan_rank]));
   local.push_back(static_cast<double>(transient));
   local.push_back(gemm_rate);
   local.push_back(static_cast<double>(plan.cost_per_rank[plan_rank]));
@@ -368,7 +358,7 @@ int run_measure(Flags& flags) {
   maxes = maxes.cpu();
   sums = sums.cpu();
   const double worst_byte_ratio = byte_ratio.cpu().item<double>();
-  if (rank != 0) return 0;
+  if (rank != 0) return {};
 
   auto mx = [&](int i) { return maxes[i].item<double>(); };
   auto mean = [&](int i) { return sums[i].item<double>() / world; };
@@ -473,6 +463,97 @@ int run_measure(Flags& flags) {
                        fsdp_step > 0 ? mx(kNumPhases + 5) / fsdp_step : 0.0);
   }
   std::printf("\n%s\n", headline.c_str());
+  MeshRow row;
+  row.mesh = mesh.shape();
+  row.replica_newton_schulz =
+      mesh.replicas() > 1 ? fsdp_muon::to_string(plan.replica_newton_schulz) : "(one replica)";
+  row.rounds = plan.rounds.size();
+  row.optimizer_mib = mx(kNumPhases) / kMiB;
+  row.inter_mib = mx(kNumPhases + 6) / kMiB;
+  row.reduce_shard_mib = mx(kNumPhases + 7) / kMiB;
+  row.reduce_replicate_mib = mx(kNumPhases + 8) / kMiB;
+  row.reduce_ms = mx(kReduceScatter) * 1e3;
+  row.step_ms = fsdp_step * 1e3;
+  row.orthogonalize_ms = mx(kOrthogonalize) * 1e3;
+  return row;
+}
+
+// The side-by-side table of the meshes of one run (rank 0).
+void print_mesh_table(const std::vector<MeshRow>& rows, int world) {
+  std::printf(
+      "\nmeshes side by side, W=%d (replicas x shard; max rank; MiB per rank per step; ms per "
+      "step):\n",
+      world);
+  std::printf("%-6s %-17s %6s %11s %9s %12s %12s %10s %10s %10s\n", "mesh", "replica NS", "rounds",
+              "optim MiB", "of inter", "grad shard", "grad repl", "grad ms", "NS ms", "step ms");
+  for (const MeshRow& r : rows) {
+    std::printf("%-6s %-17s %6zu %11.3f %9.3f %12.3f %12.3f %10.1f %10.1f %10.1f\n", r.mesh.c_str(),
+                r.replica_newton_schulz.c_str(), r.rounds, r.optimizer_mib, r.inter_mib,
+                r.reduce_shard_mib, r.reduce_replicate_mib, r.reduce_ms, r.orthogonalize_ms,
+                r.step_ms);
+  }
+  std::string line = "headline: meshes side by side:";
+  for (const MeshRow& r : rows) {
+    line += format(" %s %s grad %.1f+%.1f MiB, optimizer %.1f MiB (%.1f inter), step %.1f ms;",
+                   r.mesh.c_str(), r.replica_newton_schulz.c_str(), r.reduce_shard_mib,
+                   r.reduce_replicate_mib, r.optimizer_mib, r.inter_mib, r.step_ms);
+  }
+  line.pop_back();
+  std::printf("\n%s\n", line.c_str());
+}
+
+}  // namespace
+
+int run_measure(Flags& flags) {
+  const std::string preset = flags.get("preset", "llama3-layer");
+  const int64_t layers = flags.get_int("layers", 0);
+  const int64_t experts = flags.get_int("experts", 16);
+  const int64_t steps = flags.get_int("steps", 5);
+  const int64_t warmup = flags.get_int("warmup", 1);
+  const std::string ns_dtype_name = flags.get("ns-dtype", "bf16");
+  const std::string policy_name = flags.get("policy", "holders-only");
+  const std::string prefetch = flags.get("prefetch-mib", "1024");
+  const std::string schedule_name = flags.get("schedule", "rounds");
+  const int64_t threads = flags.get_int("threads", 0);
+  // HSDP: groups sharded over this many ranks and replicated over the rest (0: every rank).
+  const std::vector<int64_t> shard_sizes = flags.get_ints("shard-size", {0});
+  const bool compare = flags.has("compare");
+  const std::string scale_flag = flags.get("scale", "");
+  // The cost model's rates (FsdpMuonConfig's defaults when not given): with overlap they decide
+  // how many rounds a step has.
+  const fsdp_muon::FsdpMuonConfig rate_defaults;
+  const double ns_gflops =
+      flags.get_double("ns-gflops", rate_defaults.newton_schulz_flops_per_second() / 1e9);
+  const double gbps = flags.get_double("gbps", rate_defaults.bytes_per_second() / 1e9);
+  const double latency_us =
+      flags.get_double("latency-us", rate_defaults.exchange_latency_seconds() * 1e6);
+  flags.finish();
+
+  TORCH_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
+  TORCH_CHECK(ns_dtype_name == "bf16" || ns_dtype_name == "fp32", "--ns-dtype: bf16 or fp32");
+  TORCH_CHECK(
+      policy_name == "holders-only" || policy_name == "any-rank" || policy_name == "balanced",
+      "--policy: holders-only, any-rank or balanced");
+  TORCH_CHECK(schedule_name == "rounds" || schedule_name == "windows",
+              "--schedule: rounds or windows");
+  TORCH_CHECK(!shard_sizes.empty(), "--shard-size: give one shard size or a list (2,4)");
+  for (const int64_t shard_size : shard_sizes) {
+    TORCH_CHECK(shard_size >= 0, "--shard-size must be >= 1 (0: every rank), got ", shard_size);
+  }
+  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+
+  const auto comm = fsdp_muon::init_from_env();
+  const MeasureArgs args{preset,        layers,      experts,  steps,         warmup,
+                         ns_dtype_name, policy_name, prefetch, schedule_name, scale_flag,
+                         compare,       ns_gflops,   gbps,     latency_us};
+  // Several shard sizes run one after the other in this process, each with its own groups and
+  // optimizer, so that their figures come from the same launch and the same machine state.
+  std::vector<MeshRow> rows;
+  for (size_t k = 0; k < shard_sizes.size(); ++k) {
+    if (k > 0 && comm->rank() == 0) std::printf("\n");
+    rows.push_back(measure_on_mesh(args, comm, shard_sizes[k]));
+  }
+  if (rows.size() > 1 && comm->rank() == 0) print_mesh_table(rows, comm->size());
   return 0;
 }
 
