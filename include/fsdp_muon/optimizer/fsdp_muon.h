@@ -92,9 +92,9 @@ struct FsdpMuonConfig {
   // the cost model above predicts faster. The result bits are the same under all three.
   TORCH_ARG(ReplicaNewtonSchulz, replica_newton_schulz) = ReplicaNewtonSchulz::kByCost;
   // Measure the cost model's rates at construction (docs/DESIGN.md §7): Newton–Schulz of the
-  // median matrix (scaled down to at most 2^18 elements on the CPU, 2^22 on CUDA) and short
-  // all-to-alls on the shard and on the replicate communicators, each the fastest of three
-  // runs, the slowest rank's times on every rank: tens of ms. Each of the four rates above left at its default is replaced by
+  // median matrix (at most 2^18 elements on the CPU, 2^22 on CUDA), short all-to-alls on the
+  // shard and replicate communicators, each the fastest of three runs, the slowest rank's times
+  // on every rank: tens of ms. Each of the four rates above left at its default is replaced by
   // its measurement (a rate set to any other value is kept; one nothing measures, such as the
   // inter-node rate on one replica, keeps its default); with every rate set, nothing is
   // measured. The plan (owners, rounds) then depends on the machine and its load, the result
