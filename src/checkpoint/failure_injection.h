@@ -5,7 +5,8 @@
 // does). Tests use it to show that an interrupted save keeps the previous checkpoint loadable and
 // that a retry succeeds. Another makes the fsync of a folder fail as with EIO, and a third runs
 // a callback around the reading of `latest`, so that a test can move `latest` between two
-// ranks' reads. Internal header: not part of the public API (tests have src/ on their include
+// ranks' reads. Each hook is armed for the calling thread only (the thread a rank saves and
+// loads on), so that a test playing several ranks as threads arms one rank's. Internal header: not part of the public API (tests have src/ on their include
 // path).
 
 #include <cstdint>
@@ -16,7 +17,7 @@ enum class InjectedFailure { kNone, kCrash, kWriteError };
 
 namespace detail {
 
-// This process completes `files` more checkpoint file writes, then the next one writes half its
+// This thread completes `files` more checkpoint file writes, then the next one writes half its
 // bytes to its temporary file and throws, as `kind` says. Negative disarms. The environment
 // variable FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES arms it too, as a crash (read once, at the
 // first write); a call here wins over it.
@@ -27,11 +28,11 @@ void set_checkpoint_failure_injection(int64_t files,
 // loads): tests make it small so that their small models span many chunks. 0 restores it.
 void set_checkpoint_chunk_bytes(int64_t bytes);
 
-// This process completes `syncs` more fsyncs of checkpoint folders, then the next one fails
+// This thread completes `syncs` more fsyncs of checkpoint folders, then the next one fails
 // with EIO (once). Negative disarms.
 void set_checkpoint_folder_sync_failure(int64_t syncs);
 
-// Called with false just before and with true just after this process reads a checkpoint
+// Called with false just before and with true just after this thread reads a checkpoint
 // root's `latest` file; an empty function removes it.
 void set_checkpoint_latest_read_hook(std::function<void(bool after)> hook);
 

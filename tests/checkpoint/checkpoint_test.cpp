@@ -140,12 +140,16 @@ struct Sharded {
 };
 
 Sharded make_sharded(uint64_t seed, bool renamed = false, bool reshaped = false) {
-  at::manual_seed(seed);
   Sharded s;
   const auto all = specs(renamed, reshaped);
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> drawn;
+  {
+    testing::SeededRandom random(seed);
+    for (const auto& group_specs : all) drawn.push_back(testing::random_parameters(group_specs));
+  }
   std::vector<at::Tensor> matrices, others;
   for (size_t g = 0; g < all.size(); ++g) {
-    std::vector<std::pair<std::string, at::Tensor>> named = testing::random_parameters(all[g]);
+    std::vector<std::pair<std::string, at::Tensor>> named = std::move(drawn[g]);
     auto options =
         FsdpParameterGroupOptions().broadcast_from_rank0(false).name("g" + std::to_string(g));
     // A bf16 compute group: its model weights are the rounded main weights.
@@ -181,7 +185,7 @@ struct Reference {
 };
 
 Reference make_reference(uint64_t seed) {
-  at::manual_seed(seed);
+  testing::SeededRandom random(seed);  // the reference runs no collective
   Reference r;
   std::vector<at::Tensor> matrices, others;
   const auto all = specs();
@@ -213,10 +217,12 @@ void train_step(Sharded* s, Reference* r, int step) {
       r->muon->param_groups()[1].options().set_lr(0.015);
     }
   }
-  at::manual_seed(1000 + step);
   std::vector<at::Tensor> grads;
-  for (const auto& group_specs : specs()) {
-    for (const Spec& spec : group_specs) grads.push_back(at::randn(spec.shape));
+  {
+    testing::SeededRandom random(1000 + step);
+    for (const auto& group_specs : specs()) {
+      for (const Spec& spec : group_specs) grads.push_back(at::randn(spec.shape));
+    }
   }
   if (r) {
     for (size_t k = 0; k < r->params.size(); ++k)
@@ -350,7 +356,7 @@ void write_reference_text(const Reference& r, const std::string& path) {
   }
 }
 
-TEST(CheckpointSave, ShardedCheckpointAndExportAfterThreeSteps) {
+FSDP_MUON_WORLD_TEST(CheckpointSave, ShardedCheckpointAndExportAfterThreeSteps) {
   const std::string dir = env_dir("FSDP_MUON_CHECKPOINT_DIR");
   ASSERT_FALSE(dir.empty());
   if (world().rank() == 0) remove_tree(dir);
@@ -383,7 +389,7 @@ TEST(CheckpointSave, ShardedCheckpointAndExportAfterThreeSteps) {
 
 // ---- loads at world sizes 1-4 ----
 
-TEST(CheckpointResume, ContinuesLikeAnUninterruptedRun) {
+FSDP_MUON_WORLD_TEST(CheckpointResume, ContinuesLikeAnUninterruptedRun) {
   const std::string dir = env_dir("FSDP_MUON_CHECKPOINT_DIR");
   ASSERT_FALSE(dir.empty());
   ASSERT_TRUE(latest_checkpoint(dir + "/sharded").has_value())
@@ -407,7 +413,7 @@ TEST(CheckpointResume, ContinuesLikeAnUninterruptedRun) {
 
 // At world size 2, rank 0 holds the first half of every group, which the saved ranks 0 and 1 of 4
 // held: with saved rank 3's file gone it must not notice, only rank 1 does.
-TEST(CheckpointResume, ReadsOnlyTheRankFilesItsShardsOverlap) {
+FSDP_MUON_WORLD_TEST(CheckpointResume, ReadsOnlyTheRankFilesItsShardsOverlap) {
   if (world().size() != 2) GTEST_SKIP() << "runs at world size 2";
   const std::string dir = env_dir("FSDP_MUON_CHECKPOINT_DIR");
   const auto saved = latest_checkpoint(dir + "/sharded");
@@ -490,7 +496,7 @@ void write_text(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
 }
 
-TEST(CheckpointFailures, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
   const int me = world().rank();
   const int last = world().size() - 1;
   const std::string dir = scratch("interrupted");
@@ -541,7 +547,7 @@ TEST(CheckpointFailures, InterruptedSaveLeavesThePreviousCheckpointLoadable) {
   EXPECT_TRUE(path_exists(dir + "/ckpt-000005/manifest.pt"));
 }
 
-TEST(CheckpointFailures, BadInputsGiveMessagesThatNameTheProblem) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, BadInputsGiveMessagesThatNameTheProblem) {
   const int me = world().rank();
   const int w = world().size();
   const std::string dir = scratch("bad");
@@ -629,7 +635,7 @@ void python_save(const std::string& code) {
   world().barrier();
 }
 
-TEST(CheckpointFailures, ExportImportRoundTripAndPythonWeights) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, ExportImportRoundTripAndPythonWeights) {
   const std::string dir = scratch("import");
   Sharded s = make_sharded(7);
   for (int step = 1; step <= 2; ++step) train_step(&s, nullptr, step);
@@ -713,7 +719,7 @@ std::string rank_file(int rank, int world_size) {
 
 // The README's resume pattern must throw on a checkpoint it cannot use, not start afresh (and
 // then let the next saves prune the good checkpoints).
-TEST(CheckpointFailures, BrokenLatestIsAnErrorNotAFreshStart) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, BrokenLatestIsAnErrorNotAFreshStart) {
   const int me = world().rank();
   const std::string dir = scratch("broken_latest");
   Sharded s = make_sharded(7);
@@ -804,7 +810,7 @@ TEST(CheckpointFailures, BrokenLatestIsAnErrorNotAFreshStart) {
 
 // A write that fails as on a full disk: its temporary file goes at once, the incomplete folder
 // with the next save, before that writes anything; no complete checkpoint is pruned for it.
-TEST(CheckpointFailures, FailedSaveCleansUpAndARetrySucceeds) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, FailedSaveCleansUpAndARetrySucceeds) {
   const int me = world().rank();
   const int last = world().size() - 1;
   const std::string dir = scratch("disk_full");
@@ -846,7 +852,7 @@ TEST(CheckpointFailures, FailedSaveCleansUpAndARetrySucceeds) {
   expect_snapshot(t, snapshot(s), "loaded after the retry");
 }
 
-TEST(CheckpointFailures, RankFileOfAnotherSaveIsRefused) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, RankFileOfAnotherSaveIsRefused) {
   const int me = world().rank();
   const int w = world().size();
   const std::string dir = scratch("mixed");
@@ -882,7 +888,7 @@ TEST(CheckpointFailures, RankFileOfAnotherSaveIsRefused) {
   expect_snapshot(t, before, "after the refused loads");
 }
 
-TEST(CheckpointFailures, UserStateTravelsWithTheCheckpoint) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, UserStateTravelsWithTheCheckpoint) {
   const std::string dir = scratch("user_state");
   Sharded s = make_sharded(7);
   train_step(&s, nullptr, 1);
@@ -908,7 +914,7 @@ TEST(CheckpointFailures, UserStateTravelsWithTheCheckpoint) {
 // Every MuonOptions field travels with the checkpoint, the Newton-Schulz method, restarts,
 // preconditioning and NorMuon's settings included: a load installs each param group's saved
 // options over the live ones (README, Checkpoints), on every rank alike, and training goes on.
-TEST(CheckpointFailures, EveryMuonOptionTravelsWithTheCheckpoint) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, EveryMuonOptionTravelsWithTheCheckpoint) {
   const std::string dir = scratch("muon_options");
   Sharded s = make_sharded(8);
   // Changed alike on every rank after construction, as a schedule would.
@@ -967,7 +973,7 @@ CheckpointUserState step_state(int64_t step) {
 
 // A save that moves `latest` between rank 0's read of it and the other ranks' reads must not
 // make the ranks load different checkpoints: rank 0 resolves it, every rank loads that one.
-TEST(CheckpointFailures, EveryRankLoadsTheCheckpointRank0Resolved) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, EveryRankLoadsTheCheckpointRank0Resolved) {
   const int me = world().rank();
   const std::string dir = scratch("load_agreement");
   const auto keep_all = SaveCheckpointOptions().keep_last(0);
@@ -1010,7 +1016,7 @@ TEST(CheckpointFailures, EveryRankLoadsTheCheckpointRank0Resolved) {
 
 // latest_checkpoint() is local: ranks that call it around a save get different folders, and
 // load_checkpoint must refuse to mix them, on every rank.
-TEST(CheckpointFailures, LoadRefusesRanksGivenDifferentCheckpoints) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, LoadRefusesRanksGivenDifferentCheckpoints) {
   const int me = world().rank();
   const std::string dir = scratch("load_mixed");
   const auto keep_all = SaveCheckpointOptions().keep_last(0);
@@ -1030,7 +1036,8 @@ TEST(CheckpointFailures, LoadRefusesRanksGivenDifferentCheckpoints) {
 
 // Saving into a checkpoint folder is an error (it would nest a checkpoint that loads of that
 // folder never see); resuming from a root and saving into the same root is the pattern.
-TEST(CheckpointFailures, SaveIntoACheckpointFolderIsAnErrorResumeAndSaveToTheRootWorks) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures,
+                     SaveIntoACheckpointFolderIsAnErrorResumeAndSaveToTheRootWorks) {
   const std::string dir = scratch("nested");
   Sharded s = make_sharded(7);
   train_step(&s, nullptr, 1);
@@ -1059,7 +1066,7 @@ TEST(CheckpointFailures, SaveIntoACheckpointFolderIsAnErrorResumeAndSaveToTheRoo
 
 // Ranks that pass their optimizers in different orders would write a checkpoint no load
 // accepts (and prune the good one); the save refuses before writing anything.
-TEST(CheckpointFailures, SaveAgreesOnTheOptimizersBeforeWriting) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, SaveAgreesOnTheOptimizersBeforeWriting) {
   const int me = world().rank();
   const std::string dir = scratch("save_agreement");
   const auto keep_one = SaveCheckpointOptions().keep_last(1);
@@ -1089,7 +1096,7 @@ TEST(CheckpointFailures, SaveAgreesOnTheOptimizersBeforeWriting) {
 // Two jobs saving into one root would prune each other's checkpoints and flip `latest`: a save
 // into a root whose newest checkpoint is of another job (another run_id or another model) is
 // refused, and pruning never removes another job's checkpoint.
-TEST(CheckpointFailures, AnotherJobsCheckpointsAreRefusedAndNeverPruned) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, AnotherJobsCheckpointsAreRefusedAndNeverPruned) {
   const int me = world().rank();
   const std::string dir = scratch("jobs");
   const std::string other_dir = scratch("jobs_other");
@@ -1127,7 +1134,7 @@ TEST(CheckpointFailures, AnotherJobsCheckpointsAreRefusedAndNeverPruned) {
 }
 
 // An EIO from a folder's fsync (the rename may not be durable) fails the save on every rank.
-TEST(CheckpointFailures, FolderFsyncFailureFailsTheSave) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, FolderFsyncFailureFailsTheSave) {
   const int me = world().rank();
   const int last = world().size() - 1;
   const std::string dir = scratch("folder_fsync");
@@ -1163,7 +1170,7 @@ TEST(CheckpointFailures, FolderFsyncFailureFailsTheSave) {
 }
 
 // Rank files swapped (or renamed) are reported as such, not as truncated.
-TEST(CheckpointFailures, SwappedRankFilesAreReportedAsSwapped) {
+FSDP_MUON_WORLD_TEST(CheckpointFailures, SwappedRankFilesAreReportedAsSwapped) {
   const int me = world().rank();
   const int w = world().size();
   if (w < 2) GTEST_SKIP() << "needs two rank files";
@@ -1192,7 +1199,7 @@ TEST(CheckpointFailures, SwappedRankFilesAreReportedAsSwapped) {
 
 // ---- corruption: a save at world size 2, loaded with flipped bytes at 1-3 ----
 
-TEST(CheckpointCorruptionSave, TwoSavesOfOneStateAndAnExport) {
+FSDP_MUON_WORLD_TEST(CheckpointCorruptionSave, TwoSavesOfOneStateAndAnExport) {
   const std::string dir = env_dir("FSDP_MUON_CHECKPOINT_DIR");
   ASSERT_FALSE(dir.empty());
   if (world().rank() == 0) remove_tree(dir);
@@ -1229,7 +1236,7 @@ uint64_t read_u64(const std::string& path, int64_t offset) {
   return v;
 }
 
-TEST(CheckpointCorruption, EveryFlippedByteFailsToLoadOnEveryRank) {
+FSDP_MUON_WORLD_TEST(CheckpointCorruption, EveryFlippedByteFailsToLoadOnEveryRank) {
   const int me = world().rank();
   const std::string src = env_dir("FSDP_MUON_CHECKPOINT_DIR");
   ASSERT_TRUE(path_exists(src + "/sharded/ckpt-000002/manifest.pt"))
@@ -1297,7 +1304,7 @@ TEST(CheckpointCorruption, EveryFlippedByteFailsToLoadOnEveryRank) {
 
 // Checkpoints of format version 1 (saved at world size 4 by the previous release, with a full
 // export of the same state) still load, at any world size.
-TEST(CheckpointCorruption, LoadsAVersion1Checkpoint) {
+FSDP_MUON_WORLD_TEST(CheckpointCorruption, LoadsAVersion1Checkpoint) {
   const std::string v1 = env_dir("FSDP_MUON_CHECKPOINT_V1");
   EXPECT_EQ(latest_checkpoint(v1 + "/sharded"), v1 + "/sharded/ckpt-000001");
   Sharded ref = make_sharded(5);

@@ -1,5 +1,5 @@
-// Checkpoints across meshes (HSDP) in real processes; CTest chains four runs through fixtures in
-// $FSDP_MUON_HSDP_CHECKPOINT_DIR:
+// Checkpoints across meshes (HSDP), in $FSDP_MUON_HSDP_CHECKPOINT_DIR, as a chain of four runs
+// (in-process: one test runs them in turn; launched: CTest chains four jobs through fixtures):
 //   W = 4 saves on 2x2 and 4x1             (FSDP_MUON_HSDP_SAVE=2,1: the shard sizes)
 //   W = 3 loads those on 1x3 and 3x1, saves on 1x3 (FSDP_MUON_HSDP_LOAD=2x2,4x1)
 //   W = 6 loads those on 3x2, 2x3, 6x1 and 1x6, saves on 3x2
@@ -73,8 +73,10 @@ std::vector<std::string> words(const std::string& text) {
 // on the weight matrices, AdamW (two moments and a step) on the biases.
 struct Model {
   Model(const DeviceMesh& mesh, uint64_t seed) {
-    at::manual_seed(seed);
-    net = Net();
+    {
+      testing::SeededRandom random(seed);
+      net = Net();
+    }
     groups = shard_module(*net, mesh);
     std::vector<at::Tensor> matrices, rest;
     for (const auto& g : groups) {
@@ -94,8 +96,11 @@ struct Model {
   // One step on world rank r's batch for `step`.
   void step(int step) {
     for (const auto& g : groups) g->zero_grad();
-    at::manual_seed(300 + 17 * step + world().rank());
-    at::Tensor h = at::randn({4, kDims.front()});
+    at::Tensor h;
+    {
+      testing::SeededRandom random(300 + 17 * step + world().rank());
+      h = at::randn({4, kDims.front()});
+    }
     for (auto& layer : net->layers) h = at::tanh(layer->forward(h));
     h.pow(2).mean().backward();
     for (const auto& g : groups) g->reduce_scatter_grads();
@@ -220,9 +225,11 @@ void load_everywhere(const std::string& saved) {
   }
 }
 
-TEST(HsdpCheckpoint, SavesOneCopyAndLoadsOnEveryMesh) {
-  for (const std::string& shape : words(env("FSDP_MUON_HSDP_LOAD"))) load_everywhere(shape);
-  for (const std::string& shard : words(env("FSDP_MUON_HSDP_SAVE"))) {
+// One link of the chain: loads the saves named in `load` ("2x2,4x1") on every mesh of this world,
+// then saves on each shard size in `save` ("2,1") and loads that back everywhere.
+void load_then_save(const std::string& load, const std::string& save) {
+  for (const std::string& shape : words(load)) load_everywhere(shape);
+  for (const std::string& shard : words(save)) {
     const DeviceMesh mesh = make_device_mesh(world_ptr(), std::stoi(shard));
     Model model(mesh, /*seed=*/11);
     model.step(0);
@@ -249,7 +256,22 @@ TEST(HsdpCheckpoint, SavesOneCopyAndLoadsOnEveryMesh) {
   }
 }
 
-TEST(HsdpCheckpoint, GroupsOnTwoMeshesAreAnErrorOnEveryRank) {
+// A launched job is one link, named by FSDP_MUON_HSDP_LOAD and FSDP_MUON_HSDP_SAVE (CTest chains
+// the jobs through fixtures); in-process, the next test runs the whole chain.
+TEST(HsdpCheckpoint, SavesOneCopyAndLoadsOnEveryMesh) {
+  if (testing::in_process()) GTEST_SKIP() << "in-process: HsdpCheckpoint.ChainAcrossWorlds";
+  load_then_save(env("FSDP_MUON_HSDP_LOAD"), env("FSDP_MUON_HSDP_SAVE"));
+}
+
+TEST(HsdpCheckpoint, ChainAcrossWorlds) {
+  if (!testing::in_process()) GTEST_SKIP() << "launched: one link per job";
+  testing::on_world_of(4, [] { load_then_save("", "2,1"); });
+  testing::on_world_of(3, [] { load_then_save("2x2,4x1", "3"); });
+  testing::on_world_of(6, [] { load_then_save("2x2,4x1", "2"); });
+  testing::on_world_of(4, [] { load_then_save("1x3,3x2", ""); });
+}
+
+FSDP_MUON_WORLD_TEST(HsdpCheckpoint, GroupsOnTwoMeshesAreAnErrorOnEveryRank) {
   const int w = world().size();
   if (w == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
   const DeviceMesh flat = make_device_mesh(world_ptr(), w);

@@ -74,10 +74,14 @@ void run_all_to_all_v(at::ScalarType dtype) {
   }
 }
 
-TEST(Collectives, AllToAllVUnevenAndZeroCountsFloat) { run_all_to_all_v(at::kFloat); }
-TEST(Collectives, AllToAllVUnevenAndZeroCountsInt64) { run_all_to_all_v(at::kLong); }
+FSDP_MUON_WORLD_TEST(Collectives, AllToAllVUnevenAndZeroCountsFloat) {
+  run_all_to_all_v(at::kFloat);
+}
+FSDP_MUON_WORLD_TEST(Collectives, AllToAllVUnevenAndZeroCountsInt64) {
+  run_all_to_all_v(at::kLong);
+}
 
-TEST(Collectives, AllToAllVNothingToSendButSomethingToReceive) {
+FSDP_MUON_WORLD_TEST(Collectives, AllToAllVNothingToSendButSomethingToReceive) {
   // Rank 0 sends nothing at all; everyone else sends rank 0 two elements.
   Communicator& c = world();
   const int r = c.rank();
@@ -101,7 +105,7 @@ TEST(Collectives, AllToAllVNothingToSendButSomethingToReceive) {
   }
 }
 
-TEST(Collectives, AllToAllVRejectsBadCountsBeforeCommunicating) {
+FSDP_MUON_WORLD_TEST(Collectives, AllToAllVRejectsBadCountsBeforeCommunicating) {
   Communicator& c = world();
   const int w = c.size();
   at::Tensor buf = at::zeros({w}, on_device(at::kFloat));
@@ -117,7 +121,7 @@ TEST(Collectives, AllToAllVRejectsBadCountsBeforeCommunicating) {
   EXPECT_EQ(c.stats().total_bytes(), 0);
 }
 
-TEST(Collectives, AllGatherIntoFlatBuffer) {
+FSDP_MUON_WORLD_TEST(Collectives, AllGatherIntoFlatBuffer) {
   Communicator& c = world();
   const int r = c.rank();
   const int w = c.size();
@@ -137,7 +141,7 @@ TEST(Collectives, AllGatherIntoFlatBuffer) {
   }
 }
 
-TEST(Collectives, ReduceScatterMeanIsExactOnIntegerValues) {
+FSDP_MUON_WORLD_TEST(Collectives, ReduceScatterMeanIsExactOnIntegerValues) {
   Communicator& c = world();
   const int r = c.rank();
   const int w = c.size();
@@ -166,7 +170,7 @@ TEST(Collectives, ReduceScatterMeanIsExactOnIntegerValues) {
   }
 }
 
-TEST(Collectives, AllReduceSumMaxMin) {
+FSDP_MUON_WORLD_TEST(Collectives, AllReduceSumMaxMin) {
   Communicator& c = world();
   const int r = c.rank();
   const int w = c.size();
@@ -196,7 +200,7 @@ TEST(Collectives, AllReduceSumMaxMin) {
   }
 }
 
-TEST(Collectives, BroadcastFromLastRank) {
+FSDP_MUON_WORLD_TEST(Collectives, BroadcastFromLastRank) {
   Communicator& c = world();
   const int r = c.rank();
   const int w = c.size();
@@ -211,7 +215,7 @@ TEST(Collectives, BroadcastFromLastRank) {
   EXPECT_THROW(c.broadcast(t, w), c10::Error);
 }
 
-TEST(Collectives, BarrierWaitsForEveryRank) {
+FSDP_MUON_WORLD_TEST(Collectives, BarrierWaitsForEveryRank) {
   Communicator& c = world();
   const int r = c.rank();
   const int w = c.size();
@@ -247,7 +251,7 @@ TEST(Collectives, BarrierWaitsForEveryRank) {
 }
 
 // An FSDP group whose shards are empty still takes part in every collective.
-TEST(Collectives, EmptyBuffersAreFine) {
+FSDP_MUON_WORLD_TEST(Collectives, EmptyBuffersAreFine) {
   Communicator& c = world();
   at::Tensor empty = at::empty({0}, on_device(at::kFloat));
   c.reset_stats();
@@ -265,7 +269,7 @@ TEST(Collectives, EmptyBuffersAreFine) {
   EXPECT_EQ(one.item<float>(), c.size());
 }
 
-TEST(Collectives, StatsAccumulateAcrossKindsAndReset) {
+FSDP_MUON_WORLD_TEST(Collectives, StatsAccumulateAcrossKindsAndReset) {
   Communicator& c = world();
   const int w = c.size();
   at::Tensor a = at::ones({4}, on_device(at::kFloat));
@@ -290,14 +294,11 @@ TEST(Collectives, StatsAccumulateAcrossKindsAndReset) {
 // Several collectives in flight at once, a synchronous one started between them, waited for in
 // the reverse order: every result equals the synchronous call's, bit for bit, and the bytes are
 // counted the same.
-TEST(CollectivesAsync, InFlightTogetherMatchSynchronousResultsAndBytes) {
+FSDP_MUON_WORLD_TEST(CollectivesAsync, InFlightTogetherMatchSynchronousResultsAndBytes) {
   Communicator& c = world();
   const int r = c.rank();
   const int w = c.size();
   // Non-integer values, so a reduction that summed in another order would show.
-  at::manual_seed(1234 + r);
-  const at::Tensor gather_send = at::randn({7}, on_device(at::kFloat));
-  const at::Tensor scatter_send = at::randn({w * 5}, on_device(at::kFloat));
   std::vector<int64_t> send_counts(w), recv_counts(w);
   for (int p = 0; p < w; ++p) {
     send_counts[p] = count(r, p);
@@ -305,7 +306,13 @@ TEST(CollectivesAsync, InFlightTogetherMatchSynchronousResultsAndBytes) {
   }
   const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
   const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-  const at::Tensor a2a_send = at::randn({send_total}, on_device(at::kFloat));
+  at::Tensor gather_send, scatter_send, a2a_send;
+  {
+    testing::SeededRandom random(1234 + r);
+    gather_send = at::randn({7}, on_device(at::kFloat));
+    scatter_send = at::randn({w * 5}, on_device(at::kFloat));
+    a2a_send = at::randn({send_total}, on_device(at::kFloat));
+  }
 
   at::Tensor gathered_sync = at::empty({w * 7}, on_device(at::kFloat));
   at::Tensor scattered_sync = at::empty({5}, on_device(at::kFloat));
@@ -343,7 +350,7 @@ TEST(CollectivesAsync, InFlightTogetherMatchSynchronousResultsAndBytes) {
 
 // A pipeline as full sharding and FsdpMuon run it: the next exchange is started before the
 // current result is used, many times over, with the caller computing in between.
-TEST(CollectivesAsync, PipelinedGathersDeliverEachRoundsData) {
+FSDP_MUON_WORLD_TEST(CollectivesAsync, PipelinedGathersDeliverEachRoundsData) {
   Communicator& c = world();
   const int r = c.rank();
   const int w = c.size();
@@ -360,7 +367,7 @@ TEST(CollectivesAsync, PipelinedGathersDeliverEachRoundsData) {
     std::unique_ptr<CommWork> current = std::move(next);
     if (t + 1 < rounds) next = start(t + 1);
     // Compute while the collectives run (its result is unused; the point is the interleaving).
-    at::Tensor busy = at::randn({64, 64}, on_device(at::kFloat));
+    at::Tensor busy = at::full({64, 64}, 0.5, on_device(at::kFloat));
     busy = busy.matmul(busy);
     current->wait();
     const at::Tensor expect =
@@ -369,7 +376,7 @@ TEST(CollectivesAsync, PipelinedGathersDeliverEachRoundsData) {
   }
 }
 
-TEST(CollectivesAsync, RejectsBadBuffersBeforeStarting) {
+FSDP_MUON_WORLD_TEST(CollectivesAsync, RejectsBadBuffersBeforeStarting) {
   Communicator& c = world();
   const int w = c.size();
   at::Tensor buf = at::zeros({w}, on_device(at::kFloat));
@@ -392,7 +399,7 @@ TEST(CollectivesAsync, RejectsBadBuffersBeforeStarting) {
 
 // A work dropped without wait() (an exception between start and wait) lets its collective
 // finish: the communicator stays usable and the next collective sees the next data.
-TEST(CollectivesAsync, DroppedWorkLeavesCommunicatorUsable) {
+FSDP_MUON_WORLD_TEST(CollectivesAsync, DroppedWorkLeavesCommunicatorUsable) {
   Communicator& c = world();
   const int w = c.size();
   {

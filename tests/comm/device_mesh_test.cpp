@@ -30,7 +30,7 @@ std::vector<int64_t> host_values(Communicator& c, const at::Tensor& t) {
   return std::vector<int64_t>(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
 }
 
-TEST(Split, GroupsByColorAndRanksByKey) {
+FSDP_MUON_WORLD_TEST(Split, GroupsByColorAndRanksByKey) {
   const int w = world().size();
   const int r = world().rank();
   // Two colors (one when w == 1); keys reverse the order inside each.
@@ -74,7 +74,7 @@ TEST(Split, GroupsByColorAndRanksByKey) {
   EXPECT_EQ(alone->stats().total_bytes(), 0);
 }
 
-TEST(Split, NegativeColorIsAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(Split, NegativeColorIsAnErrorOnEveryRank) {
   const int bad = world().size() - 1;
   expect_error([&] { world().split(world().rank() == bad ? -3 : 0, 0); },
                {"fsdp_muon::Communicator::split: rank " + std::to_string(bad),
@@ -85,7 +85,7 @@ TEST(Split, NegativeColorIsAnErrorOnEveryRank) {
   EXPECT_EQ(host_values(world(), t), (std::vector<int64_t>{world().size()}));
 }
 
-TEST(AllReduceAsync, MatchesAllReduceAndOverlapsAnother) {
+FSDP_MUON_WORLD_TEST(AllReduceAsync, MatchesAllReduceAndOverlapsAnother) {
   const int r = world().rank();
   const int w = world().size();
   at::Tensor a = at::arange(5, at::kFloat).add(r).to(world().device());
@@ -101,7 +101,7 @@ TEST(AllReduceAsync, MatchesAllReduceAndOverlapsAnother) {
 }
 
 // Every divisor of the world size as shard size.
-TEST(DeviceMesh, EveryDivisorOfTheWorld) {
+FSDP_MUON_WORLD_TEST(DeviceMesh, EveryDivisorOfTheWorld) {
   const int w = world().size();
   const int r = world().rank();
   for (int s = 1; s <= w; ++s) {
@@ -134,7 +134,7 @@ TEST(DeviceMesh, EveryDivisorOfTheWorld) {
   }
 }
 
-TEST(DeviceMesh, OneDimensionalMeshIsNotACollective) {
+FSDP_MUON_WORLD_TEST(DeviceMesh, OneDimensionalMeshIsNotACollective) {
   world().reset_stats();
   const DeviceMesh mesh = one_dimensional_mesh(world_ptr());
   EXPECT_EQ(world().stats().calls, 0);
@@ -148,7 +148,7 @@ TEST(DeviceMesh, OneDimensionalMeshIsNotACollective) {
   EXPECT_TRUE(mesh.same_as(one_dimensional_mesh(world_ptr())));
 }
 
-TEST(DeviceMesh, ShardSizeThatDoesNotDivideIsAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(DeviceMesh, ShardSizeThatDoesNotDivideIsAnErrorOnEveryRank) {
   const int w = world().size();
   const int bad = w + 1;
   expect_error([&] { make_device_mesh(world_ptr(), bad); },
@@ -162,7 +162,7 @@ TEST(DeviceMesh, ShardSizeThatDoesNotDivideIsAnErrorOnEveryRank) {
   }
 }
 
-TEST(DeviceMesh, RanksPassingDifferentShardSizesFailTogether) {
+FSDP_MUON_WORLD_TEST(DeviceMesh, RanksPassingDifferentShardSizesFailTogether) {
   const int w = world().size();
   if (w < 2) GTEST_SKIP() << "needs two ranks";
   expect_error([&] { make_device_mesh(world_ptr(), world().rank() == w - 1 ? 1 : w); },

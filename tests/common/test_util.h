@@ -13,10 +13,11 @@
 
 namespace fsdp_muon::testing {
 
-// Starts every failure message of this process ("rank 1: " in a distributed test, which
-// distributed_main sets), so a failure on one rank of a job says which.
+// Starts every failure message of this thread ("rank 1: " in a launched distributed test,
+// "W=3 rank 1: " on an in-process world's rank thread, which distributed_main sets), so a
+// failure on one rank of a job says which.
 inline std::string& failure_prefix() {
-  static std::string prefix;
+  thread_local std::string prefix;
   return prefix;
 }
 

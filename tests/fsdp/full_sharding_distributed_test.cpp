@@ -66,8 +66,10 @@ struct TrainingOptions {
 // the rest.
 struct Training {
   explicit Training(const TrainingOptions& o) {
-    at::manual_seed(o.seed);
-    net = Stack();
+    {
+      testing::SeededRandom random(o.seed);
+      net = Stack();
+    }
     auto group_options =
         FsdpParameterGroupOptions().sharding_strategy(o.strategy).prefetch(o.prefetch);
     group_options.compute_dtype(o.compute_dtype);
@@ -93,8 +95,11 @@ struct Training {
     for (auto& g : groups) g->zero_grad();
     double total = 0;
     for (int m = 0; m < micro_batches; ++m) {
-      at::manual_seed(500 + 10 * step_index + 1000 * m + world().rank());  // each rank its own
-      at::Tensor h = at::randn({4, kDims.front()}).to(groups[0]->compute_dtype());
+      at::Tensor h;
+      {
+        testing::SeededRandom random(500 + 10 * step_index + 1000 * m + world().rank());
+        h = at::randn({4, kDims.front()}).to(groups[0]->compute_dtype());  // each rank its own
+      }
       for (size_t k = 0; k < groups.size(); ++k) {
         Block block = net->blocks[k];
         h = groups[k]->forward([&](const at::Tensor& x) { return block->forward(x); }, h);
@@ -177,7 +182,7 @@ int64_t two_largest_groups_bytes(const Training& run) {
 
 constexpr int kSteps = 3;
 
-TEST(FullSharding, StrategiesTrainBitwiseLikeKOptimWithOneMicroBatch) {
+FSDP_MUON_WORLD_TEST(FullSharding, StrategiesTrainBitwiseLikeKOptimWithOneMicroBatch) {
   Training reference({ShardingStrategy::kOptim});
   Training grads({ShardingStrategy::kOptimGrads});
   Training params({ShardingStrategy::kOptimGradsParams});
@@ -190,7 +195,7 @@ TEST(FullSharding, StrategiesTrainBitwiseLikeKOptimWithOneMicroBatch) {
   expect_same_model(reference, params, 0, "kOptimGradsParams");
 }
 
-TEST(FullSharding, PrefetchOffGivesTheSameBits) {
+FSDP_MUON_WORLD_TEST(FullSharding, PrefetchOffGivesTheSameBits) {
   Training on({ShardingStrategy::kOptimGradsParams, /*prefetch=*/true});
   Training off({ShardingStrategy::kOptimGradsParams, /*prefetch=*/false});
   for (int s = 0; s < kSteps; ++s) {
@@ -199,7 +204,7 @@ TEST(FullSharding, PrefetchOffGivesTheSameBits) {
   expect_same_model(on, off, 0, "prefetch off");
 }
 
-TEST(FullSharding, MixedPrecisionGathersTheCastShard) {
+FSDP_MUON_WORLD_TEST(FullSharding, MixedPrecisionGathersTheCastShard) {
   // bf16 compute, fp32 main weights: kOptimGradsParams gathers the bf16 cast that
   // refresh_model_weights() made of its shard, the same bits kOptim's refresh all-gathers.
   Training reference({ShardingStrategy::kOptim, true, at::kBFloat16});
@@ -210,7 +215,7 @@ TEST(FullSharding, MixedPrecisionGathersTheCastShard) {
   expect_same_model(reference, params, 0, "bf16 compute");
 }
 
-TEST(FullSharding, ReducingInAnotherDtypeSendsACastCopy) {
+FSDP_MUON_WORLD_TEST(FullSharding, ReducingInAnotherDtypeSendsACastCopy) {
   // bf16 compute, fp32 averaging: the full gradients are cast and freed at once, the cast copy
   // is what travels (and is counted while in flight).
   Training reference({ShardingStrategy::kOptim, true, at::kBFloat16, 3, at::kFloat});
@@ -226,7 +231,7 @@ TEST(FullSharding, ReducingInAnotherDtypeSendsACastCopy) {
   EXPECT_EQ(total_unsharded_bytes(params.groups), 0);
 }
 
-TEST(FullSharding, GradientAccumulationAgreesWithKOptim) {
+FSDP_MUON_WORLD_TEST(FullSharding, GradientAccumulationAgreesWithKOptim) {
   for (const int micro_batches : {2, 3}) {
     Training reference({ShardingStrategy::kOptim});
     Training grads({ShardingStrategy::kOptimGrads});
@@ -243,7 +248,7 @@ TEST(FullSharding, GradientAccumulationAgreesWithKOptim) {
   }
 }
 
-TEST(FullSharding, UnshardedBytesBetweenStepsAndAtThePeak) {
+FSDP_MUON_WORLD_TEST(FullSharding, UnshardedBytesBetweenStepsAndAtThePeak) {
   for (const ShardingStrategy strategy : {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
                                           ShardingStrategy::kOptimGradsParams}) {
     SCOPED_TRACE(to_string(strategy));
@@ -293,14 +298,17 @@ TEST(FullSharding, UnshardedBytesBetweenStepsAndAtThePeak) {
   }
 }
 
-TEST(FullSharding, EvaluationUnderNoGradReshardsAndMatches) {
+FSDP_MUON_WORLD_TEST(FullSharding, EvaluationUnderNoGradReshardsAndMatches) {
   Training reference({ShardingStrategy::kOptim});
   Training params({ShardingStrategy::kOptimGradsParams});
   reference.step(0, 1);
   params.step(0, 1);
   at::NoGradGuard no_grad;
-  at::manual_seed(77);
-  at::Tensor a = at::randn({3, kDims.front()});
+  at::Tensor a;
+  {
+    testing::SeededRandom random(77);
+    a = at::randn({3, kDims.front()});
+  }
   at::Tensor b = a.clone();
   for (size_t k = 0; k < params.groups.size(); ++k) {
     Block ra = reference.net->blocks[k];
@@ -312,12 +320,15 @@ TEST(FullSharding, EvaluationUnderNoGradReshardsAndMatches) {
   EXPECT_EQ(total_unsharded_bytes(params.groups), 0);
 }
 
-TEST(FullSharding, VectorForwardRunsSeveralTensorsThroughOneGroup) {
+FSDP_MUON_WORLD_TEST(FullSharding, VectorForwardRunsSeveralTensorsThroughOneGroup) {
   Training reference({ShardingStrategy::kOptim});
   Training params({ShardingStrategy::kOptimGradsParams});
-  at::manual_seed(8);
-  const at::Tensor x = at::randn({2, kDims.front()});
-  const at::Tensor y = at::randn({5, kDims.front()});
+  at::Tensor x, y;
+  {
+    testing::SeededRandom random(8);
+    x = at::randn({2, kDims.front()});
+    y = at::randn({5, kDims.front()});
+  }
   std::vector<at::Tensor> outputs[2];
   Training* runs[2] = {&reference, &params};
   for (int r = 0; r < 2; ++r) {
@@ -337,12 +348,16 @@ TEST(FullSharding, VectorForwardRunsSeveralTensorsThroughOneGroup) {
   EXPECT_EQ(params.groups[0]->unsharded_bytes(), 0);
 }
 
-TEST(FullSharding, PrefetchGathersTheNextGroupInForwardAndThePreviousInBackward) {
+FSDP_MUON_WORLD_TEST(FullSharding, PrefetchGathersTheNextGroupInForwardAndThePreviousInBackward) {
   for (const bool prefetch : {true, false}) {
     Training run({ShardingStrategy::kOptimGradsParams, prefetch});
     run.step(0, 1);  // the first iteration records the forward order
     for (auto& g : run.groups) g->zero_grad();
-    at::Tensor h = at::randn({4, kDims.front()});
+    at::Tensor h;
+    {
+      testing::SeededRandom random(9);
+      h = at::randn({4, kDims.front()});
+    }
     int seen = 0;
     for (size_t k = 0; k < run.groups.size(); ++k) {
       Block block = run.net->blocks[k];
@@ -378,15 +393,18 @@ TEST(FullSharding, PrefetchGathersTheNextGroupInForwardAndThePreviousInBackward)
   }
 }
 
-TEST(FullSharding, TiedWeightsThroughUnshardMatchKOptim) {
+FSDP_MUON_WORLD_TEST(FullSharding, TiedWeightsThroughUnshardMatchKOptim) {
   // Block 0's weight serves twice: through its group's forward() and, as a tied output head,
   // directly, which needs unshard() until its backward has run.
   Training reference({ShardingStrategy::kOptim});
   Training params({ShardingStrategy::kOptimGradsParams});
   for (Training* run : {&reference, &params}) {
     for (auto& g : run->groups) g->zero_grad();
-    at::manual_seed(21 + world().rank());
-    const at::Tensor x = at::randn({3, kDims[0]});
+    at::Tensor x;
+    {
+      testing::SeededRandom random(21 + world().rank());
+      x = at::randn({3, kDims[0]});
+    }
     Block first = run->net->blocks[0];
     Block second = run->net->blocks[1];
     run->groups[0]->unshard();
@@ -413,12 +431,16 @@ constexpr const char* kResharded =
 constexpr const char* kReshardedGain =
     "parameter 'b0.gain' is resharded (sharding strategy optim_grads_params)";
 
-TEST(FullSharding, ReshardedWeightsAreRefusedOutsideForward) {
+FSDP_MUON_WORLD_TEST(FullSharding, ReshardedWeightsAreRefusedOutsideForward) {
   Training run({ShardingStrategy::kOptimGradsParams});
   run.step(0, 1);
   Block block = run.net->blocks[1];
   auto& group = *run.groups[1];
-  const at::Tensor x = at::randn({2, kDims[1]});
+  at::Tensor x;
+  {
+    testing::SeededRandom random(10);
+    x = at::randn({2, kDims[1]});
+  }
   try {
     block->forward(x);
     ADD_FAILURE() << "a resharded weight computed";
@@ -455,7 +477,7 @@ TEST(FullSharding, ReshardedWeightsAreRefusedOutsideForward) {
   }
 }
 
-TEST(FullSharding, ForwardRefusesToReturnAViewOfTheWeights) {
+FSDP_MUON_WORLD_TEST(FullSharding, ForwardRefusesToReturnAViewOfTheWeights) {
   Training run({ShardingStrategy::kOptimGradsParams});
   Block block = run.net->blocks[2];
   try {
@@ -471,14 +493,19 @@ TEST(FullSharding, ForwardRefusesToReturnAViewOfTheWeights) {
   run.step(0, 1);  // and the group still trains
 }
 
-TEST(FullSharding, ReshardingBeforeBackwardIsAClearError) {
+FSDP_MUON_WORLD_TEST(FullSharding, ReshardingBeforeBackwardIsAClearError) {
   Training run({ShardingStrategy::kOptimGradsParams});
   Block block = run.net->blocks[0];
   auto& group = *run.groups[0];
   for (auto& g : run.groups) g->zero_grad();
   group.unshard();
-  const at::Tensor y = block->forward(at::randn({2, kDims[0]}));  // outside forward()
-  group.reshard();  // too early: backward still needs the weights
+  at::Tensor input;
+  {
+    testing::SeededRandom random(11);
+    input = at::randn({2, kDims[0]});
+  }
+  const at::Tensor y = block->forward(input);  // outside forward()
+  group.reshard();                             // too early: backward still needs the weights
   try {
     y.pow(2).sum().backward();
     ADD_FAILURE() << "backward ran on resharded weights";
@@ -490,10 +517,14 @@ TEST(FullSharding, ReshardingBeforeBackwardIsAClearError) {
   EXPECT_EQ(total_unsharded_bytes(run.groups), 0);
 }
 
-TEST(FullSharding, GradientsOutsideForwardAreAClearError) {
+FSDP_MUON_WORLD_TEST(FullSharding, GradientsOutsideForwardAreAClearError) {
   Training run({ShardingStrategy::kOptimGrads});
   for (auto& g : run.groups) g->zero_grad();
-  at::Tensor h = at::randn({2, kDims[0]});
+  at::Tensor h;
+  {
+    testing::SeededRandom random(12);
+    h = at::randn({2, kDims[0]});
+  }
   for (auto& block : run.net->blocks) h = block->forward(h);  // the module called directly
   try {
     h.sum().backward();
@@ -507,7 +538,7 @@ TEST(FullSharding, GradientsOutsideForwardAreAClearError) {
   EXPECT_EQ(total_unsharded_bytes(run.groups), weight_bytes(run));
 }
 
-TEST(FullSharding, StrategyNamesRoundTrip) {
+FSDP_MUON_WORLD_TEST(FullSharding, StrategyNamesRoundTrip) {
   for (const ShardingStrategy s : {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
                                    ShardingStrategy::kOptimGradsParams}) {
     EXPECT_EQ(parse_sharding_strategy(to_string(s)), s);
@@ -516,10 +547,13 @@ TEST(FullSharding, StrategyNamesRoundTrip) {
   EXPECT_FALSE(parse_sharding_strategy("zero3").has_value());
 }
 
-TEST(FullSharding, GroupsBuiltWithDifferentStrategiesAreRefusedOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FullSharding, GroupsBuiltWithDifferentStrategiesAreRefusedOnEveryRank) {
   if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
-  at::manual_seed(1);
-  torch::nn::Linear fc(3, 4);
+  torch::nn::Linear fc{nullptr};
+  {
+    testing::SeededRandom random(1);
+    fc = torch::nn::Linear(3, 4);
+  }
   const auto strategy =
       world().rank() == 1 ? ShardingStrategy::kOptimGradsParams : ShardingStrategy::kOptim;
   try {
@@ -556,7 +590,7 @@ std::string shared_temp_dir() {
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()));
 }
 
-TEST(FullSharding, CheckpointsAndExportsWhileResharded) {
+FSDP_MUON_WORLD_TEST(FullSharding, CheckpointsAndExportsWhileResharded) {
   const std::string dir = shared_temp_dir();
   Training trained({ShardingStrategy::kOptimGradsParams});
   for (int s = 0; s < 2; ++s) trained.step(s, 1);

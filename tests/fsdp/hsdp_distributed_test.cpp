@@ -59,11 +59,17 @@ TORCH_MODULE(Stack);
 
 // World rank `rank`'s input at step `step`, micro-batch `micro`.
 at::Tensor input_of(int rank, int step, int micro = 0) {
-  at::manual_seed(900 + 97 * step + 13 * micro + rank);
+  testing::SeededRandom random(900 + 97 * step + 13 * micro + rank);
   return at::randn({3, kDims.front()});
 }
 
 constexpr int kSteps = 3;
+
+// The model every run starts from, the same on every rank.
+Stack seeded_stack() {
+  testing::SeededRandom random(5);
+  return Stack();
+}
 
 // Every mesh of the world with more than one replica, in the same order on every rank.
 std::vector<DeviceMesh> hsdp_meshes() {
@@ -132,8 +138,7 @@ struct Trained {
 // `mesh`: on it; nullptr: on the world communicator (the communicator constructor).
 Trained train(const DeviceMesh* mesh, const Config& config) {
   Trained run;
-  at::manual_seed(5);
-  run.net = Stack();
+  run.net = seeded_stack();
   const ShardModuleOptions options = ShardModuleOptions().group_options(
       FsdpParameterGroupOptions().sharding_strategy(config.strategy).prefetch(config.prefetch));
   run.groups = mesh != nullptr ? shard_module(*run.net, *mesh, options)
@@ -181,8 +186,7 @@ struct DdpRun {
 
 DdpRun train_ddp(int micro_batches) {
   DdpRun run;
-  at::manual_seed(5);
-  Stack net;
+  Stack net = seeded_stack();
   torch::optim::AdamW adamw(net->parameters(), adamw_options());
   const int w = world().size();
   for (int step = 0; step < kSteps; ++step) {
@@ -262,13 +266,12 @@ void expect_replicas_identical(const DeviceMesh& mesh, const Trained& run,
   }
 }
 
-TEST(Hsdp, GroupsAreShardedOverTheShardGroupAndLaidOutInShardRanks) {
+FSDP_MUON_WORLD_TEST(Hsdp, GroupsAreShardedOverTheShardGroupAndLaidOutInShardRanks) {
   if (world().size() == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
   bool some_rank_holds_nothing = false;
   for (const DeviceMesh& mesh : hsdp_meshes()) {
     SCOPED_TRACE("mesh " + mesh.shape());
-    at::manual_seed(5);
-    Stack net;
+    Stack net = seeded_stack();
     const auto groups = shard_module(*net, mesh);
     for (const auto& g : groups) {
       EXPECT_EQ(g->communicator(), mesh.shard);
@@ -296,7 +299,7 @@ TEST(Hsdp, GroupsAreShardedOverTheShardGroupAndLaidOutInShardRanks) {
 }
 
 // The heart of HSDP: every strategy, prefetch on and off, on every mesh.
-TEST(Hsdp, ReplicasStayBitwiseIdenticalAndAdamWFollowsDdpUnderEveryStrategy) {
+FSDP_MUON_WORLD_TEST(Hsdp, ReplicasStayBitwiseIdenticalAndAdamWFollowsDdpUnderEveryStrategy) {
   if (world().size() == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
   const DdpRun ddp = train_ddp(1);
   for (const DeviceMesh& mesh : hsdp_meshes()) {
@@ -317,7 +320,7 @@ TEST(Hsdp, ReplicasStayBitwiseIdenticalAndAdamWFollowsDdpUnderEveryStrategy) {
   }
 }
 
-TEST(Hsdp, MicroBatchesFollowDdp) {
+FSDP_MUON_WORLD_TEST(Hsdp, MicroBatchesFollowDdp) {
   if (world().size() == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
   const DdpRun ddp = train_ddp(2);
   for (const DeviceMesh& mesh : hsdp_meshes()) {
@@ -334,7 +337,7 @@ TEST(Hsdp, MicroBatchesFollowDdp) {
 // Per reduction, the shard group sends its reduce-scatter's minimum ((S - 1) blocks of a shard)
 // and the replicas one all-reduce of the shard (2 (R - 1) / R of it, the ring minimum); nothing
 // else crosses the replicas during training.
-TEST(Hsdp, EachCommunicatorCarriesTheMinimumOfItsStage) {
+FSDP_MUON_WORLD_TEST(Hsdp, EachCommunicatorCarriesTheMinimumOfItsStage) {
   if (world().size() == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
   for (const DeviceMesh& mesh : hsdp_meshes()) {
     for (ShardingStrategy strategy : {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
@@ -360,7 +363,7 @@ TEST(Hsdp, EachCommunicatorCarriesTheMinimumOfItsStage) {
 
 // make_device_mesh(world, W) is the 1-D mesh: a group on it does exactly what a group on the
 // communicator does, bit for bit and byte for byte (no collective more or less).
-TEST(Hsdp, TheOneDimensionalMeshIsBitwiseTheCommunicator) {
+FSDP_MUON_WORLD_TEST(Hsdp, TheOneDimensionalMeshIsBitwiseTheCommunicator) {
   const DeviceMesh flat = make_device_mesh(world_ptr(), world().size());
   EXPECT_TRUE(flat.one_dimensional());
   for (ShardingStrategy strategy : {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
@@ -383,7 +386,7 @@ std::vector<std::pair<std::string, at::Tensor>> two_parameters() {
   return {{"a", torch::ones({4, 3})}, {"b", torch::ones({5})}};
 }
 
-TEST(Hsdp, ErrorsAreRaisedOnEveryRank) {
+FSDP_MUON_WORLD_TEST(Hsdp, ErrorsAreRaisedOnEveryRank) {
   const int w = world().size();
   if (w == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
   // A shard size that does not divide the world (make_device_mesh's own check): W = 4 and 6
@@ -422,8 +425,7 @@ TEST(Hsdp, ErrorsAreRaisedOnEveryRank) {
       {"fsdp_muon::FsdpParameterGroup: the mesh has a null communicator"});
   testing::expect_error(
       [&] {
-        at::manual_seed(5);
-        Stack net;
+        Stack net = seeded_stack();
         shard_module(*net, DeviceMesh{nullptr, nullptr, nullptr});
       },
       {"fsdp_muon::shard_module: the mesh has a null communicator"});

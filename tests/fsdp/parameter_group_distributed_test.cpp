@@ -56,7 +56,7 @@ at::Tensor original_value(size_t i) {
   return (torch::arange(numel, torch::kFloat) * 0.01 + static_cast<double>(i)).view(shape);
 }
 
-TEST(FsdpDistributed, ShardsTileEveryParameterExactlyOnce) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, ShardsTileEveryParameterExactlyOnce) {
   const int W = world().size();
   const int rank = world().rank();
   Named named;
@@ -123,7 +123,7 @@ TEST(FsdpDistributed, ShardsTileEveryParameterExactlyOnce) {
   }
 }
 
-TEST(FsdpDistributed, WithoutBroadcastEachRankKeepsItsValues) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, WithoutBroadcastEachRankKeepsItsValues) {
   const int rank = world().rank();
   at::Tensor p = (original_value(4) + 100.0 * rank).requires_grad_(true);
   const at::Tensor mine = p.detach().clone();
@@ -148,7 +148,7 @@ TORCH_MODULE(Net);
 
 // Rank r's batch for a step, reproducible on every rank.
 std::pair<torch::Tensor, torch::Tensor> batch(int step, int r) {
-  torch::manual_seed(1000 + 97 * step + r);
+  testing::SeededRandom random(1000 + 97 * step + r);
   torch::Tensor x = torch::randn({8, 6});
   torch::Tensor y = torch::randn({8, 4});
   return {x, y};
@@ -159,7 +159,7 @@ torch::Tensor loss_of(Net& net, const std::pair<torch::Tensor, torch::Tensor>& b
 }
 
 Net make_net_pair(Net& reference) {
-  torch::manual_seed(7);
+  testing::SeededRandom random(7);
   Net net;
   reference = Net();
   torch::NoGradGuard no_grad;
@@ -189,7 +189,7 @@ std::vector<torch::Tensor> averaged_reference_grads(Net& reference, int step, in
   return mean;
 }
 
-TEST(FsdpDistributed, GradientShardsAreTheMeanOfTheRanksGradients) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, GradientShardsAreTheMeanOfTheRanksGradients) {
   const int W = world().size();
   const int rank = world().rank();
   Net reference{nullptr};
@@ -227,7 +227,7 @@ TEST(FsdpDistributed, GradientShardsAreTheMeanOfTheRanksGradients) {
     std::printf("W=%d: gradient shard vs mean of rank gradients, max |diff| %.3g\n", W, max_diff);
 }
 
-TEST(FsdpDistributed, AdamWOnShardsTrainsLikeSingleProcessAdamW) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, AdamWOnShardsTrainsLikeSingleProcessAdamW) {
   const int W = world().size();
   const int rank = world().rank();
   Net reference{nullptr};
@@ -270,7 +270,7 @@ TEST(FsdpDistributed, AdamWOnShardsTrainsLikeSingleProcessAdamW) {
     std::printf("W=%d: 5 AdamW steps, max |sharded - single process| %.3g\n", W, max_diff);
 }
 
-TEST(FsdpDistributed, MixedPrecisionAveragesInTheChosenDtype) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, MixedPrecisionAveragesInTheChosenDtype) {
   const int W = world().size();
   const int rank = world().rank();
   for (auto reduce : {at::kBFloat16, at::kFloat}) {
@@ -328,7 +328,7 @@ void expect_world_still_works() {
   EXPECT_TRUE(torch::equal(t, torch::full({3}, world().size(), torch::kFloat)));
 }
 
-TEST(FsdpDistributed, AnExtraParameterOnOneRankIsAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, AnExtraParameterOnOneRankIsAnErrorOnEveryRank) {
   const int W = world().size();
   if (W == 1) GTEST_SKIP() << "needs two ranks";
   Named params = two_parameters();
@@ -346,7 +346,7 @@ TEST(FsdpDistributed, AnExtraParameterOnOneRankIsAnErrorOnEveryRank) {
   expect_world_still_works();
 }
 
-TEST(FsdpDistributed, ADifferentOrderOnOneRankIsAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, ADifferentOrderOnOneRankIsAnErrorOnEveryRank) {
   const int W = world().size();
   if (W == 1) GTEST_SKIP() << "needs two ranks";
   Named params = two_parameters();
@@ -363,7 +363,7 @@ TEST(FsdpDistributed, ADifferentOrderOnOneRankIsAnErrorOnEveryRank) {
   expect_world_still_works();
 }
 
-TEST(FsdpDistributed, ADifferentShapeOrOptionOnSomeRanksIsAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, ADifferentShapeOrOptionOnSomeRanksIsAnErrorOnEveryRank) {
   const int W = world().size();
   if (W == 1) GTEST_SKIP() << "needs two ranks";
   Named params = two_parameters();
@@ -396,7 +396,7 @@ TEST(FsdpDistributed, ADifferentShapeOrOptionOnSomeRanksIsAnErrorOnEveryRank) {
 
 // A parameter only one rank rejects (here an integer tensor) fails every rank, naming it,
 // instead of leaving the others in the broadcast until the timeout.
-TEST(FsdpDistributed, AParameterOneRankRejectsIsAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FsdpDistributed, AParameterOneRankRejectsIsAnErrorOnEveryRank) {
   const int W = world().size();
   if (W == 1) GTEST_SKIP() << "needs two ranks";
   Named params = two_parameters();

@@ -35,13 +35,15 @@ int64_t expert_of(int64_t token) { return world().rank() == 1 ? token % 2 : toke
 
 struct Moe {
   explicit Moe(ShardingStrategy strategy) {
-    at::manual_seed(11);
-    w_in = at::randn({kHidden, kIn}).mul_(0.4).requires_grad_(true);
-    for (int64_t k = 0; k < kExperts; ++k) {
-      expert_w.push_back(at::randn({kHidden, kHidden}).mul_(0.4).requires_grad_(true));
-      expert_b.push_back(at::randn({kHidden}).mul_(0.1).requires_grad_(true));
+    {
+      testing::SeededRandom random(11);
+      w_in = at::randn({kHidden, kIn}).mul_(0.4).requires_grad_(true);
+      for (int64_t k = 0; k < kExperts; ++k) {
+        expert_w.push_back(at::randn({kHidden, kHidden}).mul_(0.4).requires_grad_(true));
+        expert_b.push_back(at::randn({kHidden}).mul_(0.1).requires_grad_(true));
+      }
+      w_out = at::randn({kOut, kHidden}).mul_(0.4).requires_grad_(true);
     }
-    w_out = at::randn({kOut, kHidden}).mul_(0.4).requires_grad_(true);
     auto options = [&](const std::string& name) {
       return FsdpParameterGroupOptions().name(name).sharding_strategy(strategy);
     };
@@ -75,8 +77,11 @@ struct Moe {
   // does not run the experts group's forward() at all.
   void step(int index, bool skip_empty, bool skip_group = false) {
     for (const auto& g : groups()) g->zero_grad();
-    at::manual_seed(100 * index + world().rank());
-    const at::Tensor x = at::randn({kTokens, kIn});
+    at::Tensor x;
+    {
+      testing::SeededRandom random(100 * index + world().rank());
+      x = at::randn({kTokens, kIn});
+    }
     at::Tensor h =
         in->forward([&](const at::Tensor& t) { return at::tanh(t.matmul(w_in.t())); }, x);
     if (!skip_group) {
@@ -115,48 +120,52 @@ struct Moe {
 class UnevenGradients : public ::testing::TestWithParam<ShardingStrategy> {};
 
 TEST_P(UnevenGradients, AnExpertWithoutTokensOnOneRankEqualsAnExplicitZeroGradient) {
-  if (world().size() < 2) GTEST_SKIP() << "needs a rank 1";
-  Moe skipped(GetParam());
-  Moe explicit_zero(GetParam());
-  for (int step = 1; step <= 3; ++step) {
-    skipped.step(step, /*skip_empty=*/true);
-    explicit_zero.step(step, /*skip_empty=*/false);
-  }
-  const auto a = skipped.groups();
-  const auto b = explicit_zero.groups();
-  for (size_t g = 0; g < a.size(); ++g) {
-    EXPECT_TRUE(at::equal(a[g]->main_weight_shard(), b[g]->main_weight_shard()))
-        << "group " << a[g]->name() << " on rank " << world().rank() << " under "
-        << to_string(GetParam());
-  }
-  // And the run trained: the experts moved.
-  Moe untrained(GetParam());
-  EXPECT_FALSE(at::equal(a[1]->main_weight_shard(), untrained.experts->main_weight_shard()) &&
-               a[1]->main_weight_shard().numel() > 0);
+  testing::on_every_world([&] {
+    if (world().size() < 2) GTEST_SKIP() << "needs a rank 1";
+    Moe skipped(GetParam());
+    Moe explicit_zero(GetParam());
+    for (int step = 1; step <= 3; ++step) {
+      skipped.step(step, /*skip_empty=*/true);
+      explicit_zero.step(step, /*skip_empty=*/false);
+    }
+    const auto a = skipped.groups();
+    const auto b = explicit_zero.groups();
+    for (size_t g = 0; g < a.size(); ++g) {
+      EXPECT_TRUE(at::equal(a[g]->main_weight_shard(), b[g]->main_weight_shard()))
+          << "group " << a[g]->name() << " on rank " << world().rank() << " under "
+          << to_string(GetParam());
+    }
+    // And the run trained: the experts moved.
+    Moe untrained(GetParam());
+    EXPECT_FALSE(at::equal(a[1]->main_weight_shard(), untrained.experts->main_weight_shard()) &&
+                 a[1]->main_weight_shard().numel() > 0);
+  });
 }
 
 TEST_P(UnevenGradients, ARankThatSkipsAGroupsForwardFailsOnEveryRank) {
-  if (world().size() < 2) GTEST_SKIP() << "needs a rank 1";
-  if (GetParam() == ShardingStrategy::kOptim) {
-    GTEST_SKIP() << "under kOptim a skipped forward() is zero gradients, reduced explicitly";
-  }
-  Moe moe(GetParam());
-  moe.step(1, /*skip_empty=*/true);
-  try {
-    moe.step(2, /*skip_empty=*/true, /*skip_group=*/world().rank() == 1);
-    ADD_FAILURE() << "no error on rank " << world().rank();
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const std::string& needle :
-         {std::string("the ranks ran different groups' forward() before this backward"),
-          std::string("rank 0 ran [in, experts, out]"), std::string("rank 1 ran [in, out]")}) {
-      EXPECT_NE(msg.find(needle), std::string::npos)
-          << "rank " << world().rank() << ": message lacks '" << needle << "': " << msg;
+  testing::on_every_world([&] {
+    if (world().size() < 2) GTEST_SKIP() << "needs a rank 1";
+    if (GetParam() == ShardingStrategy::kOptim) {
+      GTEST_SKIP() << "under kOptim a skipped forward() is zero gradients, reduced explicitly";
     }
-  }
-  // The groups recover: the next step runs on every rank.
-  moe.step(3, /*skip_empty=*/true);
-  moe.step(4, /*skip_empty=*/true);
+    Moe moe(GetParam());
+    moe.step(1, /*skip_empty=*/true);
+    try {
+      moe.step(2, /*skip_empty=*/true, /*skip_group=*/world().rank() == 1);
+      ADD_FAILURE() << "no error on rank " << world().rank();
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      for (const std::string& needle :
+           {std::string("the ranks ran different groups' forward() before this backward"),
+            std::string("rank 0 ran [in, experts, out]"), std::string("rank 1 ran [in, out]")}) {
+        EXPECT_NE(msg.find(needle), std::string::npos)
+            << "rank " << world().rank() << ": message lacks '" << needle << "': " << msg;
+      }
+    }
+    // The groups recover: the next step runs on every rank.
+    moe.step(3, /*skip_empty=*/true);
+    moe.step(4, /*skip_empty=*/true);
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, UnevenGradients,

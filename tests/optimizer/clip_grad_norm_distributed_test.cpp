@@ -57,7 +57,7 @@ struct StackImpl : torch::nn::Module {
 TORCH_MODULE(Stack);
 
 at::Tensor input_of(int rank) {
-  at::manual_seed(700 + rank);
+  testing::SeededRandom random(700 + rank);
   return at::randn({4, kDims.front()});
 }
 
@@ -67,10 +67,14 @@ struct ShardedModel {
   // On `mesh` when given, else on the world communicator.
   explicit ShardedModel(ShardingStrategy strategy, double gradient_scale = 1.0,
                         const DeviceMesh* mesh = nullptr) {
-    at::manual_seed(5);
-    net = Stack();
-    at::manual_seed(5);
-    reference = Stack();
+    {
+      testing::SeededRandom random(5);
+      net = Stack();
+    }
+    {
+      testing::SeededRandom random(5);
+      reference = Stack();
+    }
     const ShardModuleOptions options =
         ShardModuleOptions().group_options(FsdpParameterGroupOptions().sharding_strategy(strategy));
     groups = mesh != nullptr ? shard_module(*net, *mesh, options)
@@ -138,14 +142,14 @@ void expect_matches_torch(ShardingStrategy strategy, double max_norm, double nor
   }
 }
 
-TEST(ClipGradNorm, TwoNormMatchesTorchOnTheFullGradientsUnderEveryStrategy) {
+FSDP_MUON_WORLD_TEST(ClipGradNorm, TwoNormMatchesTorchOnTheFullGradientsUnderEveryStrategy) {
   for (ShardingStrategy strategy : kStrategies) {
     expect_matches_torch(strategy, /*max_norm=*/0.05, 2.0);  // clips
     expect_matches_torch(strategy, /*max_norm=*/1e6, 2.0);   // leaves the gradients alone
   }
 }
 
-TEST(ClipGradNorm, InfAndOtherNormsMatchTorch) {
+FSDP_MUON_WORLD_TEST(ClipGradNorm, InfAndOtherNormsMatchTorch) {
   for (ShardingStrategy strategy : kStrategies) {
     expect_matches_torch(strategy, 0.01, std::numeric_limits<double>::infinity());
     expect_matches_torch(strategy, 0.05, 3.0);
@@ -165,7 +169,7 @@ std::vector<DeviceMesh> hsdp_meshes() {
 // Under HSDP every replica holds the same gradient shards: the norm is the full averaged
 // gradient's (summed over the shard group, not over the world, which would count each element
 // once per replica), and every replica clips alike.
-TEST(ClipGradNorm, OnAMeshMatchesTorchOnTheFullAveragedGradients) {
+FSDP_MUON_WORLD_TEST(ClipGradNorm, OnAMeshMatchesTorchOnTheFullAveragedGradients) {
   if (world().size() == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
   for (const DeviceMesh& mesh : hsdp_meshes()) {
     for (ShardingStrategy strategy : kStrategies) {
@@ -177,7 +181,7 @@ TEST(ClipGradNorm, OnAMeshMatchesTorchOnTheFullAveragedGradients) {
   }
 }
 
-TEST(ClipGradNorm, GroupsOnTwoMeshesAreAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(ClipGradNorm, GroupsOnTwoMeshesAreAnErrorOnEveryRank) {
   if (world().size() == 1) GTEST_SKIP() << "a mesh of several replicas needs two ranks";
   const DeviceMesh mesh = make_device_mesh(world_ptr(), 1);
   ShardedModel flat(ShardingStrategy::kOptim);
@@ -194,7 +198,7 @@ TEST(ClipGradNorm, GroupsOnTwoMeshesAreAnErrorOnEveryRank) {
 }
 
 // A NaN gradient on the last rank only: every rank sees a NaN norm and acts on it the same way.
-TEST(ClipGradNorm, NonFiniteNormFollowsTheMode) {
+FSDP_MUON_WORLD_TEST(ClipGradNorm, NonFiniteNormFollowsTheMode) {
   const bool poisoned = world().rank() == world().size() - 1;
   for (NonFiniteGradients mode :
        {NonFiniteGradients::kSkipStep, NonFiniteGradients::kThrow, NonFiniteGradients::kIgnore}) {
@@ -236,7 +240,7 @@ TEST(ClipGradNorm, NonFiniteNormFollowsTheMode) {
   }
 }
 
-TEST(ClipGradNorm, BadArgumentsAreClearErrors) {
+FSDP_MUON_WORLD_TEST(ClipGradNorm, BadArgumentsAreClearErrors) {
   ShardedModel s(ShardingStrategy::kOptim);
   testing::expect_error(
       [&] { clip_grad_norm(std::vector<std::shared_ptr<FsdpParameterGroup>>{}, 1.0); },

@@ -1,4 +1,5 @@
-// FsdpMuon across real processes (CTest starts this under torchrun and mpirun with 1-4 ranks):
+// FsdpMuon across ranks (CTest runs this in-process at world sizes 1-4, and under torchrun and
+// mpirun):
 // exactness against single-device Muon, prefetch budgets and owner policies, traffic against the
 // plan and the docs/DESIGN.md §7 minimum, transient memory, Muon + AdamW on a sharded module, and
 // every construction and step error on every rank.
@@ -60,10 +61,14 @@ struct Model {
 
 Model make_model(uint64_t seed, const std::vector<std::vector<Spec>>& specs = model_specs(),
                  std::shared_ptr<Communicator> comm = world_ptr()) {
-  at::manual_seed(seed);
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> drawn;
+  {
+    testing::SeededRandom random(seed);
+    for (const auto& group_specs : specs) drawn.push_back(testing::random_parameters(group_specs));
+  }
   Model model;
   for (size_t g = 0; g < specs.size(); ++g) {
-    std::vector<std::pair<std::string, at::Tensor>> named = testing::random_parameters(specs[g]);
+    std::vector<std::pair<std::string, at::Tensor>> named = std::move(drawn[g]);
     std::vector<at::Tensor> reference;
     for (const auto& [name, t] : named)
       reference.push_back(t.detach().clone().requires_grad_(true));
@@ -98,7 +103,7 @@ std::vector<at::Tensor> reference_matrices(const Model& model) {
 // The same full gradients on every rank: each rank writes its slice into its gradient shard.
 void feed_gradients(Model& model, uint64_t seed) {
   for (auto& group : model.groups) group->zero_grad();  // re-installs .grad() views set to None
-  at::manual_seed(seed);
+  testing::SeededRandom random(seed);
   for (size_t g = 0; g < model.groups.size(); ++g) {
     const auto& group = model.groups[g];
     for (size_t i = 0; i < group->num_parameters(); ++i) {
@@ -213,7 +218,7 @@ std::vector<torch::optim::OptimizerParamGroup> split_groups(const std::vector<at
           torch::optim::OptimizerParamGroup(second, std::make_unique<MuonOptions>(other))};
 }
 
-TEST(FsdpMuonExactness, EqualsSingleDeviceMuonBitwise) {
+FSDP_MUON_WORLD_TEST(FsdpMuonExactness, EqualsSingleDeviceMuonBitwise) {
   uint64_t seed = 1;
   for (const Case& c : exactness_cases()) {
     SCOPED_TRACE(c.name);
@@ -239,7 +244,7 @@ TEST(FsdpMuonExactness, EqualsSingleDeviceMuonBitwise) {
 
 // A scheduler changing lr (and an edit of momentum and weight decay) on every rank alike after
 // construction: still exactly single-device Muon with those options.
-TEST(FsdpMuonExactness, OptionsChangedAlikeOnEveryRankEqualSingleDeviceMuon) {
+FSDP_MUON_WORLD_TEST(FsdpMuonExactness, OptionsChangedAlikeOnEveryRankEqualSingleDeviceMuon) {
   Model model = make_model(78);
   const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
   FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options);
@@ -265,7 +270,7 @@ TEST(FsdpMuonExactness, OptionsChangedAlikeOnEveryRankEqualSingleDeviceMuon) {
 }
 
 // Parameters without gradients (on every rank) are left alone, as single-device Muon does.
-TEST(FsdpMuonExactness, ParametersWithoutGradientsAreSkipped) {
+FSDP_MUON_WORLD_TEST(FsdpMuonExactness, ParametersWithoutGradientsAreSkipped) {
   Model model = make_model(77);
   const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
   FsdpMuon fsdp(sharded_matrices(model), options);
@@ -298,7 +303,7 @@ std::string plan_name(const FsdpMuon& fsdp, size_t g, size_t j) {
 }
 
 // The plan FsdpMuon caches is the planner's on the groups' own layout.
-TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
+FSDP_MUON_WORLD_TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
   Model model = make_model(5);
   for (const FsdpMuonConfig& config :
        {FsdpMuonConfig(), FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly),
@@ -372,7 +377,7 @@ TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
 // Results are the same bits for every schedule, prefetch budget, policy and overlap setting; the
 // bytes moved are what the plan predicts (under holders-only the docs/DESIGN.md §7 minimum);
 // full matrices exist only on their owners, at most one round (two with overlap) at a time.
-TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes) {
+FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBitsAndPlannedBytes) {
   const int me = world().rank();
   const int w = world().size();
   struct Run {
@@ -555,7 +560,7 @@ std::vector<std::vector<Spec>> moe_specs() {
 // with, and anything under kNever); kAlways in bf16 batches non-bitwise calls and is held to
 // rounding. The number of Newton–Schulz calls is the number of (shape, optimizer group) classes
 // a rank owns per round when it batches, one per matrix when it does not.
-TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
+FSDP_MUON_WORLD_TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
   ASSERT_EQ(at::get_num_threads(), 1);
   const int me = world().rank();
   struct Run {
@@ -633,7 +638,7 @@ TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMode) {
 // every W: plain, with Gram, restarts, AOL and Turbo-Muon's 4 steps, bf16 Newton–Schulz, under
 // every owner policy and schedule, batched (MoE experts) and not; and under holders-only the
 // bytes sent are the plan's and the hand count (elements plus row starts held by non-owners).
-TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) {
+FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) {
   ASSERT_EQ(at::get_num_threads(), 1);
   const int me = world().rank();
   const int w = world().size();
@@ -748,7 +753,7 @@ TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) {
 
 // The rows a rank keeps NorMuon state for tile every matrix in rank order, whatever the layout:
 // a rank may hold elements and no row start, never the other way round.
-TEST(FsdpMuonNorMuon, RowStateTilesEveryMatrix) {
+FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, RowStateTilesEveryMatrix) {
   Model model = make_model(43);
   for (const auto& group : model.groups) {
     for (size_t i = 0; i < group->num_parameters(); ++i) {
@@ -769,7 +774,7 @@ TEST(FsdpMuonNorMuon, RowStateTilesEveryMatrix) {
 
 // Overlapping the exchanges with Newton–Schulz changes when collectives run, never the bits: both
 // settings equal single-device Muon (bf16 Newton–Schulz, several optimizer groups) and each other.
-TEST(FsdpMuonSchedule, OverlapOnAndOffGiveTheSameBits) {
+FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, OverlapOnAndOffGiveTheSameBits) {
   std::vector<std::vector<at::Tensor>> results;
   for (const bool overlap : {false, true}) {
     for (const int64_t budget : {int64_t{0}, int64_t{400}}) {
@@ -803,13 +808,17 @@ TEST(FsdpMuonSchedule, OverlapOnAndOffGiveTheSameBits) {
 
 // One round moves one buffer: groups with different main dtypes whose matrices share a round are
 // an error on every rank, naming both groups and the fix; one group per window runs.
-TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
-  at::manual_seed(41);
+FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
+  std::vector<at::Tensor> weights;
+  {
+    testing::SeededRandom random(41);
+    weights = {at::randn({5, 3}), at::randn({5, 3})};
+  }
   std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
   for (const auto dtype : {at::kFloat, at::kDouble}) {
     groups.push_back(std::make_shared<FsdpParameterGroup>(
         std::vector<std::pair<std::string, at::Tensor>>{
-            {"w" + std::to_string(groups.size()), at::randn({5, 3})}},
+            {"w" + std::to_string(groups.size()), weights[groups.size()]}},
         world_ptr(),
         FsdpParameterGroupOptions().broadcast_from_rank0(false).main_dtype(dtype).name(
             "g" + std::to_string(groups.size()))));
@@ -834,7 +843,7 @@ TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
 
 // A rank that owns nothing allocates no full matrix: at W=4 with one small matrix per group, two
 // ranks own nothing.
-TEST(FsdpMuonSchedule, RanksOwningNothingAllocateNothing) {
+FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, RanksOwningNothingAllocateNothing) {
   Model model = make_model(21, {{{"x", {3, 4}}}, {{"y", {2, 5}}}});
   FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat),
                 FsdpMuonConfig().prefetch_budget_bytes(kUnlimitedPrefetch));
@@ -868,12 +877,16 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW) {
+FSDP_MUON_WORLD_TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW) {
   const int me = world().rank();
   const int w = world().size();
-  at::manual_seed(3);
-  Net net;
-  Net ref;
+  Net net{nullptr};
+  Net ref{nullptr};
+  {
+    testing::SeededRandom random(3);
+    net = Net();
+    ref = Net();
+  }
   {
     at::NoGradGuard no_grad;
     auto src = net->parameters();
@@ -901,8 +914,11 @@ TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW) {
 
   for (int step = 0; step < 5; ++step) {
     for (auto& group : groups) group->zero_grad();
-    at::manual_seed(500 + 10 * step + me);  // each rank its own batch
-    const at::Tensor x = at::randn({4, 6});
+    at::Tensor x;
+    {
+      testing::SeededRandom random(500 + 10 * step + me);  // each rank its own batch
+      x = at::randn({4, 6});
+    }
     net->forward(x).pow(2).mean().backward();
     for (auto& group : groups) group->reduce_scatter_grads();
     // The reference gets the averaged gradients FsdpMuon and AdamW see: the gathered shards.
@@ -965,7 +981,7 @@ std::vector<double> rates_alike(const FsdpMuon& fsdp) {
   return mine;
 }
 
-TEST(FsdpMuonCalibration, RatesMeasuredAlikeOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FsdpMuonCalibration, RatesMeasuredAlikeOnEveryRank) {
   Model model = make_model(61);
   const FsdpMuonConfig defaults;
   {
@@ -1024,7 +1040,7 @@ TEST(FsdpMuonCalibration, RatesMeasuredAlikeOnEveryRank) {
 
 // ---- errors: a clear message on every rank, no hang ----
 
-TEST(FsdpMuonErrors, NotAShardedParameter) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, NotAShardedParameter) {
   Model model = make_model(31);
   at::Tensor plain = at::zeros({4, 4}, at::requires_grad());
   expect_error([&] { FsdpMuon(std::vector<at::Tensor>{plain}, MuonOptions()); },
@@ -1051,7 +1067,7 @@ TEST(FsdpMuonErrors, NotAShardedParameter) {
   }
 }
 
-TEST(FsdpMuonErrors, NonMatrixParameters) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, NonMatrixParameters) {
   Model model = make_model(32);
   std::vector<at::Tensor> all;
   for (const auto& group : model.groups) {
@@ -1106,7 +1122,7 @@ class ForwardingCommunicator final : public Communicator {
   std::shared_ptr<Communicator> inner_;
 };
 
-TEST(FsdpMuonErrors, GroupsOnDifferentCommunicators) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, GroupsOnDifferentCommunicators) {
   Model a = make_model(33);
   Model b = make_model(34, {{{"other.w", {4, 3}}}},
                        std::make_shared<ForwardingCommunicator>(world_ptr()));
@@ -1116,7 +1132,7 @@ TEST(FsdpMuonErrors, GroupsOnDifferentCommunicators) {
                {"'g0'", "'other.w'", "different meshes", "communicators"});
 }
 
-TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
   if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
   const bool odd = world().rank() == 1;
   // Order.
@@ -1159,7 +1175,7 @@ TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
 
 // Every option that changes the math (and every distribution setting) differing on one rank,
 // down to one ulp of a double, is refused at construction on every rank, naming the option.
-TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
   if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
   const int odd = world().size() - 1;  // the rank that differs
   const bool here = world().rank() == odd;
@@ -1269,7 +1285,7 @@ TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
 // Options changed after construction (a scheduler stepped on one rank only, an edit on one rank)
 // make the next step an error on every rank, naming the option and both values, before anything
 // changes; stepped alike again, training goes on.
-TEST(FsdpMuonErrors, OptionsChangedOnOneRankFailTheStep) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsChangedOnOneRankFailTheStep) {
   if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
   const int odd = world().size() - 1;
   const bool here = world().rank() == odd;
@@ -1335,7 +1351,7 @@ TEST(FsdpMuonErrors, OptionsChangedOnOneRankFailTheStep) {
   fsdp.step();
 }
 
-TEST(FsdpMuonErrors, RanksDisagreeOnGradients) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, RanksDisagreeOnGradients) {
   if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
   Model model = make_model(39);
   FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
@@ -1359,7 +1375,7 @@ TEST(FsdpMuonErrors, RanksDisagreeOnGradients) {
   EXPECT_EQ(fsdp.last_step_stats().active_parameters, 8);
 }
 
-TEST(FsdpMuonErrors, AddParamGroupAfterConstruction) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, AddParamGroupAfterConstruction) {
   Model model = make_model(40);
   auto params = sharded_matrices(model);
   const at::Tensor extra = params.back();
@@ -1391,7 +1407,7 @@ void backward_through(const Model& model) {
 // reduce_scatter_grads(); a step before it would train on stale gradient shards. It is an error on
 // every rank naming the fix; micro-batches (several backwards, one reduce-scatter) and zero_grad()
 // are fine.
-TEST(FsdpMuonErrors, ZeroOneStepWithoutReduceScatterIsAnError) {
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, ZeroOneStepWithoutReduceScatterIsAnError) {
   Model model = make_model(41);
   for (const auto& group : model.groups) {
     ASSERT_EQ(group->sharding_strategy(), ShardingStrategy::kOptim);
@@ -1455,7 +1471,7 @@ TEST(FsdpMuonErrors, ZeroOneStepWithoutReduceScatterIsAnError) {
 
 // A NaN in one rank's piece of one gradient: under each NonFiniteGradients mode every rank
 // reaches the same outcome (the check rides on the agreement all-reduce).
-TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
   const int w = world().size();
   const int me = world().rank();
   for (const NonFiniteGradients mode :
@@ -1509,7 +1525,7 @@ TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
 // The default (kSkipStep): a NaN on one rank skips the step on every rank, leaving weights and
 // momentum bit for bit as they were, and rank 0 alone warns once, naming the step and the
 // parameter; the next finite step runs and warns nothing.
-TEST(FsdpMuonNonFinite, DefaultSkipsTheStepAndWarnsOnRankZero) {
+FSDP_MUON_WORLD_TEST(FsdpMuonNonFinite, DefaultSkipsTheStepAndWarnsOnRankZero) {
   EXPECT_EQ(FsdpMuonConfig().non_finite_gradients(), NonFiniteGradients::kSkipStep);
   const int w = world().size();
   const int me = world().rank();
@@ -1573,7 +1589,7 @@ TEST(FsdpMuonNonFinite, DefaultSkipsTheStepAndWarnsOnRankZero) {
 
 // Without the agreement all-reduce (for loops that guarantee agreement) the step gives the same
 // bits and sends nothing for the check; the non-finite check, which needs it, is refused.
-TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
+FSDP_MUON_WORLD_TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
   const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
   Model checked = make_model(90);
   Model unchecked = make_model(90);

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,15 +49,22 @@ std::vector<int> hsdp_shard_sizes() {
   }
 }
 
-// One mesh per shard size for the whole process: make_device_mesh is a collective, and every
-// rank runs the tests in the same order, so every rank makes the same meshes in the same order.
+// One mesh per world and shard size for the whole process: make_device_mesh is a collective, and
+// every rank runs the tests in the same order, so every rank makes the same meshes in the same
+// order. Keyed by the rank's world communicator (in-process, every rank of every world is here);
+// each entry holds its world, so no other world can take its address.
 const DeviceMesh& mesh_with_shard_size(int shard_size) {
-  static std::map<int, DeviceMesh> meshes;
-  auto it = meshes.find(shard_size);
-  if (it == meshes.end()) {
-    it = meshes.emplace(shard_size, make_device_mesh(world_ptr(), shard_size)).first;
+  static std::mutex mutex;
+  static std::map<std::pair<const Communicator*, int>, DeviceMesh> meshes;
+  const std::pair<const Communicator*, int> key{&world(), shard_size};
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = meshes.find(key);
+    if (it != meshes.end()) return it->second;
   }
-  return it->second;
+  DeviceMesh mesh = make_device_mesh(world_ptr(), shard_size);  // a collective: outside the lock
+  std::lock_guard<std::mutex> lock(mutex);
+  return meshes.emplace(key, std::move(mesh)).first->second;
 }
 
 // Awkward boundaries at shard sizes 1-3: a row of 1, a column of 1, sizes no shard size divides,
@@ -75,10 +83,14 @@ struct Model {
 // `mesh` null: the groups are built on the plain world communicator (today's 1-D groups).
 Model make_model(uint64_t seed, const DeviceMesh* mesh,
                  const std::vector<std::vector<Spec>>& specs = model_specs()) {
-  at::manual_seed(seed);
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> drawn;
+  {
+    testing::SeededRandom random(seed);
+    for (const auto& group_specs : specs) drawn.push_back(testing::random_parameters(group_specs));
+  }
   Model model;
   for (size_t g = 0; g < specs.size(); ++g) {
-    std::vector<std::pair<std::string, at::Tensor>> named = testing::random_parameters(specs[g]);
+    std::vector<std::pair<std::string, at::Tensor>> named = std::move(drawn[g]);
     std::vector<at::Tensor> reference;
     for (const auto& [name, t] : named) {
       reference.push_back(t.detach().clone().requires_grad_(true));
@@ -117,7 +129,7 @@ std::vector<at::Tensor> reference_matrices(const Model& model) {
 // The same full gradients on every rank: each rank writes its slice into its gradient shard.
 void feed_gradients(Model& model, uint64_t seed) {
   for (auto& group : model.groups) group->zero_grad();
-  at::manual_seed(seed);
+  testing::SeededRandom random(seed);
   for (size_t g = 0; g < model.groups.size(); ++g) {
     const auto& group = model.groups[g];
     for (size_t i = 0; i < group->num_parameters(); ++i) {
@@ -235,7 +247,7 @@ void run_against_muon(Model& model, FsdpMuon& fsdp, Muon& muon, const DeviceMesh
 
 // Every replica mode on every mesh of this world: single-device Muon's bits after every step,
 // the same bits in every replica, the planned bytes; kByCost's choice is the planner's.
-TEST(FsdpMuonHsdp, EveryModeEqualsSingleDeviceMuonOnEveryMesh) {
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, EveryModeEqualsSingleDeviceMuonOnEveryMesh) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
   uint64_t seed = 100;
   for (int shard_size : hsdp_shard_sizes()) {
@@ -286,7 +298,7 @@ OwnerPlan expected_plan(const DeviceMesh& mesh, const MuonOptions& options,
 // kByCost is resolved at construction by the planner, the same on every rank: with Newton–Schulz
 // made expensive and the network between replicas cheap, or the other way round, FsdpMuon runs
 // the planner's choice (and its owners), and describe() says which.
-TEST(FsdpMuonHsdp, ByCostRunsThePlannersChoice) {
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, ByCostRunsThePlannersChoice) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
   const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
   for (int shard_size : hsdp_shard_sizes()) {
@@ -315,7 +327,7 @@ TEST(FsdpMuonHsdp, ByCostRunsThePlannersChoice) {
 
 // NorMuon (its per-row state travels with each matrix and comes back to the holders of every
 // replica) and two optimizer groups, under every mode, on the first mesh of this world.
-TEST(FsdpMuonHsdp, NorMuonEqualsSingleDeviceMuon) {
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, NorMuonEqualsSingleDeviceMuon) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
   const DeviceMesh& mesh = mesh_with_shard_size(hsdp_shard_sizes().front());
   for (ReplicaNewtonSchulz mode : kModes) {
@@ -345,7 +357,7 @@ TEST(FsdpMuonHsdp, NorMuonEqualsSingleDeviceMuon) {
 
 // Row blocks of a fused weight and batched experts (docs/DESIGN.md §3, "Layouts"): each block a
 // matrix of its own, owned anywhere in the world, on every mesh of this world.
-TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
   const std::vector<std::vector<Spec>> specs{{{"attn.qkv", {12, 5}}, {"attn.norm", {5}}},
                                              {{"experts.w", {3, 4, 6}}, {"mlp.row", {1, 7}}}};
@@ -379,7 +391,7 @@ TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
 // Real per-rank gradients through the groups' two-stage reduction (reduce-scatter in the shard
 // group, then all-reduce across replicas): FsdpMuon equals Muon on the averaged gradients the
 // groups hand it, and the replicas stay identical, on every mesh under once-per-world.
-TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon) {
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
   for (int shard_size : hsdp_shard_sizes()) {
     const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
@@ -393,9 +405,11 @@ TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon) {
       for (size_t g = 0; g < model.groups.size(); ++g) {
         auto& group = model.groups[g];
         group->zero_grad();
-        at::manual_seed(5100 + 10 * step + world().rank());  // each rank its own gradients
         auto params = group->model_parameters();
-        for (at::Tensor& p : params) p.mutable_grad() = at::randn(p.sizes());
+        {
+          testing::SeededRandom random(5100 + 10 * step + world().rank());  // each rank its own
+          for (at::Tensor& p : params) p.mutable_grad() = at::randn(p.sizes());
+        }
         group->reduce_scatter_grads();
         // The reference gets what FsdpMuon sees: the averaged shards, gathered in the shard
         // group.
@@ -419,7 +433,7 @@ TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon) {
 // The 1-D mesh of the whole world is today's FsdpMuon, bit for bit and byte for byte: groups on
 // make_device_mesh(world, W) against groups on the plain communicator, in every replica mode
 // (with one replica they are one plan).
-TEST(FsdpMuonHsdp, OneDimensionalMeshIsTodayBitwiseBytesIncluded) {
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, OneDimensionalMeshIsTodayBitwiseBytesIncluded) {
   const DeviceMesh mesh = make_device_mesh(world_ptr(), world().size());
   ASSERT_TRUE(mesh.one_dimensional());
   for (ReplicaNewtonSchulz mode : kModes) {
@@ -463,7 +477,7 @@ TEST(FsdpMuonHsdp, OneDimensionalMeshIsTodayBitwiseBytesIncluded) {
 
 // Groups on different meshes (another shape, or the same shape made twice) are an error on every
 // rank, naming both groups and their meshes.
-TEST(FsdpMuonHsdp, MixedMeshesAreAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, MixedMeshesAreAnErrorOnEveryRank) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
   const DeviceMesh& mesh = mesh_with_shard_size(2);
   const DeviceMesh one_d = make_device_mesh(world_ptr(), world().size());

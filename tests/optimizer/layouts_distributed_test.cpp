@@ -65,11 +65,15 @@ struct Model {
 };
 
 Model make_model(uint64_t seed) {
-  at::manual_seed(seed);
-  Model model;
   const auto specs = layout_specs();
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> drawn;
+  {
+    testing::SeededRandom random(seed);
+    for (const auto& group_specs : specs) drawn.push_back(testing::random_parameters(group_specs));
+  }
+  Model model;
   for (size_t g = 0; g < specs.size(); ++g) {
-    auto named = testing::random_parameters(specs[g]);
+    auto named = std::move(drawn[g]);
     std::vector<at::Tensor> reference;
     for (const auto& [name, t] : named) reference.push_back(t.detach().clone().requires_grad_());
     model.groups.push_back(std::make_shared<FsdpParameterGroup>(
@@ -105,7 +109,7 @@ std::vector<torch::optim::OptimizerParamGroup> param_groups(const Model& model, 
 
 void feed_gradients(Model& model, uint64_t seed) {
   for (auto& group : model.groups) group->zero_grad();
-  at::manual_seed(seed);
+  testing::SeededRandom random(seed);
   for (size_t g = 0; g < model.groups.size(); ++g) {
     const auto& group = model.groups[g];
     for (size_t i = 0; i < group->num_parameters(); ++i) {
@@ -163,7 +167,7 @@ std::vector<Case> cases() {
   };
 }
 
-TEST(FsdpMuonLayouts, EqualSingleDeviceMuonBitwise) {
+FSDP_MUON_WORLD_TEST(FsdpMuonLayouts, EqualSingleDeviceMuonBitwise) {
   ASSERT_EQ(at::get_num_threads(), 1);
   uint64_t seed = 1;
   for (const Case& c : cases()) {
@@ -190,7 +194,7 @@ TEST(FsdpMuonLayouts, EqualSingleDeviceMuonBitwise) {
   }
 }
 
-TEST(FsdpMuonLayouts, EveryBlockIsAMatrixOfItsOwn) {
+FSDP_MUON_WORLD_TEST(FsdpMuonLayouts, EveryBlockIsAMatrixOfItsOwn) {
   const int me = world().rank();
   const int w = world().size();
   Model model = make_model(5);
@@ -250,7 +254,7 @@ TEST(FsdpMuonLayouts, EveryBlockIsAMatrixOfItsOwn) {
   }
 }
 
-TEST(FsdpMuonLayouts, BadLayoutsAreAnErrorOnEveryRank) {
+FSDP_MUON_WORLD_TEST(FsdpMuonLayouts, BadLayoutsAreAnErrorOnEveryRank) {
   Model model = make_model(9);
   const auto q = model.groups[0]->sharded_parameter(0);        // attn.qkv [12, 5]
   const auto experts = model.groups[1]->sharded_parameter(0);  // experts.w1 [3, 4, 6]
@@ -340,7 +344,7 @@ void train_reference(Model& model, Muon& muon, int first, int last) {
 }
 
 // Saved by a W = 2 job after 3 steps (the fixture of the resume test).
-TEST(FsdpMuonLayoutsCheckpointSave, SavesAfterThreeSteps) {
+FSDP_MUON_WORLD_TEST(FsdpMuonLayoutsCheckpointSave, SavesAfterThreeSteps) {
   const std::string dir = env_dir();
   ASSERT_FALSE(dir.empty());
   if (world().rank() == 0) checkpoint::remove_tree(dir);
@@ -359,7 +363,7 @@ TEST(FsdpMuonLayoutsCheckpointSave, SavesAfterThreeSteps) {
 
 // Loaded by a job of another world size: continues exactly like the uninterrupted reference; a
 // job constructed with another layout is refused, naming both.
-TEST(FsdpMuonLayoutsCheckpointResume, ContinuesAtAnotherWorldSize) {
+FSDP_MUON_WORLD_TEST(FsdpMuonLayoutsCheckpointResume, ContinuesAtAnotherWorldSize) {
   const std::string dir = env_dir();
   ASSERT_FALSE(dir.empty());
   ASSERT_TRUE(latest_checkpoint(dir).has_value()) << "run the save test first (its fixture)";

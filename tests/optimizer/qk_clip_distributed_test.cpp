@@ -83,8 +83,10 @@ DeviceMesh replicated_mesh() {
 
 struct ShardedModel {
   explicit ShardedModel(ShardingStrategy strategy, bool hsdp = false) {
-    at::manual_seed(11);
-    net = Net();
+    {
+      testing::SeededRandom random(11);
+      net = Net();
+    }
     // Large weights, so some logits are far above the threshold.
     for (auto& p : net->parameters()) p.data().mul_(4);
     const auto options =
@@ -117,7 +119,7 @@ struct ShardedModel {
 };
 
 at::Tensor batch_of(int rank) {
-  at::manual_seed(900 + rank);
+  testing::SeededRandom random(900 + rank);
   return at::randn({6, kModel});
 }
 
@@ -126,51 +128,55 @@ at::Tensor batch_of(int rank) {
 class QkClip : public ::testing::TestWithParam<std::tuple<ShardingStrategy, bool>> {};
 
 TEST_P(QkClip, ScalesQueryAndKeyRowsByTheReportsRuleFromTheRanksLargestLogits) {
-  ShardedModel s(std::get<0>(GetParam()), std::get<1>(GetParam()));
-  const auto before = s.full_weights();
-  const at::Tensor local = s.rank_max_logits(batch_of(world().rank()));
-  // What the all-reduce must give: the largest over every rank's batch.
-  std::vector<at::Tensor> all;
-  for (int r = 0; r < world().size(); ++r) all.push_back(s.rank_max_logits(batch_of(r)));
-  const at::Tensor global = std::get<0>(at::stack(all).max(0)).to(at::kDouble);
-  const double tau = global.median().item<double>();  // about half the heads clip
-  ASSERT_GT(tau, 0) << "the seed gives no positive logits to clip";
+  testing::on_every_world([&] {
+    ShardedModel s(std::get<0>(GetParam()), std::get<1>(GetParam()));
+    const auto before = s.full_weights();
+    const at::Tensor local = s.rank_max_logits(batch_of(world().rank()));
+    // What the all-reduce must give: the largest over every rank's batch.
+    std::vector<at::Tensor> all;
+    for (int r = 0; r < world().size(); ++r) all.push_back(s.rank_max_logits(batch_of(r)));
+    const at::Tensor global = std::get<0>(at::stack(all).max(0)).to(at::kDouble);
+    const double tau = global.median().item<double>();  // about half the heads clip
+    ASSERT_GT(tau, 0) << "the seed gives no positive logits to clip";
 
-  const QkClipResult result = qk_clip(s.groups, layers(), tau, local);
-  EXPECT_TRUE(torch::equal(result.max_logits, global));
-  // By hand: γ per head, √γ on a fused head's query and key rows (bias too), γ on a grouped
-  // head's query rows.
-  const at::Tensor gamma = at::clamp_max(tau / global, 1.0);
-  EXPECT_TRUE(at::allclose(result.factors, gamma, 0, 0));
-  EXPECT_EQ(result.clipped_heads, (global > tau).sum().item<int64_t>());
-  std::map<std::string, at::Tensor> expected = before;
-  const int64_t q = kHeads * kHeadDim;
-  for (int64_t h = 0; h < kHeads; ++h) {
-    const double f = gamma[0][h].item<double>();
-    for (const char* name : {"fused.qkv.weight", "fused.qkv.bias"}) {
-      for (int64_t row : {h * kHeadDim, q + h * kHeadDim}) {
-        expected[name].narrow(0, row, kHeadDim).mul_(std::sqrt(f));
+    const QkClipResult result = qk_clip(s.groups, layers(), tau, local);
+    EXPECT_TRUE(torch::equal(result.max_logits, global));
+    // By hand: γ per head, √γ on a fused head's query and key rows (bias too), γ on a grouped
+    // head's query rows.
+    const at::Tensor gamma = at::clamp_max(tau / global, 1.0);
+    EXPECT_TRUE(at::allclose(result.factors, gamma, 0, 0));
+    EXPECT_EQ(result.clipped_heads, (global > tau).sum().item<int64_t>());
+    std::map<std::string, at::Tensor> expected = before;
+    const int64_t q = kHeads * kHeadDim;
+    for (int64_t h = 0; h < kHeads; ++h) {
+      const double f = gamma[0][h].item<double>();
+      for (const char* name : {"fused.qkv.weight", "fused.qkv.bias"}) {
+        for (int64_t row : {h * kHeadDim, q + h * kHeadDim}) {
+          expected[name].narrow(0, row, kHeadDim).mul_(std::sqrt(f));
+        }
+      }
+      expected["grouped.q.weight"]
+          .narrow(0, h * kHeadDim, kHeadDim)
+          .mul_(gamma[1][h].item<double>());
+    }
+    const auto after = s.full_weights();
+    for (const auto& [name, want] : expected) {
+      EXPECT_TRUE(torch::equal(after.at(name), want)) << name << " on rank " << world().rank();
+    }
+    // The main-weight shards hold the same values as the refreshed model weights.
+    for (const auto& g : s.groups) {
+      for (size_t i = 0; i < g->num_parameters(); ++i) {
+        const auto [first, second] = g->held_range(i);
+        EXPECT_TRUE(torch::equal(g->sharded_parameter(i),
+                                 expected.at(g->slot(i).name).flatten().slice(0, first, second)))
+            << g->slot(i).name;
       }
     }
-    expected["grouped.q.weight"].narrow(0, h * kHeadDim, kHeadDim).mul_(gamma[1][h].item<double>());
-  }
-  const auto after = s.full_weights();
-  for (const auto& [name, want] : expected) {
-    EXPECT_TRUE(torch::equal(after.at(name), want)) << name << " on rank " << world().rank();
-  }
-  // The main-weight shards hold the same values as the refreshed model weights.
-  for (const auto& g : s.groups) {
-    for (size_t i = 0; i < g->num_parameters(); ++i) {
-      const auto [first, second] = g->held_range(i);
-      EXPECT_TRUE(torch::equal(g->sharded_parameter(i),
-                               expected.at(g->slot(i).name).flatten().slice(0, first, second)))
-          << g->slot(i).name;
+    // On the same batches, no head's logit exceeds τ any more (rounding aside).
+    for (int r = 0; r < world().size(); ++r) {
+      EXPECT_LE(s.rank_max_logits(batch_of(r)).max().item<double>(), tau * (1 + 1e-5));
     }
-  }
-  // On the same batches, no head's logit exceeds τ any more (rounding aside).
-  for (int r = 0; r < world().size(); ++r) {
-    EXPECT_LE(s.rank_max_logits(batch_of(r)).max().item<double>(), tau * (1 + 1e-5));
-  }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, QkClip,
@@ -178,7 +184,7 @@ INSTANTIATE_TEST_SUITE_P(Strategies, QkClip,
                                                               ShardingStrategy::kOptimGradsParams),
                                             ::testing::Bool()));
 
-TEST(QkClipErrors, BadArgumentsFailOnEveryRank) {
+FSDP_MUON_WORLD_TEST(QkClipErrors, BadArgumentsFailOnEveryRank) {
   ShardedModel s(ShardingStrategy::kOptim);
   const at::Tensor logits = at::ones({2, kHeads});
   testing::expect_error(

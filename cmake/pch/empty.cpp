@@ -1,0 +1,1 @@
+// The translation unit each precompiled header is built with (cmake/FsdpMuonBuildSpeed.cmake).
