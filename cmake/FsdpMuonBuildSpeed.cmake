@@ -56,25 +56,25 @@ set(FSDP_MUON_EXECUTABLE_PCH_HEADERS ${_fsdp_muon_std_headers} <ATen/ATen.h>
 
 # fsdp_muon_use_pch(<target>...): the library's objects (PIC) with their precompiled headers.
 function(fsdp_muon_use_pch)
-  foreach(target IN LISTS ARGN)
-    _fsdp_muon_reuse_pch(${target} fsdp_muon_pch_pic "")
-  endforeach()
+  _fsdp_muon_compile_as(fsdp_muon_pch_pic "" ${ARGN})
 endfunction()
 
 # fsdp_muon_executable_compile(<target>...): the benchmarks' and examples' flags and their
 # precompiled headers.
 function(fsdp_muon_executable_compile)
-  foreach(target IN LISTS ARGN)
-    target_compile_options(${target} PRIVATE ${_fsdp_muon_executable_cxx_flags})
-    _fsdp_muon_reuse_pch(${target} fsdp_muon_pch_exe "${_fsdp_muon_executable_cxx_flags}")
-  endforeach()
+  _fsdp_muon_compile_as(fsdp_muon_pch_exe "${_fsdp_muon_executable_cxx_flags}" ${ARGN})
 endfunction()
 
 # fsdp_muon_test_compile(<target>...): the tests' flags and their precompiled headers.
 function(fsdp_muon_test_compile)
+  _fsdp_muon_compile_as(fsdp_muon_pch_test "${_fsdp_muon_test_cxx_flags}" ${ARGN})
+endfunction()
+
+# Each target after <pch> and <flags>: compiled with <flags> and the PCH of <pch>.
+function(_fsdp_muon_compile_as pch flags)
   foreach(target IN LISTS ARGN)
-    target_compile_options(${target} PRIVATE ${_fsdp_muon_test_cxx_flags})
-    _fsdp_muon_reuse_pch(${target} fsdp_muon_pch_test "${_fsdp_muon_test_cxx_flags}")
+    target_compile_options(${target} PRIVATE ${flags})
+    _fsdp_muon_reuse_pch(${target} ${pch} "${flags}")
   endforeach()
 endfunction()
 
