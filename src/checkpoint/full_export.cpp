@@ -102,12 +102,10 @@ std::vector<PooledStateInfo> pool_state_info(const std::vector<ParamState>& loca
   return pooled;
 }
 
-// The rows of a matrix's row state that `rank` keeps (docs/DESIGN.md §6); none for a
-// parameter that is not 2-D.
+// The rows of a parameter's row state that `rank` keeps (docs/DESIGN.md §6); none for a vector.
 std::pair<int64_t, int64_t> held_rows(const FsdpParameterGroup& group, size_t index, int rank) {
-  const ParameterSlot& slot = group.slot(index);
-  if (slot.shape.size() != 2) return {0, 0};
-  return detail::rows_starting_in(group.held_range(index, rank), slot.shape[1]);
+  return detail::rows_starting_in(group.held_range(index, rank),
+                                  detail::row_state_cols(group.slot(index).shape));
 }
 
 // Rank 0: appends "<name>.<key>" for every parameter of group `g` that has state tensor `key`.
@@ -146,7 +144,7 @@ void gather_state_key(const ModelIndex& model, size_t g, const std::vector<Param
       out[slot.name].emplace_back(slot.name + "." + key, full_parameter(full, slot));
       continue;
     }
-    at::Tensor per_row = at::empty({slot.shape[0]}, full.options());
+    at::Tensor per_row = at::empty({detail::row_state_rows(slot.shape)}, full.options());
     for (int r = 0; r < comm.size(); ++r) {
       const auto [first, last] = held_rows(*group, refs[k].index, r);
       if (first == last) continue;

@@ -150,12 +150,15 @@ std::optional<ParamState> import_param_state(const TensorsByName& tensors, const
     const at::Tensor& t = tensors.at(slot.name + "." + key);
     if (checkpoint::is_row_state(opt.kind, key)) {
       // One value per row; this rank keeps the rows whose first element it holds.
-      const bool matrix = slot.shape.size() == 2;
-      TORCH_CHECK(matrix && t.dim() == 1 && t.size(0) == slot.shape[0], kImportApi, ": ", path,
-                  " tensor '", slot.name, ".", key, "' has shape ", shape_string(t.sizes()),
+      const bool matrix = slot.shape.size() >= 2;
+      const int64_t rows = detail::row_state_rows(slot.shape);
+      TORCH_CHECK(matrix && t.dim() == 1 && t.size(0) == rows, kImportApi, ": ", path, " tensor '",
+                  slot.name, ".", key, "' has shape ", shape_string(t.sizes()),
                   " but the parameter has shape ", shape_string(slot.shape),
-                  matrix ? " (one value per row expected)" : " (not a matrix)");
-      const auto [first, last] = detail::rows_starting_in({a, b}, slot.shape[1]);
+                  matrix ? " (one value per row expected: " + std::to_string(rows) + ")"
+                         : std::string(" (not a matrix)"));
+      const auto [first, last] =
+          detail::rows_starting_in({a, b}, detail::row_state_cols(slot.shape));
       state.tensors.emplace_back(key, held_slice(t, first, last));
       continue;
     }

@@ -94,9 +94,9 @@ std::vector<std::optional<ParamState>> plan_optimizer_state(const SavedMeta& sav
                       saved_opt.kind, " optimizer does not keep");
           if (is_row_state(opts[o].kind, key)) {
             const ParameterSlot& slot = group->slot(ref.index);
-            TORCH_CHECK(slot.shape.size() == 2, api, ": ", saved.path, " has row state '", key,
+            TORCH_CHECK(slot.shape.size() >= 2, api, ": ", saved.path, " has row state '", key,
                         "' for '", name, "', which is not a matrix");
-            const int64_t cols = slot.shape[1];
+            const int64_t cols = detail::row_state_cols(slot.shape);
             const auto [first, last] = detail::rows_starting_in(group->held_range(ref.index), cols);
             at::Tensor dst =
                 at::empty({last - first}, at::TensorOptions().dtype(group->main_dtype()));

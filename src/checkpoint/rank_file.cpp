@@ -63,9 +63,8 @@ std::vector<OutEntry> weight_entries(const ModelIndex& model) {
 // How many rows of `ref`'s row state this rank keeps (docs/DESIGN.md §6).
 int64_t held_rows(const ModelIndex& model, const ParamRef& ref) {
   const ParameterSlot& slot = model.slot(ref);
-  if (slot.shape.size() != 2) return 0;
-  const auto [first, last] =
-      detail::rows_starting_in(model.groups[ref.group]->held_range(ref.index), slot.shape[1]);
+  const auto [first, last] = detail::rows_starting_in(
+      model.groups[ref.group]->held_range(ref.index), detail::row_state_cols(slot.shape));
   return last - first;
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace fsdp_muon::detail {
 
@@ -19,6 +20,22 @@ inline std::pair<int64_t, int64_t> rows_starting_in(std::pair<int64_t, int64_t> 
   const auto ceil_div = [cols](int64_t e) { return (e + cols - 1) / cols; };
   const int64_t first = ceil_div(held.first);
   return {first, std::max(first, ceil_div(held.second))};
+}
+
+// The columns of a parameter's rows for its row state: its last dimension, as a rows x cols
+// matrix or E x m x n experts read as E·m rows of n (MatrixLayout::batched); 0 for a vector,
+// which has no row state.
+inline int64_t row_state_cols(const std::vector<int64_t>& shape) {
+  return shape.size() >= 2 ? shape.back() : 0;
+}
+
+// How many rows of row state the whole parameter has (0 for a vector).
+inline int64_t row_state_rows(const std::vector<int64_t>& shape) {
+  const int64_t cols = row_state_cols(shape);
+  if (cols <= 0) return 0;
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  return numel / cols;
 }
 
 }  // namespace fsdp_muon::detail

@@ -392,5 +392,57 @@ FSDP_MUON_WORLD_TEST(FsdpMuonLayoutsCheckpointResume, ContinuesAtAnotherWorldSiz
   expect_matches_reference(model, "3 steps after resuming");
 }
 
+// NorMuon keeps one value per row: of each expert's rows for a batched 3-D parameter (E x m x n
+// read as E·m rows). Saved by 2 ranks, loaded by 3, exported and imported at 3: the next steps
+// equal single-device Muon with NorMuon, bit for bit. In-process only: it runs two world sizes.
+TEST(FsdpMuonLayoutsNorMuon, BatchedExpertsCheckpointReshardAndExport) {
+  if (!testing::in_process()) GTEST_SKIP() << "in-process: saves at W=2, loads at W=3";
+  const std::string base = env_dir();
+  ASSERT_FALSE(base.empty());
+  const std::string dir = base + "/normuon";
+  const MuonOptions options =
+      MuonOptions(checkpoint_options()).normalization(Normalization::kNorMuon);
+  testing::on_world_of(2, [&] {
+    if (world().rank() == 0) checkpoint::remove_tree(dir);
+    world().barrier();
+    Model model = make_model(17);
+    FsdpMuon fsdp(param_groups(model, true, options), options);
+    Muon muon(param_groups(model, false, options), options);
+    for (int step = 1; step <= 3; ++step) {
+      feed_gradients(model, 1700 + step);
+      fsdp.step();
+      muon.step();
+    }
+    expect_matches_reference(model, "NorMuon before saving");
+    save_checkpoint(dir + "/sharded", model.groups, {&fsdp});
+    export_full_checkpoint(dir + "/full.pt", model.groups, {&fsdp});
+  });
+  testing::on_world_of(3, [&] {
+    Model reference = make_model(17);
+    Muon muon(param_groups(reference, false, options), options);
+    train_reference(reference, muon, 1, 3);
+    Model loaded = make_model(12345);  // other values: the load must replace them
+    FsdpMuon from_sharded(param_groups(loaded, true, options), options);
+    load_checkpoint(dir + "/sharded", loaded.groups, {&from_sharded});
+    Model imported = make_model(54321);
+    FsdpMuon from_full(param_groups(imported, true, options), options);
+    import_full_checkpoint(dir + "/full.pt", imported.groups, {&from_full});
+    for (Model* m : {&loaded, &imported}) {
+      for (size_t g = 0; g < m->groups.size(); ++g) m->reference[g] = reference.reference[g];
+    }
+    expect_matches_reference(loaded, "NorMuon after loading at W=3");
+    expect_matches_reference(imported, "NorMuon after importing at W=3");
+    for (int step = 4; step <= 6; ++step) {
+      feed_gradients(loaded, 1700 + step);
+      from_sharded.step();
+      feed_gradients(imported, 1700 + step);  // the same gradients on the shared reference
+      from_full.step();
+      muon.step();
+    }
+    expect_matches_reference(loaded, "NorMuon 3 steps after loading");
+    expect_matches_reference(imported, "NorMuon 3 steps after importing");
+  });
+}
+
 }  // namespace
 }  // namespace fsdp_muon
