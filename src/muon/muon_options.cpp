@@ -162,8 +162,9 @@ void MuonOptions::validate() const {
               momentum(), "; momentum must lie in [0, 1), e.g. .momentum(0.95)");
   TORCH_CHECK(ns_steps() >= 1, "fsdp_muon::MuonOptions: invalid ns_steps ", ns_steps(),
               "; Newton-Schulz needs at least 1 step, e.g. .ns_steps(5)");
-  TORCH_CHECK(std::isfinite(eps()) && eps() > 0, "fsdp_muon::MuonOptions: invalid eps ", eps(),
-              "; eps must be a finite value > 0 (it clamps the Frobenius norm), e.g. .eps(1e-7)");
+  TORCH_CHECK(eps() > 0 && eps() <= detail::kLargestEps, "fsdp_muon::MuonOptions: invalid eps ",
+              eps(), "; eps must be a finite value > 0 and at most ", detail::kLargestEps,
+              " (bf16's largest; it clamps the Frobenius norm), e.g. .eps(1e-7)");
   TORCH_CHECK(ns_dtype() == at::kBFloat16 || ns_dtype() == at::kFloat,
               "fsdp_muon::MuonOptions: invalid ns_dtype ", c10::toString(ns_dtype()),
               "; Newton-Schulz computes in bf16 or fp32: use .ns_dtype(at::kBFloat16) or "
@@ -178,10 +179,10 @@ void MuonOptions::validate() const {
   TORCH_CHECK(normuon_beta2() >= 0 && normuon_beta2() < 1,
               "fsdp_muon::MuonOptions: invalid normuon_beta2 ", normuon_beta2(),
               "; NorMuon's second-moment decay must lie in [0, 1), e.g. .normuon_beta2(0.95)");
-  TORCH_CHECK(std::isfinite(normuon_eps()) && normuon_eps() > 0,
+  TORCH_CHECK(normuon_eps() > 0 && normuon_eps() <= detail::kLargestEps,
               "fsdp_muon::MuonOptions: invalid normuon_eps ", normuon_eps(),
-              "; it guards NorMuon's divisions and must be a finite value > 0, e.g. "
-              ".normuon_eps(1e-8)");
+              "; it guards NorMuon's divisions and must be a finite value > 0 and at most ",
+              detail::kLargestEps, " (bf16's largest), e.g. .normuon_eps(1e-8)");
   matrix_layout().validate("fsdp_muon::MuonOptions: ");
   // Coefficient problems (cubic5 with a step count other than 5, non-finite custom tuples) are
   // checked where the schedule is built, with messages naming the option.

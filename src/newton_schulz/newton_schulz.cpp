@@ -250,9 +250,10 @@ void check_newton_schulz_input(const at::Tensor& x, const NewtonSchulzOptions& o
               "fsdp_muon::NewtonSchulzOptions: compute_dtype must be at::kBFloat16 or at::kFloat, "
               "got ",
               dtype);
-  TORCH_CHECK(std::isfinite(options.eps()) && options.eps() > 0.0,
-              "fsdp_muon::NewtonSchulzOptions: eps must be a positive finite number (it guards the "
-              "division by the Frobenius norm), got ",
+  TORCH_CHECK(options.eps() > 0.0 && options.eps() <= detail::kLargestEps,
+              "fsdp_muon::NewtonSchulzOptions: eps must be a positive finite number at most ",
+              detail::kLargestEps,
+              " (bf16's largest; it guards the division by the Frobenius norm), got ",
               options.eps());
 }
 

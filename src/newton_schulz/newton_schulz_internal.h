@@ -13,6 +13,12 @@
 
 namespace fsdp_muon::detail {
 
+// The largest eps (Newton-Schulz's, NorMuon's) the options accept: bf16's largest finite value,
+// the narrowest dtype these values meet as tensor scalars. A larger one (1e300, say) would fail
+// deep inside ATen ("value cannot be converted to type float without overflow") at the first
+// step instead of naming the option.
+constexpr double kLargestEps = 3.3895313892515355e38;
+
 // How many NsCoefficients values exist (the rows of FSDP_MUON_NS_PRESETS); an archive holding
 // any other integer is rejected.
 int64_t ns_coefficients_count();

@@ -63,6 +63,13 @@ TEST(MuonOptions, ValidationNamesTheOptionAndTheFix) {
   expect_error([] { MuonOptions().ns_steps(0).validate(); }, {"ns_steps", "at least 1"});
   expect_error([] { MuonOptions().eps(0.0).validate(); }, {"eps", "> 0"});
   expect_error([] { MuonOptions().eps(-1e-7).validate(); }, {"eps", "> 0"});
+  // Finite but past what the compute dtypes hold: named here, not as an ATen conversion error at
+  // the first step (issue 32, item 7).
+  expect_error([] { MuonOptions().eps(1e300).validate(); }, {"invalid eps", "at most"});
+  expect_error([] { MuonOptions().normuon_eps(1e300).validate(); },
+               {"invalid normuon_eps", "at most"});
+  expect_error([] { MuonOptions().eps(std::nan("")).validate(); }, {"invalid eps"});
+  EXPECT_NO_THROW(MuonOptions().eps(3e38).normuon_eps(3e38).validate());
   expect_error([] { MuonOptions().ns_dtype(at::kHalf).validate(); },
                {"ns_dtype", "at::kBFloat16", "at::kFloat"});
   expect_error([] { MuonOptions().ns_dtype(at::kDouble).validate(); }, {"ns_dtype"});

@@ -272,6 +272,8 @@ TEST(NewtonSchulzErrors, RejectsBadOptions) {
         newton_schulz(x, NewtonSchulzOptions().eps(std::numeric_limits<double>::quiet_NaN()));
       },
       {"eps must be a positive"});
+  testing::expect_error([&] { newton_schulz(x, NewtonSchulzOptions().eps(1e300)); },
+                        {"eps must be a positive finite number at most"});
   testing::expect_error([&] { newton_schulz(x, NewtonSchulzOptions().steps(0)); },
                         {"fsdp_muon::NewtonSchulzOptions: steps must be at least 1"});
   testing::expect_error(
