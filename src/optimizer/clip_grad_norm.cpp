@@ -53,11 +53,16 @@ double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gr
       }
     }
   }
+  // A maximum over ranks may drop a NaN (a comparison with NaN is false, so which value wins
+  // depends on the order it meets the others in): for the largest element a second entry, 1
+  // where this rank's maximum is NaN, travels in the same all-reduce. A sum keeps NaN as is.
+  if (inf_norm) local = at::cat({local, local.isnan().to(at::kDouble)});
   comm.all_reduce(local, inf_norm ? ReduceOp::kMax : ReduceOp::kSum);
-  const double reduced = comm.to_host(local).item<double>();
+  const at::Tensor reduced = comm.to_host(local);
+  const double first = reduced[0].item<double>();
   const double total =
-      inf_norm ? reduced
-               : (norm_type == 2.0 ? std::sqrt(reduced) : std::pow(reduced, 1.0 / norm_type));
+      inf_norm ? (reduced[1].item<double>() > 0 ? std::numeric_limits<double>::quiet_NaN() : first)
+               : (norm_type == 2.0 ? std::sqrt(first) : std::pow(first, 1.0 / norm_type));
 
   if (!std::isfinite(total)) {
     TORCH_CHECK(non_finite != NonFiniteGradients::kThrow, api, "the gradients' total norm is ",

@@ -198,42 +198,47 @@ FSDP_MUON_WORLD_TEST(ClipGradNorm, GroupsOnTwoMeshesAreAnErrorOnEveryRank) {
 }
 
 // A NaN gradient on the last rank only: every rank sees a NaN norm and acts on it the same way.
+// A NaN on the last rank only reaches every rank's norm, for the sum of powers and for the
+// largest element alike (a maximum over ranks would drop a NaN that meets a number first).
 FSDP_MUON_WORLD_TEST(ClipGradNorm, NonFiniteNormFollowsTheMode) {
   const bool poisoned = world().rank() == world().size() - 1;
-  for (NonFiniteGradients mode :
-       {NonFiniteGradients::kSkipStep, NonFiniteGradients::kThrow, NonFiniteGradients::kIgnore}) {
-    SCOPED_TRACE(to_string(mode));
-    ShardedModel s(ShardingStrategy::kOptim);
-    // The last rank's first non-empty gradient shard gets a NaN.
-    at::Tensor poisoned_grad;
-    for (const auto& g : s.groups) {
-      for (const at::Tensor& p : g->sharded_parameters()) {
-        if (!poisoned_grad.defined() && p.grad().numel() > 0) poisoned_grad = p.grad();
+  for (const double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE("norm_type " + std::to_string(norm_type));
+    for (NonFiniteGradients mode :
+         {NonFiniteGradients::kSkipStep, NonFiniteGradients::kThrow, NonFiniteGradients::kIgnore}) {
+      SCOPED_TRACE(to_string(mode));
+      ShardedModel s(ShardingStrategy::kOptim);
+      // The last rank's first non-empty gradient shard gets a NaN.
+      at::Tensor poisoned_grad;
+      for (const auto& g : s.groups) {
+        for (const at::Tensor& p : g->sharded_parameters()) {
+          if (!poisoned_grad.defined() && p.grad().numel() > 0) poisoned_grad = p.grad();
+        }
       }
-    }
-    ASSERT_TRUE(poisoned_grad.defined());
-    if (poisoned) poisoned_grad.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
-    std::vector<at::Tensor> before;
-    for (const auto& g : s.groups) {
-      for (const at::Tensor& p : g->sharded_parameters()) before.push_back(p.grad().clone());
-    }
-    if (mode == NonFiniteGradients::kThrow) {
-      testing::expect_error(
-          [&] { clip_grad_norm(s.groups, 0.05, 2.0, mode); },
-          {"fsdp_muon::clip_grad_norm: the gradients' total norm is ", "a NaN or Inf gradient"});
-      continue;
-    }
-    const double norm = clip_grad_norm(s.groups, 0.05, 2.0, mode);
-    EXPECT_TRUE(std::isnan(norm));
-    size_t k = 0;
-    for (const auto& g : s.groups) {
-      for (const at::Tensor& p : g->sharded_parameters()) {
-        const at::Tensor& was = before[k++];
-        if (mode == NonFiniteGradients::kSkipStep) {
-          EXPECT_TRUE(at::allclose(p.grad(), was, 0, 0, /*equal_nan=*/true))
-              << "kSkipStep changed a gradient";
-        } else if (p.grad().numel() > 0) {
-          EXPECT_TRUE(p.grad().isnan().all().item<bool>()) << "kIgnore scales by NaN, as torch";
+      ASSERT_TRUE(poisoned_grad.defined());
+      if (poisoned) poisoned_grad.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+      std::vector<at::Tensor> before;
+      for (const auto& g : s.groups) {
+        for (const at::Tensor& p : g->sharded_parameters()) before.push_back(p.grad().clone());
+      }
+      if (mode == NonFiniteGradients::kThrow) {
+        testing::expect_error(
+            [&] { clip_grad_norm(s.groups, 0.05, norm_type, mode); },
+            {"fsdp_muon::clip_grad_norm: the gradients' total norm is ", "a NaN or Inf gradient"});
+        continue;
+      }
+      const double norm = clip_grad_norm(s.groups, 0.05, norm_type, mode);
+      EXPECT_TRUE(std::isnan(norm));
+      size_t k = 0;
+      for (const auto& g : s.groups) {
+        for (const at::Tensor& p : g->sharded_parameters()) {
+          const at::Tensor& was = before[k++];
+          if (mode == NonFiniteGradients::kSkipStep) {
+            EXPECT_TRUE(at::allclose(p.grad(), was, 0, 0, /*equal_nan=*/true))
+                << "kSkipStep changed a gradient";
+          } else if (p.grad().numel() > 0) {
+            EXPECT_TRUE(p.grad().isnan().all().item<bool>()) << "kIgnore scales by NaN, as torch";
+          }
         }
       }
     }
