@@ -120,10 +120,15 @@ QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gro
                 "], got ", max_logits.defined() ? max_logits.sizes() : at::IntArrayRef{});
   });
 
-  at::Tensor reduced = max_logits.to(comm.device(), at::kDouble).flatten().clone();
+  // A maximum over ranks may drop a NaN (which value wins a comparison with NaN depends on the
+  // order the values meet), so a last entry, 1 where this rank has a NaN, rides along.
+  const at::Tensor mine = max_logits.to(comm.device(), at::kDouble).reshape({-1});
+  at::Tensor reduced = at::cat({mine, mine.isnan().any().to(at::kDouble).reshape({1})});
   comm.all_reduce(reduced, ReduceOp::kMax);
-  reduced = comm.to_host(reduced).view(max_logits.sizes());
-  TORCH_CHECK(at::isfinite(reduced).all().item<bool>(), kApi,
+  reduced = comm.to_host(reduced);
+  const bool some_nan = reduced[-1].item<double>() > 0;
+  reduced = reduced.narrow(0, 0, mine.numel()).reshape(max_logits.sizes());
+  TORCH_CHECK(!some_nan && at::isfinite(reduced).all().item<bool>(), kApi,
               "a maximum logit is NaN or Inf on some rank; nothing was clipped");
 
   QkClipResult result;

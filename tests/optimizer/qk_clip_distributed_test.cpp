@@ -223,6 +223,12 @@ FSDP_MUON_WORLD_TEST(QkClipErrors, BadArgumentsFailOnEveryRank) {
                 world().rank() == world().size() - 1 ? at::ones({1, kHeads}) : logits);
       },
       {"max_logits must be [layers, heads]"});
+  // A NaN maximum on the last rank only is an error on every rank: a maximum over ranks would
+  // drop it wherever it met a number first (issue 32, item 3).
+  at::Tensor with_nan = logits.clone();
+  if (world().rank() == world().size() - 1) with_nan[1][2] = std::nan("");
+  testing::expect_error([&] { qk_clip(s.groups, layers(), 1.0, with_nan); },
+                        {"a maximum logit is NaN or Inf on some rank; nothing was clipped"});
 }
 
 }  // namespace
