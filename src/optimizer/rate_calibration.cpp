@@ -177,7 +177,17 @@ MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& pa
        config.exchange_latency_seconds() == defaults.exchange_latency_seconds());
   std::vector<CalibrationShape> shapes;
   const std::vector<int64_t> calibrating = agree_on_sum(
-      *mesh.world, "fsdp_muon::FsdpMuon: rate calibration", 1, [&](std::vector<int64_t>& mine) {
+      *mesh.world, "fsdp_muon::FsdpMuon: construction", 1, [&](std::vector<int64_t>& mine) {
+        // Every MuonOptions checked here, in construction's first agreement: a rank with an
+        // invalid option would otherwise fail alone in the calibration's Newton-Schulz while
+        // the others wait in its exchange, and they would learn nothing but a timeout.
+        muon_defaults.validate();
+        for (const auto& group : param_groups) {
+          if (!group.has_options()) continue;
+          if (const auto* options = dynamic_cast<const MuonOptions*>(&group.options())) {
+            options->validate();
+          }
+        }
         mine[0] = wants ? 1 : 0;
         if (!wants) return;
         for (const auto& group : param_groups) {

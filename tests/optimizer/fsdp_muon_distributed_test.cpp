@@ -1175,6 +1175,33 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, ParameterListsDifferAcrossRanks) {
 
 // Every option that changes the math (and every distribution setting) differing on one rank,
 // down to one ulp of a double, is refused at construction on every rank, naming the option.
+// An invalid option on one rank only, with the rate calibration on (the default): every rank
+// fails naming the option, before any of the calibration's exchanges (issue 32, item 5).
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, AnInvalidOptionOnOneRankIsNamedOnEveryRank) {
+  if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
+  const bool odd = world().rank() == world().size() - 1;
+  Model model = make_model(71);
+  const std::vector<std::pair<std::function<void(MuonOptions&)>, std::string>> cases = {
+      {[](MuonOptions& o) { o.ns_steps(0); }, "invalid ns_steps 0"},
+      {[](MuonOptions& o) { o.eps(0.0); }, "invalid eps 0"},
+      {[](MuonOptions& o) { o.ns_method(NsMethod::kGram).gram_restarts({9}); }, "gram_restarts"},
+  };
+  for (const auto& [change, needle] : cases) {
+    MuonOptions options = MuonOptions().ns_dtype(at::kFloat);
+    if (odd) change(options);
+    // The rank with the bad option reports its own error; the others name that rank.
+    const std::string others = "fsdp_muon::FsdpMuon: construction failed on rank " +
+                               std::to_string(world().size() - 1) + " of " +
+                               std::to_string(world().size());
+    expect_error([&] { FsdpMuon(sharded_matrices(model), options); },
+                 odd ? std::vector<std::string>{needle} : std::vector<std::string>{others, needle},
+                 needle);
+  }
+  // The world still works: a valid construction on every rank goes through.
+  FsdpMuon ok(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  EXPECT_EQ(ok.matrices().size(), sharded_matrices(model).size());
+}
+
 FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
   if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
   const int odd = world().size() - 1;  // the rank that differs
