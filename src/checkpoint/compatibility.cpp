@@ -106,28 +106,30 @@ std::string other_job_reason(const SavedMeta& saved, const ModelIndex& model,
 }
 
 std::vector<std::string> describe_for_save(const ModelIndex& model,
-                                           const std::vector<OptimizerEntry>& opts) {
+                                           const std::vector<OptimizerEntry>& opts,
+                                           bool with_state) {
   std::vector<std::string> lines;
-  lines.push_back("groups: " + std::to_string(model.groups.size()));
+  lines.push_back("groups = " + std::to_string(model.groups.size()));
   for (size_t g = 0; g < model.groups.size(); ++g) {
     const auto& group = model.groups[g];
     std::ostringstream line;
-    line << "group " << g << ": '" << group->name() << "', " << group->num_parameters()
+    line << "group " << g << " = '" << group->name() << "', " << group->num_parameters()
          << " parameter(s), " << group->padded_numel() << " elements, main "
          << c10::toString(group->main_dtype());
     lines.push_back(line.str());
   }
-  lines.push_back("optimizers: " + std::to_string(opts.size()));
+  lines.push_back("optimizers = " + std::to_string(opts.size()));
   for (size_t o = 0; o < opts.size(); ++o) {
     const std::string which = "optimizer " + std::to_string(o);
-    lines.push_back(which + ": " + kind_name(opts[o].kind) + ", " +
+    lines.push_back(which + " = " + kind_name(opts[o].kind) + ", " +
                     std::to_string(opts[o].param_groups.size()) + " param group(s)");
     for (size_t j = 0; j < opts[o].param_groups.size(); ++j) {
       std::string names;
       for (const ParamRef& ref : opts[o].param_groups[j]) {
         names += (names.empty() ? "" : ", ") + model.slot(ref).name;
       }
-      lines.push_back(which + ", param group " + std::to_string(j) + ": [" + names + "]");
+      lines.push_back(which + ", param group " + std::to_string(j) + " = [" + names + "]");
+      if (!with_state) continue;
       for (const ParamRef& ref : opts[o].param_groups[j]) {
         const ParamState st = read_state(opts[o], model.shard(ref));
         std::string state = "none";
@@ -138,7 +140,7 @@ std::vector<std::string> describe_for_save(const ModelIndex& model,
           }
           state += "]";
         }
-        lines.push_back(which + ", state of '" + model.slot(ref).name + "': " + state);
+        lines.push_back(which + ", state of '" + model.slot(ref).name + "' = " + state);
       }
     }
   }

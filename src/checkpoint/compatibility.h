@@ -25,10 +25,13 @@ void check_same_optimizers(const SavedMeta& saved, const ModelIndex& model,
 std::string other_job_reason(const SavedMeta& saved, const ModelIndex& model,
                              const std::vector<OptimizerEntry>& opts, const std::string& run_id);
 
-// What a save writes that a load checks, as "label: value" lines, so that the ranks can compare
-// them before anything is written: the groups, the optimizers in order (kinds, param groups and
-// their parameters) and per parameter which optimizer state exists.
+// What a save writes that a load checks, as "label = value" lines, so that the ranks can compare
+// them before anything is written or read (comm/agreement.h, agree_on_arguments): the groups,
+// the optimizers in order (kinds, param groups and their parameters) and, `with_state`, per
+// parameter which optimizer state exists (what a save or export writes; a load or import
+// replaces it).
 std::vector<std::string> describe_for_save(const ModelIndex& model,
-                                           const std::vector<OptimizerEntry>& opts);
+                                           const std::vector<OptimizerEntry>& opts,
+                                           bool with_state = true);
 
 }  // namespace fsdp_muon::checkpoint

@@ -13,6 +13,7 @@
 #include <ATen/core/Dict.h>
 #include <c10/util/Exception.h>
 
+#include "checkpoint/compatibility.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/model_index.h"
 #include "checkpoint/optimizer_state.h"
@@ -216,10 +217,19 @@ void export_full_checkpoint(const std::string& path,
   Communicator& world = checkpoint::communicator_of(groups, kExportApi);
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
-  detail::run_agreed(world, kExportApi, [&] {
-    model = checkpoint::index_model(groups, kExportApi);
-    opts = checkpoint::index_optimizers(optimizers, model, kExportApi);
-  });
+  // Rank 0 writes what every rank gathers in the order of its own arguments: a rank that passed
+  // the groups or optimizers in another order would put its shards under other names.
+  detail::agree_on_arguments(
+      world, kExportApi, "what to export",
+      "Every rank must pass the same path, groups and optimizers, in the same order; nothing was "
+      "written",
+      [&] {
+        model = checkpoint::index_model(groups, kExportApi);
+        opts = checkpoint::index_optimizers(optimizers, model, kExportApi);
+        std::vector<std::string> lines = checkpoint::describe_for_save(model, opts);
+        lines.insert(lines.begin(), "path = " + path);
+        return lines;
+      });
   // The replicas hold the same shards: replica 0 gathers them over its shard group and its shard
   // rank 0 (world rank 0) writes; the other replicas only take part in the agreement.
   std::vector<std::vector<at::Tensor>> weights;

@@ -5,6 +5,7 @@
 #include <fsdp_muon/checkpoint/checkpoint.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <optional>
 #include <set>
 #include <string>
@@ -16,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
 
+#include "checkpoint/compatibility.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/model_index.h"
 #include "checkpoint/optimizer_state.h"
@@ -50,8 +52,8 @@ at::Tensor held_slice(const at::Tensor& full, int64_t first, int64_t last) {
   return full.reshape({-1}).slice(0, first, last).to(at::kCPU).contiguous();
 }
 
-TensorsByName read_tensor_dict(const std::string& path, bool strict) {
-  const std::vector<char> bytes = checkpoint::read_whole_file(path, kImportApi);
+TensorsByName read_tensor_dict(const std::vector<char>& bytes, const std::string& path,
+                               bool strict) {
   c10::IValue value;
   try {
     value = torch::pickle_load(bytes);
@@ -213,15 +215,32 @@ void import_full_checkpoint(const std::string& path,
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
   checkpoint::StagedRestore staged;
-  detail::run_agreed(comm, kImportApi, [&] {
-    model = checkpoint::index_model(groups, kImportApi);
-    opts = checkpoint::index_optimizers(optimizers, model, kImportApi);
-    const TensorsByName tensors = read_tensor_dict(path, options.strict());
-    std::set<std::string> used;
-    staged.weights = slice_weights(tensors, model, path, used);
-    staged.states = import_states(tensors, model, opts, options, path, used);
-    if (options.strict()) check_all_used(tensors, used, path);
-  });
+  // The path may differ (a copy on each node's disk), the file may not: every rank names it by
+  // its size and CRC-32, and a rank that read other bytes fails the import everywhere before
+  // anything changes, instead of building a model mixed from two files.
+  detail::agree_on_arguments(
+      comm, kImportApi, "what to import",
+      "Every rank must read the same file (its path may differ) into the same groups and "
+      "optimizers, in the same order, with the same options; nothing was changed",
+      [&] {
+        model = checkpoint::index_model(groups, kImportApi);
+        opts = checkpoint::index_optimizers(optimizers, model, kImportApi);
+        const std::vector<char> bytes = checkpoint::read_whole_file(path, kImportApi);
+        const TensorsByName tensors = read_tensor_dict(bytes, path, options.strict());
+        std::set<std::string> used;
+        staged.weights = slice_weights(tensors, model, path, used);
+        staged.states = import_states(tensors, model, opts, options, path, used);
+        if (options.strict()) check_all_used(tensors, used, path);
+        std::vector<std::string> lines =
+            checkpoint::describe_for_save(model, opts, /*with_state=*/false);
+        char crc[16];
+        std::snprintf(crc, sizeof(crc), "%08x", checkpoint::crc32(bytes.data(), bytes.size()));
+        lines.push_back("file = " + std::to_string(bytes.size()) + " bytes, CRC-32 " + crc);
+        lines.push_back(std::string("optimizer_state = ") +
+                        (options.optimizer_state() ? "true" : "false"));
+        lines.push_back(std::string("strict = ") + (options.strict() ? "true" : "false"));
+        return lines;
+      });
   // Every rank has what it needs: only now does anything change.
   checkpoint::install_staged(model, opts, staged);
 }

@@ -70,37 +70,6 @@ std::vector<std::vector<std::vector<char>>> checked_saved_options(
   return options;
 }
 
-// Every rank describes what it is about to save (checkpoint/compatibility.h: describe_for_save);
-// when some rank's description differs from rank 0's, every rank throws naming the first
-// difference, before anything is written: rank 0's manifest would describe the other ranks'
-// files wrongly, and the checkpoint would not load (docs/DESIGN.md §6).
-void agree_on_what_to_save(Communicator& comm, const std::vector<std::string>& lines) {
-  const std::string text = fsdp::join_lines(lines);
-  const std::vector<int> differ = detail::ranks_that_differ(comm, text);
-  if (differ.empty()) return;
-  const std::vector<std::string> texts = fsdp::gather_descriptions(comm, text);
-  const int r = differ.front();
-  const std::vector<std::string> zero = fsdp::split_lines(texts[0]);
-  const std::vector<std::string> other = fsdp::split_lines(texts[r]);
-  std::string difference = "the descriptions differ only in their hash";
-  for (size_t k = 0; k < std::max(zero.size(), other.size()); ++k) {
-    const std::string a = k < zero.size() ? zero[k] : "(nothing)";
-    const std::string b = k < other.size() ? other[k] : "(nothing)";
-    if (a == b) continue;
-    const size_t colon = a.find(": ");
-    const bool same_label =
-        colon != std::string::npos && b.compare(0, colon + 2, a, 0, colon + 2) == 0;
-    difference = same_label
-                     ? a.substr(0, colon) + ": rank 0 has " + a.substr(colon + 2) + "; rank " +
-                           std::to_string(r) + " has " + b.substr(colon + 2)
-                     : "rank 0 has '" + a + "'; rank " + std::to_string(r) + " has '" + b + "'";
-    break;
-  }
-  TORCH_CHECK(false, kSaveApi, ": the ranks disagree on what to save (every rank must pass the ",
-              "same groups and optimizers, in the same order): ", difference, " (", differ.size(),
-              " rank(s) differ from rank 0); nothing was written");
-}
-
 // A save id as two non-negative 63-bit halves (new_save_id's values fit, see save_checkpoint),
 // so that rank 0 can send it through a sum; {-1, -1} for a version 1 checkpoint, which has none.
 std::pair<int64_t, int64_t> save_id_halves(const checkpoint::SavedMeta& saved) {
@@ -189,13 +158,17 @@ std::string save_checkpoint(const std::string& dir,
   Communicator& comm = checkpoint::communicator_of(groups, kSaveApi);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;
-  std::vector<std::string> description;
-  detail::run_agreed(comm, kSaveApi, [&] {
-    model = checkpoint::index_model(groups, kSaveApi);
-    opts = checkpoint::index_optimizers(optimizers, model, kSaveApi);
-    description = checkpoint::describe_for_save(model, opts);
-  });
-  agree_on_what_to_save(comm, description);
+  // Every rank describes what it is about to save; a rank that differs from rank 0 would make
+  // rank 0's manifest describe its file wrongly, and the checkpoint would not load.
+  detail::agree_on_arguments(
+      comm, kSaveApi, "what to save",
+      "Every rank must pass the same groups and optimizers, in the same order; nothing was "
+      "written",
+      [&] {
+        model = checkpoint::index_model(groups, kSaveApi);
+        opts = checkpoint::index_optimizers(optimizers, model, kSaveApi);
+        return checkpoint::describe_for_save(model, opts);
+      });
   // Rank 0 creates the folder and draws the save id; the agreed sum tells every rank both (the
   // id as two 63-bit halves, so the sum of rank 0's value and zeros cannot overflow).
   const std::vector<int64_t> agreed =
@@ -245,10 +218,14 @@ CheckpointUserState load_checkpoint(const std::string& dir,
   std::vector<checkpoint::OptimizerEntry> opts;
   checkpoint::StagedRestore staged;
   CheckpointUserState user_state;
-  detail::run_agreed(comm, kLoadApi, [&] {
-    model = checkpoint::index_model(groups, kLoadApi);
-    opts = checkpoint::index_optimizers(optimizers, model, kLoadApi);
-  });
+  detail::agree_on_arguments(
+      comm, kLoadApi, "what to load into",
+      "Every rank must pass the same groups and optimizers, in the same order; nothing was read",
+      [&] {
+        model = checkpoint::index_model(groups, kLoadApi);
+        opts = checkpoint::index_optimizers(optimizers, model, kLoadApi);
+        return checkpoint::describe_for_save(model, opts, /*with_state=*/false);
+      });
   const checkpoint::FoundCheckpoint found = resolve_on_rank0(comm, dir);
   detail::run_agreed(comm, kLoadApi, [&] {
     const std::string& folder = found.folder;

@@ -1,8 +1,10 @@
 #include "comm/agreement.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <exception>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -98,24 +100,20 @@ void run_agreed(Communicator& comm, const std::string& what, const std::function
   agree_on_sum(comm, what, 0, [&](std::vector<int64_t>&) { fn(); });
 }
 
-namespace {
-
-// FNV-1a: stable across builds and processes, unlike std::hash.
-int64_t stable_hash(const std::string& text) {
+uint64_t stable_hash(const std::string& text) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : text) {
     h ^= c;
     h *= 1099511628211ull;
   }
-  return static_cast<int64_t>(h);
+  return h;
 }
-
-}  // namespace
 
 std::vector<int> ranks_that_differ(Communicator& comm, const std::string& description) {
   const int world = comm.size();
   if (world == 1) return {};
-  at::Tensor mine = at::full({1}, stable_hash(description), at::TensorOptions().dtype(at::kLong));
+  at::Tensor mine = at::full({1}, static_cast<int64_t>(stable_hash(description)),
+                             at::TensorOptions().dtype(at::kLong));
   at::Tensor all = at::empty({world}, mine.options().device(comm.device()));
   comm.all_gather(mine.to(comm.device()), all);
   const at::Tensor host = comm.to_host(all);
@@ -125,6 +123,118 @@ std::vector<int> ranks_that_differ(Communicator& comm, const std::string& descri
     if (hashes[r] != hashes[0]) differ.push_back(r);
   }
   return differ;
+}
+
+std::string join_lines(const std::vector<std::string>& lines) {
+  std::string text;
+  for (const auto& line : lines) text += line + "\n";
+  return text;
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Every rank's description, through two all-gathers (lengths, then the padded texts). Only
+// called once every rank knows that some rank differs, so the bytes travel on failure only.
+std::vector<std::string> gather_descriptions(Communicator& comm, const std::string& mine) {
+  const int world = comm.size();
+  const auto on_device = at::TensorOptions().device(comm.device());
+  at::Tensor lengths = at::empty({world}, on_device.dtype(at::kLong));
+  comm.all_gather(at::full({1}, static_cast<int64_t>(mine.size()), on_device.dtype(at::kLong)),
+                  lengths);
+  const at::Tensor host_lengths = comm.to_host(lengths);
+  const int64_t* length = host_lengths.data_ptr<int64_t>();
+  const int64_t slot = std::max<int64_t>(1, *std::max_element(length, length + world));
+  at::Tensor padded = at::zeros({slot}, at::kByte);
+  std::copy(mine.begin(), mine.end(), padded.data_ptr<uint8_t>());
+  at::Tensor all = at::empty({slot * world}, on_device.dtype(at::kByte));
+  comm.all_gather(padded.to(comm.device()), all);
+  const at::Tensor host = comm.to_host(all);
+  const char* bytes = reinterpret_cast<const char*>(host.data_ptr<uint8_t>());
+  std::vector<std::string> texts;
+  for (int r = 0; r < world; ++r) texts.emplace_back(bytes + r * slot, length[r]);
+  return texts;
+}
+
+std::string first_different_entry(const std::vector<std::string>& zero,
+                                  const std::vector<std::string>& other, int r) {
+  const std::string theirs = "rank " + std::to_string(r);
+  for (size_t i = 0; i < std::max(zero.size(), other.size()); ++i) {
+    const std::string a = i < zero.size() ? zero[i] : "";
+    const std::string b = i < other.size() ? other[i] : "";
+    if (a == b) continue;
+    const std::string sep = " = ";
+    const size_t ka = a.find(sep);
+    const size_t kb = b.find(sep);
+    if (ka != std::string::npos && kb != std::string::npos && a.compare(0, ka, b, 0, kb) == 0) {
+      return a.substr(0, ka) + ": rank 0 has " + a.substr(ka + sep.size()) + ", " + theirs +
+             " has " + b.substr(kb + sep.size());
+    }
+    const auto quoted = [](const std::string& line) {
+      return line.empty() ? std::string("nothing") : "'" + line + "'";
+    };
+    return "line " + std::to_string(i + 1) + ": rank 0 has " + quoted(a) + ", " + theirs + " has " +
+           quoted(b);
+  }
+  return "the descriptions differ only in their hash";
+}
+
+void agree_on_arguments(Communicator& comm, const std::string& what, const std::string& subject,
+                        const std::string& rule,
+                        const std::function<std::vector<std::string>()>& describe) {
+  std::vector<std::string> lines;
+  std::string error;
+  bool failed = false;
+  try {
+    lines = describe();
+  } catch (...) {
+    error = current_exception_message();
+    failed = true;
+  }
+  const int world = comm.size();
+  if (world == 1) {
+    TORCH_CHECK(!failed, error);
+    return;
+  }
+  const std::string text = join_lines(lines);
+  at::Tensor mine = at::tensor(
+      std::vector<int64_t>{failed ? 1 : 0, static_cast<int64_t>(stable_hash(text))}, at::kLong);
+  at::Tensor all = at::empty({2 * world}, mine.options().device(comm.device()));
+  try {
+    comm.all_gather(mine.to(comm.device()), all);
+  } catch (...) {
+    TORCH_CHECK(!failed, error, " (then ", current_exception_message(), ")");
+    throw;
+  }
+  const at::Tensor host = comm.to_host(all);
+  const int64_t* entry = host.data_ptr<int64_t>();
+  int64_t failed_ranks = 0;
+  std::vector<int> differ;
+  for (int r = 0; r < world; ++r) {
+    failed_ranks += entry[2 * r];
+    if (r > 0 && entry[2 * r + 1] != entry[1]) differ.push_back(r);
+  }
+  // A rank that could not even check its arguments is the root cause: its message comes first.
+  if (failed_ranks != 0) throw_agreed_failure(comm, what, failed_ranks, error, failed);
+  if (differ.empty()) return;
+  const std::vector<std::string> texts = gather_descriptions(comm, text);
+  std::string ranks;
+  for (const int r : differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  const int r = differ.front();
+  TORCH_CHECK(false, what, ": the ranks disagree on ", subject, " (rank(s) ", ranks,
+              " differ from rank 0; this is rank ", comm.rank(), " of ", world,
+              "); first difference, ",
+              first_different_entry(split_lines(texts[0]), split_lines(texts[r]), r), ". ", rule);
+}
+
+std::string exact_text(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.17g", value);
+  return text;
 }
 
 }  // namespace fsdp_muon::detail

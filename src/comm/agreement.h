@@ -31,8 +31,40 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
 // anywhere.
 void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn);
 
+// FNV-1a of `text`: stable across builds and processes, unlike std::hash.
+uint64_t stable_hash(const std::string& text);
+
 // The ranks whose `description` differs from rank 0's (empty when all agree), through one
 // all-gather of a stable 64-bit hash of it. For checking that every rank built the same thing.
 std::vector<int> ranks_that_differ(Communicator& comm, const std::string& description);
+
+// Descriptions are lines of text; these join them into one string and split it again.
+std::string join_lines(const std::vector<std::string>& lines);
+std::vector<std::string> split_lines(const std::string& text);
+
+// Every rank's text (two all-gathers; host waits bounded by the communicator's timeout).
+std::vector<std::string> gather_descriptions(Communicator& comm, const std::string& mine);
+
+// For descriptions written one "<key> = <value>" per line: the first line where rank r's
+// description differs from rank 0's, as "<key>: rank 0 has <value>, rank r has <value>" (a line
+// one rank lacks is "nothing"; lines with different keys are quoted whole).
+std::string first_different_entry(const std::vector<std::string>& zero,
+                                  const std::vector<std::string>& other, int r);
+
+// How a collective API agrees its arguments before its first data collective (docs/DESIGN.md,
+// "Agreement"). Every rank runs `describe`, which checks this rank's arguments (throwing a
+// message that names the bad one) and returns them as "<name> = <value>" lines. One all-gather
+// of [failed, hash of the lines] follows. When some rank failed, every rank throws as
+// agree_on_sum does; when some rank's lines differ from rank 0's, every rank throws
+// "<what>: the ranks disagree on <subject> (rank(s) R differ from rank 0; this is rank r of W);
+// first difference, <name>: rank 0 has <a>, rank R has <b>. <rule>" (the lines themselves
+// travel only then). With one rank there is no collective at all.
+void agree_on_arguments(Communicator& comm, const std::string& what, const std::string& subject,
+                        const std::string& rule,
+                        const std::function<std::vector<std::string>()>& describe);
+
+// A double as the shortest text that reads back to the same bits ("%.17g"), for descriptions:
+// two ranks that print the same text passed the same value.
+std::string exact_text(double value);
 
 }  // namespace fsdp_muon::detail

@@ -37,41 +37,6 @@ std::vector<std::string> describe_group(
   return lines;
 }
 
-std::string join_lines(const std::vector<std::string>& lines) {
-  std::string text;
-  for (const auto& line : lines) text += line + "\n";
-  return text;
-}
-
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
-}
-
-// Every rank's description, through two all-gathers (lengths, then the padded texts). Only
-// called once every rank knows that some rank differs, so the bytes travel on failure only.
-std::vector<std::string> gather_descriptions(Communicator& comm, const std::string& mine) {
-  const int world = comm.size();
-  const auto on_device = at::TensorOptions().device(comm.device());
-  at::Tensor lengths = at::empty({world}, on_device.dtype(at::kLong));
-  comm.all_gather(at::full({1}, static_cast<int64_t>(mine.size()), on_device.dtype(at::kLong)),
-                  lengths);
-  const at::Tensor host_lengths = comm.to_host(lengths);
-  const int64_t* length = host_lengths.data_ptr<int64_t>();
-  const int64_t slot = std::max<int64_t>(1, *std::max_element(length, length + world));
-  at::Tensor padded = at::zeros({slot}, at::kByte);
-  std::copy(mine.begin(), mine.end(), padded.data_ptr<uint8_t>());
-  at::Tensor all = at::empty({slot * world}, on_device.dtype(at::kByte));
-  comm.all_gather(padded.to(comm.device()), all);
-  const at::Tensor host = comm.to_host(all);
-  const char* bytes = reinterpret_cast<const char*>(host.data_ptr<uint8_t>());
-  std::vector<std::string> texts;
-  for (int r = 0; r < world; ++r) texts.emplace_back(bytes + r * slot, length[r]);
-  return texts;
-}
-
 // "rank 0 has <a>, rank r has <b>" for the first line where rank r's description differs from
 // rank 0's.
 std::string first_difference(const std::vector<std::string>& zero,
@@ -104,35 +69,12 @@ std::string first_difference(const std::vector<std::string>& zero,
   return "the descriptions differ only in their hash";
 }
 
-std::string first_different_entry(const std::vector<std::string>& zero,
-                                  const std::vector<std::string>& other, int r) {
-  const std::string theirs = "rank " + std::to_string(r);
-  for (size_t i = 0; i < std::max(zero.size(), other.size()); ++i) {
-    const std::string a = i < zero.size() ? zero[i] : "";
-    const std::string b = i < other.size() ? other[i] : "";
-    if (a == b) continue;
-    const std::string sep = " = ";
-    const size_t ka = a.find(sep);
-    const size_t kb = b.find(sep);
-    if (ka != std::string::npos && kb != std::string::npos && a.compare(0, ka, b, 0, kb) == 0) {
-      return a.substr(0, ka) + ": rank 0 has " + a.substr(ka + sep.size()) + ", " + theirs +
-             " has " + b.substr(kb + sep.size());
-    }
-    const auto quoted = [](const std::string& line) {
-      return line.empty() ? std::string("nothing") : "'" + line + "'";
-    };
-    return "line " + std::to_string(i + 1) + ": rank 0 has " + quoted(a) + ", " + theirs + " has " +
-           quoted(b);
-  }
-  return "the descriptions differ only in their hash";
-}
-
 void agree_on_group(Communicator& comm, const std::vector<std::string>& description,
                     const std::string& who) {
-  const std::string text = join_lines(description);
+  const std::string text = detail::join_lines(description);
   const std::vector<int> differ = detail::ranks_that_differ(comm, text);
   if (!differ.empty()) {
-    const std::vector<std::string> texts = gather_descriptions(comm, text);
+    const std::vector<std::string> texts = detail::gather_descriptions(comm, text);
     std::string ranks;
     for (const int r : differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
     const int r = differ.front();
@@ -140,7 +82,7 @@ void agree_on_group(Communicator& comm, const std::vector<std::string>& descript
                 differ.size() > 1 ? "s " : " ", ranks, " differ", differ.size() > 1 ? "" : "s",
                 " from rank 0; this is rank ", comm.rank(), " of ", comm.size(),
                 "); first difference, ",
-                first_difference(split_lines(texts[0]), split_lines(texts[r]), r),
+                first_difference(detail::split_lines(texts[0]), detail::split_lines(texts[r]), r),
                 ". Every rank must build the same group: the same parameters, names, shapes and "
                 "dtypes in the same order, and the same options");
   }

@@ -20,21 +20,9 @@ std::vector<std::string> describe_group(
     const std::vector<std::pair<std::string, at::Tensor>>& params,
     const FsdpParameterGroupOptions& options, const std::string& mesh_shape);
 
-std::string join_lines(const std::vector<std::string>& lines);
-std::vector<std::string> split_lines(const std::string& text);
-
-// Every rank's text (two all-gathers; host waits bounded by the communicator's timeout).
-std::vector<std::string> gather_descriptions(Communicator& comm, const std::string& mine);
-
 // The first line where rank r's description differs from rank 0's, as a sentence.
 std::string first_difference(const std::vector<std::string>& zero,
                              const std::vector<std::string>& other, int r);
-
-// For descriptions written one "<key> = <value>" per line: the first line where rank r's
-// description differs from rank 0's, as "<key>: rank 0 has <value>, rank r has <value>" (a line
-// one rank lacks is "nothing"; lines with different keys are quoted whole).
-std::string first_different_entry(const std::vector<std::string>& zero,
-                                  const std::vector<std::string>& other, int r);
 
 // Every rank calls this with its description (describe_group's, or {"error", its own
 // validation message}) before the group's first collective. When some rank differs from rank

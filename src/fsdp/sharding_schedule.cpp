@@ -119,16 +119,17 @@ void ShardingSchedule::check_forward_agreement(Communicator& comm) {
   if (callback_queued_) return;  // not the first group of this backward pass
   std::vector<std::string> names;
   names.swap(forward_names_);
-  const std::string text = join_lines(names);
+  const std::string text = detail::join_lines(names);
   const std::vector<int> differ = detail::ranks_that_differ(comm, text);
   if (differ.empty()) return;
-  const std::vector<std::string> texts = gather_descriptions(comm, text);
+  const std::vector<std::string> texts = detail::gather_descriptions(comm, text);
   const int r = differ.front();
   TORCH_CHECK(false,
               "fsdp_muon::FsdpParameterGroup: the ranks ran different groups' forward() before "
               "this backward: rank 0 ran ",
-              name_list(split_lines(texts[0])), ", rank ", r, " ran ",
-              name_list(split_lines(texts[r])), " (this is rank ", comm.rank(), " of ", comm.size(),
+              name_list(detail::split_lines(texts[0])), ", rank ", r, " ran ",
+              name_list(detail::split_lines(texts[r])), " (this is rank ", comm.rank(), " of ",
+              comm.size(),
               "). Under sharding strategies optim_grads and optim_grads_params every rank must "
               "run the same groups' forward(), in the same order, before each backward (a rank "
               "without work for a group calls its forward() with an empty input); this "

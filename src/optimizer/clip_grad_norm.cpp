@@ -7,31 +7,49 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "comm/agreement.h"
+
 namespace fsdp_muon {
 
 double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                       double max_norm, double norm_type, NonFiniteGradients non_finite) {
   const char* api = "fsdp_muon::clip_grad_norm: ";
-  TORCH_CHECK(!groups.empty(), api, "no groups given");
-  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, api,
-              "max_norm must be a positive number, got ", max_norm);
+  TORCH_CHECK(!groups.empty() && groups[0] != nullptr, api,
+              groups.empty() ? "no groups given" : "group 0 is null");
   const bool inf_norm = std::isinf(norm_type) && norm_type > 0;
-  TORCH_CHECK(inf_norm || (std::isfinite(norm_type) && norm_type > 0), api,
-              "norm_type must be positive (2.0 for the Euclidean norm, "
-              "std::numeric_limits<double>::infinity() for the largest element), got ",
-              norm_type);
-  std::unordered_set<const FsdpParameterGroup*> seen;
-  for (size_t i = 0; i < groups.size(); ++i) {
-    TORCH_CHECK(groups[i] != nullptr, api, "group ", i, " is null");
-    TORCH_CHECK(seen.insert(groups[i].get()).second, api, "group '", groups[i]->name(),
-                "' is given twice; its gradient would count twice in the norm");
-    TORCH_CHECK(groups[i]->communicator() == groups[0]->communicator() &&
-                    groups[i]->mesh().same_as(groups[0]->mesh()),
-                api, "group '", groups[i]->name(), "' is on another communicator than group '",
-                groups[0]->name(), "' (mesh ", groups[i]->mesh().shape(), " against ",
-                groups[0]->mesh().shape(),
-                "); clip the groups of each communicator or mesh in a call of their own");
-  }
+  // Every replica must clip by the same factor or the replicas drift apart: the arguments are
+  // checked and agreed over the world (docs/DESIGN.md, "Agreement") before the norm's all-reduce.
+  detail::agree_on_arguments(
+      *groups[0]->mesh().world, "fsdp_muon::clip_grad_norm", "its arguments",
+      "Every rank must call clip_grad_norm with the same groups, in the same order, the same "
+      "max_norm, norm_type and non_finite",
+      [&] {
+        TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, api,
+                    "max_norm must be a positive number, got ", max_norm);
+        TORCH_CHECK(inf_norm || (std::isfinite(norm_type) && norm_type > 0), api,
+                    "norm_type must be positive (2.0 for the Euclidean norm, "
+                    "std::numeric_limits<double>::infinity() for the largest element), got ",
+                    norm_type);
+        std::unordered_set<const FsdpParameterGroup*> seen;
+        std::string names;
+        for (size_t i = 0; i < groups.size(); ++i) {
+          TORCH_CHECK(groups[i] != nullptr, api, "group ", i, " is null");
+          TORCH_CHECK(seen.insert(groups[i].get()).second, api, "group '", groups[i]->name(),
+                      "' is given twice; its gradient would count twice in the norm");
+          TORCH_CHECK(groups[i]->communicator() == groups[0]->communicator() &&
+                          groups[i]->mesh().same_as(groups[0]->mesh()),
+                      api, "group '", groups[i]->name(),
+                      "' is on another communicator than group '", groups[0]->name(), "' (mesh ",
+                      groups[i]->mesh().shape(), " against ", groups[0]->mesh().shape(),
+                      "); clip the groups of each communicator or mesh in a call of their own");
+          names += (i ? ", '" : "'") + groups[i]->name() + "' (" +
+                   std::to_string(groups[i]->padded_numel()) + " elements)";
+        }
+        return std::vector<std::string>{"max_norm = " + detail::exact_text(max_norm),
+                                        "norm_type = " + detail::exact_text(norm_type),
+                                        std::string("non_finite = ") + to_string(non_finite),
+                                        "groups = [" + names + "]"};
+      });
   // The shard group, not the world: on a mesh every replica holds the same gradient shards
   // (docs/DESIGN.md §2, Meshes), so summing over the world would count each element once per
   // replica. Each replica computes the same norm and the same factor from the same bits.

@@ -188,20 +188,20 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
   // all-gather, and only when some rank differs the descriptions themselves, to name the first
   // difference (docs/DESIGN.md §3).
   const std::vector<std::string> description = impl_->describe_parameters(*this);
-  const std::string text = fsdp::join_lines(description);
+  const std::string text = detail::join_lines(description);
   const std::vector<int> differ = detail::ranks_that_differ(*comm, text);
   if (!differ.empty()) {
-    const std::vector<std::string> texts = fsdp::gather_descriptions(*comm, text);
+    const std::vector<std::string> texts = detail::gather_descriptions(*comm, text);
     const int r = differ.front();
-    TORCH_CHECK(
-        false, "fsdp_muon::FsdpMuon: the ranks constructed different optimizers (rank(s) ",
-        join(differ), " differ from rank 0; this is rank ", comm->rank(), " of ", comm->size(),
-        "); first difference, ",
-        fsdp::first_different_entry(fsdp::split_lines(texts[0]), fsdp::split_lines(texts[r]), r),
-        ". Every rank must construct FsdpMuon with the same sharded parameters in the same "
-        "order, the same MuonOptions per parameter group (bit for bit: each rank would "
-        "otherwise compute its own update) and the same FsdpMuonConfig. This rank has:",
-        abbreviate_lines(description));
+    TORCH_CHECK(false, "fsdp_muon::FsdpMuon: the ranks constructed different optimizers (rank(s) ",
+                join(differ), " differ from rank 0; this is rank ", comm->rank(), " of ",
+                comm->size(), "); first difference, ",
+                detail::first_different_entry(detail::split_lines(texts[0]),
+                                              detail::split_lines(texts[r]), r),
+                ". Every rank must construct FsdpMuon with the same sharded parameters in the same "
+                "order, the same MuonOptions per parameter group (bit for bit: each rank would "
+                "otherwise compute its own update) and the same FsdpMuonConfig. This rank has:",
+                abbreviate_lines(description));
   }
 }
 

@@ -131,16 +131,6 @@ constexpr size_t kScheduled = 3;
 constexpr const char* kScheduledNames[kScheduled] = {"lr", "momentum", "weight_decay"};
 constexpr size_t kFingerprints = kScheduled + 1;  // + the other options
 
-// FNV-1a, stable across processes (std::hash is not).
-uint64_t stable_hash(const std::string& text) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 // The values compared, as 64-bit patterns: the exact bits of the scheduled doubles, then the hash
 // of the other options' exact descriptions and of `mesh_mode` (the mesh and replica mode).
 std::array<uint64_t, kFingerprints> option_values(const MuonOptions& o,
@@ -155,7 +145,7 @@ std::array<uint64_t, kFingerprints> option_values(const MuonOptions& o,
     if (name == "lr" || name == "momentum" || name == "weight_decay") continue;
     others += name + " = " + value + "\n";
   }
-  return {bits(o.lr()), bits(o.momentum()), bits(o.weight_decay()), stable_hash(others)};
+  return {bits(o.lr()), bits(o.momentum()), bits(o.weight_decay()), detail::stable_hash(others)};
 }
 
 // 40 well-mixed bits of a value (splitmix64's finalizer): summed over up to 2^23 ranks they

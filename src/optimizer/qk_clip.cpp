@@ -73,52 +73,75 @@ QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gro
   };
   std::vector<Resolved> resolved(layers.size());
   int64_t heads = 0;
-  // Every check before the first collective, agreed, so a rank with a bad argument fails them all.
-  detail::run_agreed(comm, "fsdp_muon::qk_clip", [&] {
-    TORCH_CHECK(std::isfinite(threshold) && threshold > 0, kApi,
-                "threshold must be a positive number, got ", threshold);
-    TORCH_CHECK(!layers.empty(), kApi, "no layers given");
-    heads = layers[0].num_heads();
-    for (size_t l = 0; l < layers.size(); ++l) {
-      const QkClipLayer& layer = layers[l];
-      TORCH_CHECK(layer.num_heads() > 0 && layer.head_dim() > 0, kApi, "layer ", l,
-                  ": num_heads and head_dim must be positive, got ", layer.num_heads(), " and ",
-                  layer.head_dim());
-      TORCH_CHECK(layer.num_heads() == heads, kApi, "layer ", l, " has ", layer.num_heads(),
-                  " heads and layer 0 has ", heads, "; max_logits is [layers, heads], one count");
-      const int64_t kv = layer.num_kv_heads() == 0 ? layer.num_heads() : layer.num_kv_heads();
-      TORCH_CHECK(kv > 0 && layer.num_heads() % kv == 0, kApi, "layer ", l, ": num_kv_heads (", kv,
-                  ") must divide num_heads (", layer.num_heads(), ")");
-      Resolved& r = resolved[l];
-      r.query = locate(groups, layer.query_weight(), l, "query weight", 2);
-      r.key = locate(groups, layer.key_weight(), l, "key weight", 2);
-      const auto check_rows = [&](const Located& w, int64_t offset, int64_t count,
-                                  const std::string& name, const char* role) {
-        const int64_t rows = w.group->slot(w.index).shape[0];
-        TORCH_CHECK(offset >= 0 && offset + count <= rows, kApi, "layer ", l, "'s ", role,
-                    " rows [", offset, ", ", offset + count, ") do not fit '", name, "' with ",
-                    rows, " rows; check the row offset, num_heads and head_dim");
-      };
-      check_rows(r.query, layer.query_row_offset(), layer.num_heads() * layer.head_dim(),
-                 layer.query_weight(), "query");
-      check_rows(r.key, layer.key_row_offset(), kv * layer.head_dim(), layer.key_weight(), "key");
-      if (!layer.query_bias().empty()) {
-        r.query_bias = locate(groups, layer.query_bias(), l, "query bias", 1);
-        check_rows(r.query_bias, layer.query_row_offset(), layer.num_heads() * layer.head_dim(),
-                   layer.query_bias(), "query bias");
-      }
-      if (!layer.key_bias().empty()) {
-        r.key_bias = locate(groups, layer.key_bias(), l, "key bias", 1);
-        check_rows(r.key_bias, layer.key_row_offset(), kv * layer.head_dim(), layer.key_bias(),
-                   "key bias");
-      }
-    }
-    TORCH_CHECK(max_logits.defined() && max_logits.dim() == 2 &&
-                    max_logits.size(0) == static_cast<int64_t>(layers.size()) &&
-                    max_logits.size(1) == heads,
-                kApi, "max_logits must be [layers, heads] = [", layers.size(), ", ", heads,
-                "], got ", max_logits.defined() ? max_logits.sizes() : at::IntArrayRef{});
-  });
+  // Every check before the first collective, and the arguments agreed in the same round
+  // (docs/DESIGN.md, "Agreement"): a rank with a bad argument fails them all, and ranks that
+  // passed other layers or τ would clip the replicas apart or mismatch in the maximum's
+  // all-reduce.
+  detail::agree_on_arguments(
+      comm, "fsdp_muon::qk_clip", "its arguments",
+      "Every rank must call qk_clip with the same groups, layers (in the same order) and "
+      "threshold; only max_logits' values differ between ranks",
+      [&] {
+        TORCH_CHECK(std::isfinite(threshold) && threshold > 0, kApi,
+                    "threshold must be a positive number, got ", threshold);
+        TORCH_CHECK(!layers.empty(), kApi, "no layers given");
+        heads = layers[0].num_heads();
+        for (size_t l = 0; l < layers.size(); ++l) {
+          const QkClipLayer& layer = layers[l];
+          TORCH_CHECK(layer.num_heads() > 0 && layer.head_dim() > 0, kApi, "layer ", l,
+                      ": num_heads and head_dim must be positive, got ", layer.num_heads(), " and ",
+                      layer.head_dim());
+          TORCH_CHECK(layer.num_heads() == heads, kApi, "layer ", l, " has ", layer.num_heads(),
+                      " heads and layer 0 has ", heads,
+                      "; max_logits is [layers, heads], one count");
+          const int64_t kv = layer.num_kv_heads() == 0 ? layer.num_heads() : layer.num_kv_heads();
+          TORCH_CHECK(kv > 0 && layer.num_heads() % kv == 0, kApi, "layer ", l, ": num_kv_heads (",
+                      kv, ") must divide num_heads (", layer.num_heads(), ")");
+          Resolved& r = resolved[l];
+          r.query = locate(groups, layer.query_weight(), l, "query weight", 2);
+          r.key = locate(groups, layer.key_weight(), l, "key weight", 2);
+          const auto check_rows = [&](const Located& w, int64_t offset, int64_t count,
+                                      const std::string& name, const char* role) {
+            const int64_t rows = w.group->slot(w.index).shape[0];
+            TORCH_CHECK(offset >= 0 && offset + count <= rows, kApi, "layer ", l, "'s ", role,
+                        " rows [", offset, ", ", offset + count, ") do not fit '", name, "' with ",
+                        rows, " rows; check the row offset, num_heads and head_dim");
+          };
+          check_rows(r.query, layer.query_row_offset(), layer.num_heads() * layer.head_dim(),
+                     layer.query_weight(), "query");
+          check_rows(r.key, layer.key_row_offset(), kv * layer.head_dim(), layer.key_weight(),
+                     "key");
+          if (!layer.query_bias().empty()) {
+            r.query_bias = locate(groups, layer.query_bias(), l, "query bias", 1);
+            check_rows(r.query_bias, layer.query_row_offset(), layer.num_heads() * layer.head_dim(),
+                       layer.query_bias(), "query bias");
+          }
+          if (!layer.key_bias().empty()) {
+            r.key_bias = locate(groups, layer.key_bias(), l, "key bias", 1);
+            check_rows(r.key_bias, layer.key_row_offset(), kv * layer.head_dim(), layer.key_bias(),
+                       "key bias");
+          }
+        }
+        TORCH_CHECK(max_logits.defined() && max_logits.dim() == 2 &&
+                        max_logits.size(0) == static_cast<int64_t>(layers.size()) &&
+                        max_logits.size(1) == heads,
+                    kApi, "max_logits must be [layers, heads] = [", layers.size(), ", ", heads,
+                    "], got ", max_logits.defined() ? max_logits.sizes() : at::IntArrayRef{});
+        std::vector<std::string> lines{"threshold = " + detail::exact_text(threshold)};
+        std::string names;
+        for (const auto& g : groups) names += (names.empty() ? "'" : ", '") + g->name() + "'";
+        lines.push_back("groups = [" + names + "]");
+        lines.push_back("layers = " + std::to_string(layers.size()));
+        for (size_t l = 0; l < layers.size(); ++l) {
+          const QkClipLayer& y = layers[l];
+          lines.push_back(c10::str("layer ", l, " = query '", y.query_weight(), "' from row ",
+                                   y.query_row_offset(), ", key '", y.key_weight(), "' from row ",
+                                   y.key_row_offset(), ", ", y.num_heads(), " heads, ",
+                                   y.num_kv_heads(), " kv heads, head_dim ", y.head_dim(),
+                                   ", biases '", y.query_bias(), "', '", y.key_bias(), "'"));
+        }
+        return lines;
+      });
 
   // A maximum over ranks may drop a NaN (which value wins a comparison with NaN depends on the
   // order the values meet), so a last entry, 1 where this rank has a NaN, rides along.

@@ -1096,6 +1096,74 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, SaveAgreesOnTheOptimizersBeforeWriting)
 // Two jobs saving into one root would prune each other's checkpoints and flip `latest`: a save
 // into a root whose newest checkpoint is of another job (another run_id or another model) is
 // refused, and pruning never removes another job's checkpoint.
+// Export and import agree their arguments across ranks (issue 32, item 4). Before: groups in
+// another order on one rank wrote a file with its shards under other names, optimizers in another
+// order aborted rank 0 inside Gloo, and ranks reading different files imported a model mixed
+// from both. Now every rank fails naming the difference, nothing is written or changed; a copy
+// of the same file under another path is fine. A load with optimizers in another order likewise.
+FSDP_MUON_WORLD_TEST(CheckpointFailures, ExportImportAndLoadAgreeTheirArgumentsAcrossRanks) {
+  const int w = world().size();
+  if (w == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
+  const bool odd_one = world().rank() == w - 1;
+  const std::string ranks = "rank(s) " + std::to_string(w - 1) + " differ from rank 0";
+  const std::string dir = scratch("export_agreement");
+  Sharded s = make_sharded(7);
+  train_step(&s, nullptr, 1);
+  const std::string first = dir + "/first.pt";
+  const std::string second = dir + "/second.pt";
+  export_full_checkpoint(first, s.groups, s.optimizers());
+  const Snapshot at_first = snapshot(s);
+  const std::string saved = save_checkpoint(dir + "/ckpt", s.groups, s.optimizers());
+  train_step(&s, nullptr, 2);
+  export_full_checkpoint(second, s.groups, s.optimizers());
+  if (world().rank() == 0) {
+    const std::vector<char> bytes = checkpoint::read_whole_file(first, "checkpoint_test");
+    std::ofstream(dir + "/copy_of_first.pt", std::ios::binary).write(bytes.data(), bytes.size());
+  }
+  world().barrier();
+
+  const std::vector<std::shared_ptr<FsdpParameterGroup>> reversed(s.groups.rbegin(),
+                                                                  s.groups.rend());
+  const std::string bad = dir + "/bad.pt";
+  expect_error([&] { export_full_checkpoint(bad, odd_one ? reversed : s.groups, s.optimizers()); },
+               {"fsdp_muon::export_full_checkpoint: the ranks disagree on what to export", ranks,
+                "group 0: rank 0 has 'g0'", "nothing was written"},
+               "export, groups in another order");
+  std::vector<torch::optim::Optimizer*> swapped = {s.adamw.get(), s.muon.get()};
+  expect_error([&] { export_full_checkpoint(bad, s.groups, odd_one ? swapped : s.optimizers()); },
+               {ranks, "optimizer 0: rank 0 has fsdp_muon", "has adamw"},
+               "export, optimizers swapped");
+  expect_error([&] { export_full_checkpoint(odd_one ? bad + "2" : bad, s.groups, s.optimizers()); },
+               {ranks, "path: rank 0 has " + bad + ", rank"}, "export, another path");
+  world().barrier();
+  EXPECT_TRUE(files_named(dir, "bad.pt").empty()) << "a refused export wrote a file";
+
+  Sharded t = make_sharded(99);
+  train_step(&t, nullptr, 1);
+  const Snapshot before = snapshot(t);
+  expect_error([&] { import_full_checkpoint(odd_one ? second : first, t.groups, t.optimizers()); },
+               {"fsdp_muon::import_full_checkpoint: the ranks disagree on what to import", ranks,
+                "file: rank 0 has ", "nothing was changed"},
+               "import, ranks reading different files");
+  const std::vector<torch::optim::Optimizer*> t_swapped = {t.adamw.get(), t.muon.get()};
+  expect_error(
+      [&] { import_full_checkpoint(first, t.groups, odd_one ? t_swapped : t.optimizers()); },
+      {ranks, "optimizer 0: rank 0 has fsdp_muon"}, "import, optimizers swapped");
+  expect_snapshot(t, before, "after the refused imports");
+  import_full_checkpoint(odd_one ? dir + "/copy_of_first.pt" : first, t.groups, t.optimizers());
+  expect_snapshot(t, at_first, "imported from a copy under another path on one rank");
+
+  Sharded u = make_sharded(98);
+  train_step(&u, nullptr, 1);
+  const std::vector<torch::optim::Optimizer*> u_swapped = {u.adamw.get(), u.muon.get()};
+  const Snapshot u_before = snapshot(u);
+  expect_error([&] { load_checkpoint(saved, u.groups, odd_one ? u_swapped : u.optimizers()); },
+               {"fsdp_muon::load_checkpoint: the ranks disagree on what to load into", ranks,
+                "optimizer 0: rank 0 has fsdp_muon"},
+               "load, optimizers swapped");
+  expect_snapshot(u, u_before, "after the refused load");
+}
+
 FSDP_MUON_WORLD_TEST(CheckpointFailures, AnotherJobsCheckpointsAreRefusedAndNeverPruned) {
   const int me = world().rank();
   const std::string dir = scratch("jobs");

@@ -10,6 +10,7 @@
 
 #include "common/local_communicator.h"
 #include "common/test_util.h"
+#include "comm/agreement.h"
 #include "fsdp/group_agreement.h"
 
 namespace fsdp_muon {
@@ -44,9 +45,9 @@ TEST(GroupAgreement, DescribesOptionsThenEachParameterInOrder) {
 
 TEST(GroupAgreement, LinesSurviveJoinAndSplit) {
   const Lines lines{"ok", kOptions, "'a' [1] Float", ""};
-  EXPECT_EQ(fsdp::join_lines(lines), "ok\n" + kOptions + "\n'a' [1] Float\n\n");
-  EXPECT_EQ(fsdp::split_lines(fsdp::join_lines(lines)), lines);
-  EXPECT_TRUE(fsdp::split_lines("").empty());
+  EXPECT_EQ(detail::join_lines(lines), "ok\n" + kOptions + "\n'a' [1] Float\n\n");
+  EXPECT_EQ(detail::split_lines(detail::join_lines(lines)), lines);
+  EXPECT_TRUE(detail::split_lines("").empty());
 }
 
 TEST(GroupAgreement, FirstDifferenceNamesTheOptions) {
@@ -99,15 +100,15 @@ TEST(GroupAgreement, FirstDifferenceOfBadDescriptions) {
 TEST(GroupAgreement, FirstDifferentEntryNamesTheKeyAndBothValues) {
   const Lines zero{"world = 2", "group 0 lr = 0x1p-6 (0.015625)", "group 0 ns_steps = 5"};
   const Lines other{"world = 2", "group 0 lr = 0x1p-7 (0.0078125)", "group 0 ns_steps = 6"};
-  EXPECT_EQ(fsdp::first_different_entry(zero, other, 3),
+  EXPECT_EQ(detail::first_different_entry(zero, other, 3),
             "group 0 lr: rank 0 has 0x1p-6 (0.015625), rank 3 has 0x1p-7 (0.0078125)");
   // Shifted lines (a parameter group more on one rank) are quoted whole; a missing one is
   // "nothing".
-  EXPECT_EQ(fsdp::first_different_entry(Lines{"a = 1", "b = 2"}, Lines{"a = 1", "c = 2"}, 1),
+  EXPECT_EQ(detail::first_different_entry(Lines{"a = 1", "b = 2"}, Lines{"a = 1", "c = 2"}, 1),
             "line 2: rank 0 has 'b = 2', rank 1 has 'c = 2'");
-  EXPECT_EQ(fsdp::first_different_entry(Lines{"a = 1"}, Lines{"a = 1", "b = 2"}, 1),
+  EXPECT_EQ(detail::first_different_entry(Lines{"a = 1"}, Lines{"a = 1", "b = 2"}, 1),
             "line 2: rank 0 has nothing, rank 1 has 'b = 2'");
-  EXPECT_EQ(fsdp::first_different_entry(zero, zero, 1),
+  EXPECT_EQ(detail::first_different_entry(zero, zero, 1),
             "the descriptions differ only in their hash");
 }
 

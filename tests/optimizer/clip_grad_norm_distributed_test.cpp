@@ -3,7 +3,7 @@
 // (DDP) gradients of an unsharded copy of the model, under every sharding strategy, for the
 // 2-norm, another p and the inf-norm, also on every HSDP mesh of the world (replicas hold the same
 // shards, so the norm must be summed over the shard group only); a NaN gradient under each
-// non-finite mode; bad arguments, groups on two meshes.
+// non-finite mode; bad arguments, groups on two meshes, arguments that differ between ranks.
 
 #include <gtest/gtest.h>
 
@@ -259,6 +259,58 @@ FSDP_MUON_WORLD_TEST(ClipGradNorm, BadArgumentsAreClearErrors) {
                        1.0);
       },
       {"is given twice"});
+}
+
+// Every gradient shard of the groups, cloned.
+std::vector<at::Tensor> gradient_copies(const ShardedModel& s) {
+  std::vector<at::Tensor> copies;
+  for (const auto& g : s.groups) {
+    for (const at::Tensor& p : g->sharded_parameters()) copies.push_back(p.grad().clone());
+  }
+  return copies;
+}
+
+// One rank (the last, or on a 2x2 mesh a whole replica) passes another argument: before the
+// agreement each rank clipped by its own and the replicas drifted apart silently. Now every rank
+// fails naming the argument and the ranks, and no gradient changes.
+FSDP_MUON_WORLD_TEST(ClipGradNorm, ArgumentsThatDifferBetweenRanksFailOnEveryRank) {
+  const int w = world().size();
+  if (w == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
+  const int last = w - 1;
+  const bool odd_one = world().rank() == last;
+  const std::string ranks = "rank(s) " + std::to_string(last) + " differ from rank 0";
+  ShardedModel s(ShardingStrategy::kOptimGrads);
+  const std::vector<at::Tensor> before = gradient_copies(s);
+  testing::expect_error([&] { clip_grad_norm(s.groups, odd_one ? 0.5 : 1.0); },
+                        {"fsdp_muon::clip_grad_norm: the ranks disagree on its arguments", ranks,
+                         "max_norm: rank 0 has 1, rank " + std::to_string(last) + " has 0.5"},
+                        "max_norm");
+  testing::expect_error(
+      [&] {
+        clip_grad_norm(s.groups, 1.0, odd_one ? std::numeric_limits<double>::infinity() : 2.0);
+      },
+      {ranks, "norm_type: rank 0 has 2, rank " + std::to_string(last) + " has inf"}, "norm_type");
+  testing::expect_error(
+      [&] {
+        clip_grad_norm(s.groups, 1.0, 2.0,
+                       odd_one ? NonFiniteGradients::kThrow : NonFiniteGradients::kSkipStep);
+      },
+      {ranks, "non_finite: rank 0 has skip_step"}, "non_finite");
+  std::vector<std::shared_ptr<FsdpParameterGroup>> reversed(s.groups.rbegin(), s.groups.rend());
+  testing::expect_error([&] { clip_grad_norm(odd_one ? reversed : s.groups, 1.0); },
+                        {ranks, "groups: rank 0 has ['b0'"}, "groups in another order");
+  const std::vector<at::Tensor> after = gradient_copies(s);
+  for (size_t k = 0; k < before.size(); ++k) EXPECT_TRUE(at::equal(before[k], after[k])) << k;
+
+  if (w != 4) return;
+  // On a 2x2 mesh the replicas clip alike or the weights of the replicas diverge: replica 1
+  // (world ranks 2 and 3) asks for another max_norm.
+  const DeviceMesh mesh = make_device_mesh(world_ptr(), 2);
+  ShardedModel m(ShardingStrategy::kOptim, 1.0, &mesh);
+  testing::expect_error(
+      [&] { clip_grad_norm(m.groups, mesh.replica() == 1 ? 0.5 : 1.0); },
+      {"rank(s) 2, 3 differ from rank 0", "max_norm: rank 0 has 1, rank 2 has 0.5"},
+      "max_norm on a 2x2 mesh");
 }
 
 }  // namespace

@@ -231,5 +231,54 @@ FSDP_MUON_WORLD_TEST(QkClipErrors, BadArgumentsFailOnEveryRank) {
                         {"a maximum logit is NaN or Inf on some rank; nothing was clipped"});
 }
 
+// Ranks that pass other arguments: before the agreement another τ or head count clipped the
+// replicas apart silently, and another layer count aborted a rank inside Gloo (the maxima's
+// all-reduce had another size). Now every rank fails naming the argument and the ranks; the
+// weights stay as they were. A one-layer [1, heads] max_logits is a valid call.
+FSDP_MUON_WORLD_TEST(QkClipErrors, ArgumentsThatDifferBetweenRanksFailOnEveryRank) {
+  const int w = world().size();
+  ShardedModel s(ShardingStrategy::kOptimGradsParams);
+  const at::Tensor logits = at::ones({2, kHeads});
+  const QkClipResult one_layer = qk_clip(s.groups, {layers()[0]}, 1e9, logits.narrow(0, 0, 1));
+  EXPECT_EQ(one_layer.clipped_heads, 0);
+  EXPECT_EQ(one_layer.max_logits.sizes(), (std::vector<int64_t>{1, kHeads}));
+  if (w == 1) return;
+  const std::map<std::string, at::Tensor> before = s.full_weights();
+  const int last = w - 1;
+  const bool odd_one = world().rank() == last;
+  const std::string ranks = "rank(s) " + std::to_string(last) + " differ from rank 0";
+  const std::string theirs = "rank " + std::to_string(last) + " has ";
+  testing::expect_error([&] { qk_clip(s.groups, layers(), odd_one ? 0.5 : 0.25, logits); },
+                        {"fsdp_muon::qk_clip: the ranks disagree on its arguments", ranks,
+                         "threshold: rank 0 has 0.25, " + theirs + "0.5"},
+                        "threshold");
+  testing::expect_error(
+      [&] {
+        const std::vector<QkClipLayer> all = layers();
+        qk_clip(s.groups, odd_one ? std::vector<QkClipLayer>{all[0]} : all, 0.25,
+                odd_one ? logits.narrow(0, 0, 1) : logits);
+      },
+      {ranks, "layers: rank 0 has 2, " + theirs + "1"}, "a layer fewer");
+  testing::expect_error(
+      [&] {
+        std::vector<QkClipLayer> other = layers();
+        if (odd_one) other[1].num_kv_heads(1);
+        qk_clip(s.groups, other, 0.25, logits);
+      },
+      {ranks, "layer 1: rank 0 has query 'grouped.q.weight'", "2 kv heads", "1 kv heads"},
+      "another kv head count");
+  const std::map<std::string, at::Tensor> after = s.full_weights();
+  for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(t, after.at(name))) << name;
+
+  if (w != 4) return;
+  // A 2x2 mesh: replica 1 (world ranks 2 and 3) passes another τ.
+  ShardedModel m(ShardingStrategy::kOptim, /*hsdp=*/true);
+  const int replica = world().rank() / 2;
+  testing::expect_error(
+      [&] { qk_clip(m.groups, layers(), replica == 1 ? 0.5 : 0.25, logits); },
+      {"rank(s) 2, 3 differ from rank 0", "threshold: rank 0 has 0.25, rank 2 has 0.5"},
+      "threshold on a 2x2 mesh");
+}
+
 }  // namespace
 }  // namespace fsdp_muon
