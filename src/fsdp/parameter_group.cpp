@@ -209,7 +209,16 @@ void FsdpParameterGroup::reduce_scatter_grads() {
   if (impl_->machine.shards_grads()) {
     impl_->machine.collect_grads();
   } else {
-    impl_->storage.reduce_scatter_grads();
+    // ZeRO-1: the one collective here that the user starts by hand, so the one a rank can miss;
+    // the others then wait out the timeout in it. The error says so (docs/DESIGN.md §2).
+    try {
+      impl_->storage.reduce_scatter_grads();
+    } catch (...) {
+      TORCH_CHECK(false, detail::current_exception_message(), " (in ", impl_->storage.label(),
+                  "reduce_scatter_grads(), sharding strategy optim: every rank must call it for "
+                  "every group, in the same order, after each backward; a rank that skipped it "
+                  "is waiting in another collective, e.g. FsdpMuon::step()'s agreement)");
+    }
     impl_->machine.mark_reduced();
   }
 }

@@ -170,6 +170,14 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
                 ") needs check_gradient_agreement(true): the ranks learn of a NaN or Inf through "
                 "its all-reduce. With check_gradient_agreement(false) also set "
                 "non_finite_gradients(NonFiniteGradients::kIgnore) (kSkipStep is the default)");
+    TORCH_CHECK(impl_->config.check_replicas_every() >= 0,
+                "fsdp_muon::FsdpMuon: check_replicas_every must be >= 0 (0: never), got ",
+                impl_->config.check_replicas_every());
+    TORCH_CHECK(
+        impl_->config.check_replicas_every() == 0 || impl_->config.check_gradient_agreement(),
+        "fsdp_muon::FsdpMuon: check_replicas_every(", impl_->config.check_replicas_every(),
+        ") needs check_gradient_agreement(true): the replicas' hashes ride in its "
+        "all-reduce");
     for (const auto& group : param_groups) add_group(group);
     build();
   };
@@ -448,6 +456,7 @@ std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& sel
       "overlap_communication = " + flag(config.overlap_communication()),
       std::string("non_finite_gradients = ") + to_string(config.non_finite_gradients()),
       "check_gradient_agreement = " + flag(config.check_gradient_agreement()),
+      "check_replicas_every = " + std::to_string(config.check_replicas_every()),
       std::string("batch_newton_schulz = ") + to_string(config.batch_newton_schulz()),
       "parameter groups = " + std::to_string(self.param_groups_.size()),
   };

@@ -17,6 +17,7 @@
 #include "muon/muon_math.h"
 #include "newton_schulz/newton_schulz_internal.h"
 #include "optimizer/fsdp_muon_impl.h"
+#include "optimizer/replica_check.h"
 
 namespace fsdp_muon {
 namespace {
@@ -160,13 +161,15 @@ int64_t mix40(uint64_t x) {
 // Where each check sits in the vector the step's agreement sums over the ranks:
 // [groups edited, per matrix: has a gradient, per FSDP group: unreduced gradients,
 //  per optimizer group and fingerprint: mix40 of the value (every rank) and rank 0's value
-//  (rank 0 only), (checked:) per matrix: NaN/Inf]. The ranks agree on a fingerprint when the
+//  (rank 0 only), (on replica-check steps:) per FSDP group: replica_entries, (checked:) per
+//  matrix: NaN/Inf]. The ranks agree on a fingerprint when the
 // sum of mix40 is W times mix40 of rank 0's value; every rank reads the same sums, so all
 // reach the same verdict, and knowing rank 0's exact value each can say how its own differs.
 struct CheckSlots {
   size_t matrices = 0;
   size_t fsdp_groups = 0;
   size_t param_groups = 0;
+  size_t replica_groups = 0;  // FSDP groups on a replica-check step, else 0
   bool finite = false;
 
   static constexpr size_t changed() { return 0; }
@@ -176,9 +179,11 @@ struct CheckSlots {
     return 1 + matrices + fsdp_groups + 2 * (kFingerprints * pg + k);
   }
   size_t option_of_rank0(size_t pg, size_t k) const { return option_mix(pg, k) + 1; }
-  size_t non_finite(size_t m) const {
-    return 1 + matrices + fsdp_groups + 2 * kFingerprints * param_groups + m;
+  size_t replica_all(size_t g) const {
+    return 1 + matrices + fsdp_groups + 2 * kFingerprints * param_groups + 2 * g;
   }
+  size_t replica_zero(size_t g) const { return replica_all(g) + 1; }
+  size_t non_finite(size_t m) const { return replica_all(replica_groups) + m; }
   size_t size() const { return non_finite(0) + (finite ? matrices : 0); }
 };
 
@@ -208,7 +213,12 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   const bool check_finite = non_finite != NonFiniteGradients::kIgnore;
   // Sized by what was constructed, so that every rank sums vectors of one size even when some
   // rank's parameter groups were edited.
-  const CheckSlots slot{n, groups.size(), frozen.size(), check_finite};
+  // Every N-th call on a mesh of several replicas (step_calls is alike on every rank).
+  const int64_t every = config.check_replicas_every();
+  const bool check_replicas = every > 0 && replicas() > 1 && step_calls % every == 0;
+  std::vector<std::vector<uint64_t>> replica_hashes;
+  const CheckSlots slot{n, groups.size(), frozen.size(), check_replicas ? groups.size() : 0,
+                        check_finite};
   // This rank's view, summed over the ranks unless the loop guarantees agreement.
   const auto local_checks = [&](std::vector<int64_t>& mine) {
     mine[slot.changed()] = changed ? 1 : 0;
@@ -233,6 +243,14 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
         if (world_rank() == 0) {
           mine[slot.option_of_rank0(gi, k)] = static_cast<int64_t>(values[k]);
         }
+      }
+    }
+    if (check_replicas) {
+      replica_hashes = detail::shard_hashes(groups, *world_comm);
+      for (size_t g = 0; g < groups.size(); ++g) {
+        const auto [all, zero] = detail::replica_entries(replica_hashes[g], mesh.replica());
+        mine[slot.replica_all(g)] = all;
+        mine[slot.replica_zero(g)] = zero;
       }
     }
     std::vector<size_t> checked;
@@ -264,8 +282,25 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   std::vector<int64_t> sums(slot.size(), 0);
   if (config.check_gradient_agreement()) {
     count_sent(*world_comm, &CommStats::all_reduce_bytes, s.stats.check_bytes, [&] {
-      sums =
-          detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", slot.size(), local_checks);
+      try {
+        sums = detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", slot.size(),
+                                    local_checks);
+      } catch (...) {
+        // A rank that skipped a ZeRO-1 group's reduce_scatter_grads() meets the others' reduce-
+        // scatter with this all-reduce: both wait out the timeout. Only this rank can tell why.
+        std::string unreduced;
+        for (const auto& group : groups) {
+          if (!group->has_unreduced_gradients()) continue;
+          unreduced += (unreduced.empty() ? "'" : ", '") + group->name() + "'";
+        }
+        TORCH_CHECK(unreduced.empty(), detail::current_exception_message(),
+                    " (this rank holds gradients of FSDP group(s) ", unreduced,
+                    " that were never reduce-scattered, sharding strategy optim: if the other "
+                    "ranks called reduce_scatter_grads() for them, this rank missed the call and "
+                    "they are waiting in it; call group->reduce_scatter_grads() after backward, "
+                    "on every rank, for every group, before step())");
+        throw;
+      }
     });
   } else {
     // Every rank is taken to see what this one sees.
@@ -316,6 +351,14 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
                 "(a learning-rate scheduler stepped on some ranks, param_groups() edited on one), "
                 "and each rank would apply its own update. Change them alike on every rank (step "
                 "every scheduler on every rank). Nothing was changed");
+  }
+  // docs/DESIGN.md §3, "Replica check": the sums say whether some replica differs; only then do
+  // the per-parameter hashes travel, to name it.
+  for (size_t g = 0; check_replicas && g < groups.size(); ++g) {
+    if (static_cast<uint64_t>(sums[slot.replica_all(g)]) !=
+        static_cast<uint64_t>(replicas()) * static_cast<uint64_t>(sums[slot.replica_zero(g)])) {
+      detail::throw_replica_divergence(groups, mesh, replica_hashes, step_calls);
+    }
   }
   // ZeRO-1 keeps a backward's gradients in the full buffers until reduce_scatter_grads(): a step
   // now would read the gradient shards of an earlier step (or zeros) and train on nothing.

@@ -8,5 +8,6 @@ list(APPEND FSDP_MUON_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/phase_timer.cpp
   ${CMAKE_CURRENT_LIST_DIR}/fsdp_muon.cpp
   ${CMAKE_CURRENT_LIST_DIR}/fsdp_muon_step.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/replica_check.cpp
   ${CMAKE_CURRENT_LIST_DIR}/clip_grad_norm.cpp
   ${CMAKE_CURRENT_LIST_DIR}/qk_clip.cpp)

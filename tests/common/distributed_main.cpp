@@ -25,7 +25,7 @@ namespace fsdp_muon::testing {
 namespace {
 
 // A rank that fails brings the others down within this bound, not at CTest's timeout.
-constexpr int kTimeoutSeconds = 60;
+constexpr int kDefaultTimeoutSeconds = 60;
 
 std::shared_ptr<Communicator>& process_world() {
   static std::shared_ptr<Communicator> comm;
@@ -63,7 +63,7 @@ const std::vector<std::shared_ptr<Communicator>>& world_of(int size) {
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       try {
-        comms[r] = make_gloo_communicator(store, r, size, std::chrono::seconds(kTimeoutSeconds),
+        comms[r] = make_gloo_communicator(store, r, size, std::chrono::seconds(timeout_seconds()),
                                           "127.0.0.1");
       } catch (const std::exception& e) {
         errors[r] = e.what();
@@ -191,6 +191,15 @@ std::shared_ptr<Communicator> world_ptr() {
 
 bool in_process() { return in_process_flag(); }
 
+int timeout_seconds() {
+  const char* text = std::getenv("FSDP_MUON_TEST_TIMEOUT_SECONDS");
+  if (text == nullptr || *text == '\0') return kDefaultTimeoutSeconds;
+  const int seconds = std::atoi(text);
+  TORCH_CHECK(seconds > 0, "FSDP_MUON_TEST_TIMEOUT_SECONDS must be a positive number, got '", text,
+              "'");
+  return seconds;
+}
+
 const std::vector<int>& world_sizes() { return sizes(); }
 
 void on_every_world(const std::function<void()>& body) {
@@ -255,7 +264,7 @@ int main(int argc, char** argv) {
 
   try {
     fsdp_muon::InitOptions options;
-    options.timeout_seconds = fsdp_muon::testing::kTimeoutSeconds;
+    options.timeout_seconds = fsdp_muon::testing::timeout_seconds();
     // The tests build CPU tensors: on a CUDA machine "auto" would pick NCCL, which moves only
     // CUDA tensors. Ask for Gloo by name so the suites pass on GPU machines too.
     options.backend = fsdp_muon::to_string(fsdp_muon::CommBackend::kGloo);

@@ -30,6 +30,10 @@ std::shared_ptr<Communicator> world_ptr();
 // Whether this process plays every rank (no launcher started it).
 bool in_process();
 
+// The communicators' timeout: FSDP_MUON_TEST_TIMEOUT_SECONDS, 60 by default. A test that makes a
+// rank miss a collective on purpose runs in a CTest entry of its own with a short one.
+int timeout_seconds();
+
 // The world sizes this run covers: --world-sizes in-process, the launcher's one size otherwise.
 const std::vector<int>& world_sizes();
 

@@ -1496,6 +1496,37 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, ZeroOneStepWithoutReduceScatterIsAnError) {
   fsdp.step();
 }
 
+// One rank skips a ZeRO-1 group's reduce_scatter_grads() (issue 32, item 7): it meets the
+// others' reduce-scatter with the step's agreement and both wait out the timeout, which no
+// message can shorten (the skipping rank sends nothing the others could read). Before, every rank
+// then saw a bare communicator error; now the skipping rank names its unreduced group, the others
+// the call every rank must make. Its own CTest entry, with a 3 s timeout.
+FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OneRankSkippingZeroOneReduceScatterIsNamed) {
+  if (world().size() < 3 || testing::timeout_seconds() > 10) {
+    GTEST_SKIP() << "runs at W >= 3 with FSDP_MUON_TEST_TIMEOUT_SECONDS <= 10 (its own CTest "
+                    "entry): a rank misses a collective on purpose";
+  }
+  Model model = make_model(42);
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat),
+                FsdpMuonConfig().calibrate_rates(false));
+  const bool skips = world().rank() == 1;
+  backward_through(model);
+  model.groups[0]->reduce_scatter_grads();
+  model.groups[1]->reduce_scatter_grads();
+  expect_error(
+      [&] {
+        if (!skips) model.groups[2]->reduce_scatter_grads();
+        fsdp.step();
+      },
+      skips ? std::vector<std::string>{"fsdp_muon::Communicator::all_reduce",
+                                       "this rank holds gradients of FSDP group(s) 'g2' that were "
+                                       "never reduce-scattered",
+                                       "this rank missed the call"}
+            : std::vector<std::string>{"fsdp_muon::Communicator::reduce_scatter",
+                                       "group 'g2': reduce_scatter_grads(), sharding "
+                                       "strategy optim: every rank must call it for every group"});
+}
+
 // A NaN in one rank's piece of one gradient: under each NonFiniteGradients mode every rank
 // reaches the same outcome (the check rides on the agreement all-reduce).
 FSDP_MUON_WORLD_TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {

@@ -477,6 +477,75 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, OneDimensionalMeshIsTodayBitwiseBytesIncluded
 
 // Groups on different meshes (another shape, or the same shape made twice) are an error on every
 // rank, naming both groups and their meshes.
+// check_replicas_every(2): a replica whose weights changed alone (issue 32, item 6) trained on
+// silently before; now the next checked step fails on every rank naming the replica and the
+// parameter, and changes nothing. Unchecked calls and agreeing replicas pass.
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, ReplicaCheckNamesTheReplicaWhoseWeightsDiverged) {
+  if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
+  const int w = world().size();
+  for (const int shard_size : hsdp_shard_sizes()) {
+    SCOPED_TRACE("shard size " + std::to_string(shard_size));
+    const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
+    Model model = make_model(81, &mesh);
+    FsdpMuon fsdp(sharded_matrices(model), MuonOptions().lr(0.02),
+                  FsdpMuonConfig().check_replicas_every(2).calibrate_rates(false));
+    for (int call = 1; call <= 2; ++call) {
+      feed_gradients(model, 300 + call);
+      fsdp.step();
+    }
+    // The last world rank (the last replica) changes one element of the first parameter it
+    // holds a piece of; every rank can tell which from the held ranges.
+    const int last_shard_rank = (w - 1) % shard_size;
+    std::string changed;
+    for (const auto& group : model.groups) {
+      for (size_t i = 0; changed.empty() && i < group->num_parameters(); ++i) {
+        const auto [a, b] = group->held_range(i, last_shard_rank);
+        if (b > a) changed = group->slot(i).name;
+        if (b > a && world().rank() == w - 1) {
+          group->sharded_parameter(i).detach().view(-1)[0].add_(1.0);
+        }
+      }
+    }
+    ASSERT_FALSE(changed.empty());
+    feed_gradients(model, 303);
+    fsdp.step();  // call 3 is not checked: the replicas now differ and nothing notices
+    std::vector<at::Tensor> before;
+    for (const auto& group : model.groups) {
+      for (const at::Tensor& p : group->sharded_parameters()) before.push_back(p.detach().clone());
+    }
+    feed_gradients(model, 304);
+    const int replicas = w / shard_size;
+    expect_error(
+        [&] { fsdp.step(); },
+        {"fsdp_muon::FsdpMuon: the replicas' weights diverged before step() call 4",
+         "replica " + std::to_string(replicas - 1) + " (world rank " + std::to_string(w - 1) +
+             ", shard rank " + std::to_string(last_shard_rank) + ")",
+         "in parameter '" + changed + "'", "Nothing was changed"});
+    size_t k = 0;
+    for (const auto& group : model.groups) {
+      for (const at::Tensor& p : group->sharded_parameters()) {
+        EXPECT_TRUE(at::equal(p, before[k++])) << "the refused step changed a shard";
+      }
+    }
+  }
+  expect_error(
+      [&] {
+        FsdpMuon(sharded_matrices(make_model(82, &mesh_with_shard_size(2))), MuonOptions(),
+                 FsdpMuonConfig().check_replicas_every(-1).calibrate_rates(false));
+      },
+      {"check_replicas_every must be >= 0"});
+  expect_error(
+      [&] {
+        FsdpMuon(sharded_matrices(make_model(83, &mesh_with_shard_size(2))), MuonOptions(),
+                 FsdpMuonConfig()
+                     .check_replicas_every(1)
+                     .calibrate_rates(false)
+                     .check_gradient_agreement(false)
+                     .non_finite_gradients(NonFiniteGradients::kIgnore));
+      },
+      {"check_replicas_every(1) needs check_gradient_agreement(true)"});
+}
+
 FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, MixedMeshesAreAnErrorOnEveryRank) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
   const DeviceMesh& mesh = mesh_with_shard_size(2);

@@ -135,6 +135,15 @@ struct FsdpMuonConfig {
   // every rank. The non-finite check needs it: with false, set
   // non_finite_gradients(NonFiniteGradients::kIgnore) too.
   TORCH_ARG(bool, check_gradient_agreement) = true;
+  // On a mesh of several replicas (HSDP), every N-th step() call (0: never, the default) checks
+  // that every replica still holds the same main-weight shards as replica 0: each rank hashes
+  // its shards of the groups FsdpMuon steps (every parameter of them, AdamW's included), and the
+  // hashes ride in the agreement's all-reduce (16 bytes per group). A replica whose weights
+  // changed alone (an edit outside the optimizers, a load on some ranks, a faulty device) fails
+  // the step on every rank, naming the replica and the first parameter that differs; nothing is
+  // changed. The hash costs one pass over the shards and one host copy on the steps it runs.
+  // Needs check_gradient_agreement.
+  TORCH_ARG(int64_t, check_replicas_every) = 0;
   // See NewtonSchulzBatching. Matrices batch together when they have the same shape, dtype and
   // optimizer parameter group, up to 2^25 elements per call.
   TORCH_ARG(NewtonSchulzBatching, batch_newton_schulz) = NewtonSchulzBatching::kWhereBitwise;
