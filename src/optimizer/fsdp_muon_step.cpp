@@ -303,9 +303,11 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       }
     });
   } else {
-    // Every rank is taken to see what this one sees.
+    // Every rank is taken to see what this one sees. Wrapping (unsigned) products: the option
+    // slots hold raw 64-bit patterns that are never read on this path (UBSan found the overflow).
     local_checks(sums);
-    for (int64_t& count : sums) count *= world_comm->size();
+    const auto w = static_cast<uint64_t>(world_comm->size());
+    for (int64_t& count : sums) count = static_cast<int64_t>(static_cast<uint64_t>(count) * w);
   }
   const int w = world_comm->size();
   TORCH_CHECK(sums[slot.changed()] == 0,

@@ -52,9 +52,11 @@ void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, Own
         bytes += it.bytes;
       }
     }
-    const size_t shared = round_budget == 0
-                              ? (bytes > 0 ? mine.size() - alone : 0)
-                              : static_cast<size_t>((bytes + round_budget - 1) / round_budget);
+    const size_t shared =
+        round_budget == 0 ? (bytes > 0 ? mine.size() - alone : 0)
+                          // ceil(bytes / budget) without bytes + budget, which
+                          // overflows for an unlimited budget (INT64_MAX; UBSan found it)
+                          : static_cast<size_t>(bytes == 0 ? 0 : (bytes - 1) / round_budget + 1);
     rounds = std::max(rounds, alone + shared);
   }
   rounds = std::max(rounds, min_rounds);
