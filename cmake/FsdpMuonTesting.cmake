@@ -158,5 +158,15 @@ function(fsdp_muon_label_full)
   get_property(tests DIRECTORY PROPERTY TESTS)
   foreach(t IN LISTS tests)
     set_property(TEST ${t} APPEND PROPERTY LABELS full)
+    # Sanitized code runs several times slower (TSan most): the timeouts, which bound a hang,
+    # grow with it so that they still only catch hangs.
+    if(FSDP_MUON_SANITIZE)
+      get_test_property(${t} TIMEOUT timeout)
+      if(NOT timeout)
+        set(timeout 1500)  # CTest's default
+      endif()
+      math(EXPR timeout "${timeout} * 6")
+      set_tests_properties(${t} PROPERTIES TIMEOUT ${timeout})
+    endif()
   endforeach()
 endfunction()
