@@ -109,6 +109,13 @@ uint64_t stable_hash(const std::string& text) {
   return h;
 }
 
+int64_t mix40(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return static_cast<int64_t>(x >> 24);
+}
+
 std::vector<int> ranks_that_differ(Communicator& comm, const std::string& description) {
   const int world = comm.size();
   if (world == 1) return {};

@@ -34,6 +34,10 @@ void run_agreed(Communicator& comm, const std::string& what, const std::function
 // FNV-1a of `text`: stable across builds and processes, unlike std::hash.
 uint64_t stable_hash(const std::string& text);
 
+// 40 well-mixed bits of a value (splitmix64's finalizer): summed over up to 2^23 ranks they stay
+// below 2^63, so an agreement's int64 sum of them never overflows.
+int64_t mix40(uint64_t x);
+
 // The ranks whose `description` differs from rank 0's (empty when all agree), through one
 // all-gather of a stable 64-bit hash of it. For checking that every rank built the same thing.
 std::vector<int> ranks_that_differ(Communicator& comm, const std::string& description);

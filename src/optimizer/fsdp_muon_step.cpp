@@ -149,15 +149,6 @@ std::array<uint64_t, kFingerprints> option_values(const MuonOptions& o,
   return {bits(o.lr()), bits(o.momentum()), bits(o.weight_decay()), detail::stable_hash(others)};
 }
 
-// 40 well-mixed bits of a value (splitmix64's finalizer): summed over up to 2^23 ranks they
-// stay below 2^63, so the agreement's int64 sum never overflows.
-int64_t mix40(uint64_t x) {
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return static_cast<int64_t>(x >> 24);
-}
-
 // Where each check sits in the vector the step's agreement sums over the ranks:
 // [groups edited, per matrix: has a gradient, per FSDP group: unreduced gradients,
 //  per optimizer group and fingerprint: mix40 of the value (every rank) and rank 0's value
@@ -239,7 +230,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     for (size_t gi = 0; gi < s.options.size(); ++gi) {
       const auto values = option_values(*s.options[gi], mesh_mode);
       for (size_t k = 0; k < kFingerprints; ++k) {
-        mine[slot.option_mix(gi, k)] = mix40(values[k]);
+        mine[slot.option_mix(gi, k)] = detail::mix40(values[k]);
         if (world_rank() == 0) {
           mine[slot.option_of_rank0(gi, k)] = static_cast<int64_t>(values[k]);
         }
@@ -326,7 +317,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       for (size_t k = 0; k < kFingerprints; ++k) {
         const uint64_t zero = static_cast<uint64_t>(sums[slot.option_of_rank0(gi, k)]);
         if (static_cast<uint64_t>(sums[slot.option_mix(gi, k)]) ==
-            static_cast<uint64_t>(w) * static_cast<uint64_t>(mix40(zero))) {
+            static_cast<uint64_t>(w) * static_cast<uint64_t>(detail::mix40(zero))) {
           continue;
         }
         differing << (differing.tellp() > 0 ? "; " : "");

@@ -24,14 +24,6 @@ at::ScalarType bits_type(const at::Tensor& t) {
   }
 }
 
-// 40 well-mixed bits (splitmix64's finalizer): summed over up to 2^23 ranks they stay below 2^63.
-int64_t mix40(uint64_t x) {
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return static_cast<int64_t>(x >> 24);
-}
-
 }  // namespace
 
 std::vector<std::vector<uint64_t>> shard_hashes(
@@ -67,7 +59,7 @@ std::pair<int64_t, int64_t> replica_entries(const std::vector<uint64_t>& paramet
                                             int replica) {
   uint64_t combined = 0x51ED270B27E1A3C5ull;
   for (const uint64_t h : parameter_hashes) combined = (combined ^ h) * 1099511628211ull;
-  const int64_t mixed = mix40(combined);
+  const int64_t mixed = detail::mix40(combined);
   return {mixed, replica == 0 ? mixed : 0};
 }
 
