@@ -89,3 +89,7 @@ if(FSDP_MUON_WITH_GLOO)
                         "(scripts/setup does) or configure with -DFSDP_MUON_WITH_GLOO=OFF")
   endif()
 endif()
+
+# CRC-32 of checkpoint files (checkpoint/file_io.cpp): zlib's, linked privately into the shared
+# library, so consumers need nothing of it.
+find_package(ZLIB REQUIRED)

@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <array>
 #include <cerrno>
 #include <cstring>
 
@@ -13,6 +12,8 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
+
+#include <zlib.h>
 
 #include "checkpoint/failure_injection.h"
 
@@ -29,16 +30,6 @@ void write_all(int fd, const char* data, size_t size, const std::string& path, c
     data += n;
     size -= static_cast<size_t>(n);
   }
-}
-
-std::array<uint32_t, 256> make_crc_table() {
-  std::array<uint32_t, 256> table{};
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-    table[i] = c;
-  }
-  return table;
 }
 
 }  // namespace
@@ -174,12 +165,11 @@ std::vector<char> pickle_save_plain(const c10::IValue& value) {
   return container;
 }
 
+// zlib's CRC-32 (the ISO-HDLC polynomial our files have always used, reflected 0xEDB88320), so
+// checkpoints written by the hand-written table before it read back unchanged.
 uint32_t crc32(const void* data, size_t size, uint32_t crc) {
-  static const std::array<uint32_t, 256> table = make_crc_table();
-  const auto* p = static_cast<const unsigned char*>(data);
-  crc = ~crc;
-  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
-  return ~crc;
+  return static_cast<uint32_t>(
+      ::crc32_z(crc, static_cast<const Bytef*>(data), static_cast<z_size_t>(size)));
 }
 
 std::vector<char> read_whole_file(const std::string& path, const char* api) {
