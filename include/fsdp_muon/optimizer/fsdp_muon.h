@@ -149,8 +149,10 @@ struct FsdpMuonConfig {
   TORCH_ARG(NewtonSchulzBatching, batch_newton_schulz) = NewtonSchulzBatching::kWhereBitwise;
 
  public:  // TORCH_ARG leaves the struct in a private section
-  // This config's planner settings: plan_owners(groups, W, owner_plan_options()) is the plan a
-  // FsdpMuon with this config runs.
+  // This config's planner settings, with the rates as set: plan_owners(groups, W,
+  // owner_plan_options()) is the plan a FsdpMuon with this config runs when nothing is
+  // calibrated (calibrate_rates(false), or every rate set). Calibrated rates replace the ones
+  // left at their defaults; FsdpMuon::owner_plan() is the plan it runs either way.
   OwnerPlanOptions owner_plan_options() const;
 };
 
