@@ -10,6 +10,7 @@
 #include <fsdp_muon/comm/nccl_communicator.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>
+#include <fsdp_muon/fsdp/sharded_model.h>
 #include <fsdp_muon/muon/matrix_layout.h>
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/muon/muon_options.h>
@@ -18,3 +19,4 @@
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 #include <fsdp_muon/optimizer/owner_plan.h>
 #include <fsdp_muon/optimizer/qk_clip.h>
+#include <fsdp_muon/training/muon_adamw.h>

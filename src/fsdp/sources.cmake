@@ -6,6 +6,7 @@ list(APPEND FSDP_MUON_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/parameter_group.cpp
   ${CMAKE_CURRENT_LIST_DIR}/sharded_parameter_registry.cpp
   ${CMAKE_CURRENT_LIST_DIR}/shard_module.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/sharded_model.cpp
   ${CMAKE_CURRENT_LIST_DIR}/sharding_schedule.cpp
   ${CMAKE_CURRENT_LIST_DIR}/sharding_state_machine.cpp
   ${CMAKE_CURRENT_LIST_DIR}/sharding_strategy.cpp

@@ -1,0 +1,2 @@
+list(APPEND FSDP_MUON_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/muon_adamw.cpp)
