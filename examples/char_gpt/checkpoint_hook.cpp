@@ -13,14 +13,6 @@ namespace {
 constexpr const char* kStepKey = "char_gpt.step";
 constexpr const char* kLegacyStepFile = "char_gpt_step.txt";
 
-// The same order at save and load: the library matches optimizers by position.
-std::vector<torch::optim::Optimizer*> optimizers_of(const TrainingState& state) {
-  std::vector<torch::optim::Optimizer*> out;
-  if (state.adamw != nullptr) out.push_back(state.adamw);
-  if (state.muon != nullptr) out.push_back(state.muon);
-  return out;
-}
-
 }  // namespace
 
 void check_checkpoint_root(const std::string& directory) {
@@ -32,7 +24,9 @@ void check_checkpoint_root(const std::string& directory) {
 std::string save_checkpoint(const std::string& directory, const TrainingState& state) {
   fsdp_muon::CheckpointUserState user;
   user.ints[kStepKey] = state.step;
-  return fsdp_muon::save_checkpoint(directory, state.groups, optimizers_of(state),
+  // MuonAdamW stores AdamW, then FsdpMuon: the order char_gpt's two optimizers had, so
+  // checkpoints of earlier versions load.
+  return fsdp_muon::save_checkpoint(directory, *state.model, *state.optimizer,
                                     fsdp_muon::SaveCheckpointOptions().user_state(user));
 }
 
@@ -40,7 +34,7 @@ void load_checkpoint(const std::string& directory, TrainingState& state) {
   // The library resolves `directory` once, on rank 0, and every rank loads that checkpoint; an
   // unusable one throws, naming the file.
   const fsdp_muon::CheckpointUserState user =
-      fsdp_muon::load_checkpoint(directory, state.groups, optimizers_of(state));
+      fsdp_muon::load_checkpoint(directory, *state.model, *state.optimizer);
   auto it = user.ints.find(kStepKey);
   int64_t step = it != user.ints.end() ? it->second : -1;
   std::string folder = directory;

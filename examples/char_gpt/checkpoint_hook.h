@@ -1,6 +1,6 @@
 #pragma once
 // Where char_gpt saves and resumes training, through the library's sharded checkpoints
-// (docs/DESIGN.md §6): main-weight shards and both optimizers' state go through fsdp_muon's
+// (docs/DESIGN.md §6): main-weight shards and the optimizer's state go through fsdp_muon's
 // save_checkpoint/load_checkpoint (any world size on resume); the step reached goes into the
 // same checkpoint as its user state, so it becomes visible with the weights, by one rename, and
 // no crash can separate them. The data stream is a function of (seed, rank, step), so it needs
@@ -11,16 +11,14 @@
 #include <string>
 #include <vector>
 
-#include <torch/optim/optimizer.h>
-
-#include <fsdp_muon/fsdp/parameter_group.h>
+#include <fsdp_muon/fsdp/sharded_model.h>
+#include <fsdp_muon/training/muon_adamw.h>
 
 namespace char_gpt {
 
 struct TrainingState {
-  std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> groups;
-  torch::optim::Optimizer* muon = nullptr;  // null in the AdamW baseline
-  torch::optim::Optimizer* adamw = nullptr;
+  std::shared_ptr<fsdp_muon::ShardedModel> model;
+  fsdp_muon::MuonAdamW* optimizer = nullptr;
   int64_t step = 0;  // steps completed
 };
 

@@ -1,6 +1,7 @@
 // char_gpt: a small GPT-style character language model trained data-parallel with sharded
-// parameters. FsdpMuon steps the hidden matrices (attention and MLP weights), a stock AdamW
-// steps everything else; `--optimizer adamw` is the baseline with AdamW on everything.
+// parameters, through the user tier: shard() and one MuonAdamW, which steps the hidden matrices
+// (attention and MLP weights) with Muon and everything else with AdamW; `--optimizer adamw` is
+// the baseline with AdamW on everything.
 //
 //   torchrun --standalone --nproc_per_node=2 build/examples/char_gpt/char_gpt --compare
 //   mpirun -np 2 build/examples/char_gpt/char_gpt --optimizer muon --steps 300
@@ -473,75 +474,53 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     name_of[item.value().unsafeGetTensorImpl()] = item.key();
   }
 
-  const auto groups = fsdp_muon::shard_module(
+  const auto sharded = fsdp_muon::shard(
       *model, mesh,
       fsdp_muon::ShardModuleOptions()
           .policy(shard_group_of)
           .group_options(fsdp_muon::FsdpParameterGroupOptions().sharding_strategy(flags.sharding)));
+  const auto& groups = sharded->groups();
   const ShardedParts parts = sharded_parts(groups, config.n_layers);
 
-  // Hidden matrices to Muon, the rest to AdamW. Both receive sharded parameters: the local
-  // slices of the main weights that the groups reduce-scatter gradients into.
+  // One optimizer: MuonAdamW's default routing sends the hidden matrices (the 2-D and 3-D
+  // weights of the blocks) to Muon and the embeddings, norms, biases and head to AdamW; the
+  // baseline routes everything to AdamW. Each block's fused QKV weight is Q, K and V
+  // (--qkv-layout), the experts' 3-D weights E matrices each.
   const bool use_muon = optimizer_name == "muon";
   const double adamw_lr = flags.adamw_lr;
-  // Muon's param groups: plain matrices, the fused QKV weights (--qkv-layout), the fused experts.
-  std::vector<at::Tensor> muon_params, qkv_params, expert_params, adamw_params;
-  std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> refresh_after_step;
-  int64_t muon_numel = 0;
-  for (const auto& group : groups) {
-    bool muon_refreshes = false;
-    for (size_t i = 0; i < group->num_parameters(); ++i) {
-      const auto& slot = group->slot(i);
-      const at::Tensor module_param = group->model_parameters()[i];
-      auto it = name_of.find(module_param.unsafeGetTensorImpl());
-      const std::string& name = it != name_of.end() ? it->second : slot.name;
-      const bool hidden = is_hidden_matrix(name, module_param);
-      if (hidden) muon_numel += slot.numel;
-      if (use_muon && hidden) {
+  const int64_t d = config.d_model, dh = config.d_model / config.n_heads;
+  const fsdp_muon::MatrixLayout qkv_layout =
+      flags.qkv_layout == "whole" ? fsdp_muon::MatrixLayout::whole()
+      : flags.qkv_layout == "qkv"
+          ? fsdp_muon::MatrixLayout::row_blocks({d, d, d})
+          : fsdp_muon::MatrixLayout::row_blocks(std::vector<int64_t>(3 * config.n_heads, dh));
+  auto routing = fsdp_muon::MuonAdamWConfig().matrix_layout(
+      [&](const std::string& name, const at::Tensor& param) {
         const bool qkv = name.size() > 11 && name.compare(name.size() - 11, 11, ".qkv.weight") == 0;
-        (slot.shape.size() == 3 ? expert_params
-         : qkv                  ? qkv_params
-                                : muon_params)
-            .push_back(group->sharded_parameter(i));
-        muon_refreshes = true;
-      } else {
-        adamw_params.push_back(group->sharded_parameter(i));
-      }
-    }
-    // FsdpMuon refreshes the groups it steps; the others are refreshed here after AdamW.
-    if (!muon_refreshes) refresh_after_step.push_back(group);
-  }
-
-  torch::optim::AdamW adamw(
-      adamw_params,
-      torch::optim::AdamWOptions(adamw_lr).betas(std::make_tuple(0.9, 0.95)).weight_decay(0.0));
-  std::unique_ptr<fsdp_muon::FsdpMuon> muon;
-  if (use_muon) {
-    const auto options = fsdp_muon::MuonOptions(flags.lr)
-                             .ns_dtype(flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
-                             .ns_method(flags.ns_method)
-                             .ns_preconditioning(flags.ns_preconditioning)
-                             .ns_steps(flags.ns_steps)
-                             .coefficients(flags.ns_coefficients)
-                             .custom_coefficients(flags.ns_custom_coefficients)
-                             .normalization(flags.normalization);
-    const int64_t d = config.d_model, dh = config.d_model / config.n_heads;
-    const fsdp_muon::MatrixLayout qkv_layout =
-        flags.qkv_layout == "whole" ? fsdp_muon::MatrixLayout::whole()
-        : flags.qkv_layout == "qkv"
-            ? fsdp_muon::MatrixLayout::row_blocks({d, d, d})
-            : fsdp_muon::MatrixLayout::row_blocks(std::vector<int64_t>(3 * config.n_heads, dh));
-    std::vector<torch::optim::OptimizerParamGroup> param_groups;
-    const auto add = [&](std::vector<at::Tensor>& params, const fsdp_muon::MatrixLayout& layout) {
-      if (params.empty()) return;
-      auto group_options = std::make_unique<fsdp_muon::MuonOptions>(options);
-      group_options->matrix_layout(layout);
-      param_groups.emplace_back(params, std::move(group_options));
-    };
-    add(muon_params, fsdp_muon::MatrixLayout::whole());
-    add(qkv_params, qkv_layout);
-    add(expert_params, fsdp_muon::MatrixLayout::batched());
-    muon = std::make_unique<fsdp_muon::FsdpMuon>(param_groups, options);
+        return qkv                ? qkv_layout
+               : param.dim() == 3 ? fsdp_muon::MatrixLayout::batched()
+                                  : fsdp_muon::MatrixLayout::whole();
+      });
+  if (!use_muon) routing.use_muon([](const std::string&, const at::Tensor&) { return false; });
+  fsdp_muon::MuonAdamW optimizer(
+      sharded,
+      fsdp_muon::MuonOptions(flags.lr)
+          .ns_dtype(flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
+          .ns_method(flags.ns_method)
+          .ns_preconditioning(flags.ns_preconditioning)
+          .ns_steps(flags.ns_steps)
+          .coefficients(flags.ns_coefficients)
+          .custom_coefficients(flags.ns_custom_coefficients)
+          .normalization(flags.normalization),
+      torch::optim::AdamWOptions(adamw_lr).betas(std::make_tuple(0.9, 0.95)).weight_decay(0.0),
+      routing);
+  int64_t muon_numel = 0;
+  for (const fsdp_muon::ShardedModelParameter& p : sharded->parameters()) {
+    const bool hidden = is_hidden_matrix(p.name, p.meta);
+    TORCH_CHECK(!use_muon || optimizer.uses_muon(p.name) == hidden,
+                "char_gpt: MuonAdamW's default routing disagrees with is_hidden_matrix on ",
+                p.name);
+    if (hidden) muon_numel += p.meta.numel();
   }
 
   if (rank0) {
@@ -550,9 +529,8 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
        << " in hidden matrices stepped by " << (use_muon ? "FsdpMuon" : "AdamW") << "), "
        << groups.size() << " FSDP groups (sharding " << fsdp_muon::to_string(flags.sharding)
        << "), " << comm->size() << " rank(s) on " << device << " [" << comm->backend_name()
-       << "], mesh " << mesh.shape() << " (replicas x shard), "
-       << flags.steps << " steps x " << comm->size() << " ranks x " << flags.batch << " seqs x "
-       << flags.seq_len << " chars, lr";
+       << "], mesh " << mesh.shape() << " (replicas x shard), " << flags.steps << " steps x "
+       << comm->size() << " ranks x " << flags.batch << " seqs x " << flags.seq_len << " chars, lr";
     if (use_muon) ss << " muon " << flags.lr << " +";
     ss << " adamw " << adamw_lr;
     if (use_muon) ss << "; qkv layout " << flags.qkv_layout;
@@ -572,9 +550,8 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   }
 
   TrainingState state;
-  state.groups = groups;
-  state.muon = muon.get();
-  state.adamw = &adamw;
+  state.model = sharded;
+  state.optimizer = &optimizer;
   if (!flags.resume.empty()) {
     load_checkpoint(flags.resume, state);
     if (rank0)
@@ -597,9 +574,9 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   // Base rates from the flags, not from the optimizers: a resumed optimizer carries the decayed
   // rate it was saved with.
   std::vector<std::pair<torch::optim::OptimizerOptions*, double>> base_lrs;
-  for (auto& g : adamw.param_groups()) base_lrs.emplace_back(&g.options(), adamw_lr);
-  if (muon) {
-    for (auto& g : muon->param_groups()) base_lrs.emplace_back(&g.options(), flags.lr);
+  for (auto& g : optimizer.param_groups()) {
+    const bool muon_group = dynamic_cast<const fsdp_muon::MuonOptions*>(&g.options()) != nullptr;
+    base_lrs.emplace_back(&g.options(), muon_group ? flags.lr : adamw_lr);
   }
   auto lr_scale = [&](int64_t step) {
     double s = std::min(1.0, static_cast<double>(step + 1) / std::max<int64_t>(1, flags.warmup));
@@ -625,17 +602,12 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
     // The batch is a function of (seed, rank, step): a resumed run sees the same data.
     data_gen.set_current_seed(batch_seed(flags.seed, comm->rank(), step));
     const Batch batch = sample_batch(corpus.train, flags.batch, flags.seq_len, data_gen);
-    // Never optimizer.zero_grad(): it would detach the sharded parameters' gradients from the
-    // group's gradient shard. The group zeroes its buffers in place.
-    for (const auto& group : groups) group->zero_grad();
+    optimizer.zero_grad();
     const at::Tensor logits = sharded_forward(model, parts, batch.inputs.to(device));
     const at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
                                                    batch.targets.to(device).reshape(-1));
-    loss.backward();
-    for (const auto& group : groups) group->reduce_scatter_grads();
-    adamw.step();
-    if (muon) muon->step();  // also refreshes the model weights of the groups it stepped
-    for (const auto& group : refresh_after_step) group->refresh_model_weights();
+    loss.backward();   // ends by reduce-scattering every group's gradients
+    optimizer.step();  // AdamW, FsdpMuon, then every group's model weights refreshed
     if (flags.qk_clip > 0) {
       // This batch's largest logit per head with the updated weights (one more forward, no
       // gradient), recording each block's input; then the clip; then the same blocks on the

@@ -3,8 +3,8 @@
 A block with `int main(` is a whole program and is compiled as it stands after the prelude, in
 a file of its own. The other blocks are fragments that build on the README's training loop and
 on each other (a later one may use what an earlier one declared), so they become, in README
-order, the body of one function that receives the names the loop defines (net, comm, groups,
-muon, adamw). Usage: extract_readme_samples.py README.md OUT_DIR; prints the files written, one
+order, the body of one function that receives the names the two loops define (net, comm, model,
+optimizer; groups, muon, adamw). Usage: extract_readme_samples.py README.md OUT_DIR; prints the files written, one
 per line.
 """
 import pathlib
@@ -35,7 +35,9 @@ FRAGMENT = """\
 [[maybe_unused]] void readme_fragments(
     [[maybe_unused]] Net& net, [[maybe_unused]] std::shared_ptr<fsdp_muon::Communicator> comm,
     [[maybe_unused]] std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> groups,
-    [[maybe_unused]] fsdp_muon::FsdpMuon& muon, [[maybe_unused]] torch::optim::AdamW& adamw) {{
+    [[maybe_unused]] fsdp_muon::FsdpMuon& muon, [[maybe_unused]] torch::optim::AdamW& adamw,
+    [[maybe_unused]] std::shared_ptr<fsdp_muon::ShardedModel> model,
+    [[maybe_unused]] fsdp_muon::MuonAdamW& optimizer) {{
 {body}
 }}
 """

@@ -18,24 +18,27 @@ int main() {
   w.sum().backward();
   muon.step();
 
-  // Sharded, one process: shard a module, step FsdpMuon + AdamW.
+  // Sharded, the README's loop: an embedding, a hidden matrix and a head; Muon steps the hidden
+  // matrix alone, AdamW the rest, a scheduler drives both learning rates.
   auto comm = fsdp_muon::init_from_env();
-  torch::nn::Linear lin(6, 4);
-  auto groups = fsdp_muon::shard_module(*lin, comm);
-  std::vector<torch::Tensor> matrices, others;
-  for (auto& g : groups) {
-    for (size_t i = 0; i < g->num_parameters(); ++i) {
-      (g->slot(i).shape.size() == 2 ? matrices : others).push_back(g->sharded_parameter(i));
-    }
+  torch::nn::Sequential net(torch::nn::Embedding(10, 6), torch::nn::Linear(6, 6),
+                            torch::nn::Linear(6, 10));
+  auto model = fsdp_muon::shard(*net, comm);
+  fsdp_muon::MuonAdamW optimizer(model, fsdp_muon::MuonOptions(0.02),
+                                 torch::optim::AdamWOptions(1e-3));
+  torch::optim::StepLR scheduler(optimizer, /*step_size=*/1, /*gamma=*/0.5);
+  TORCH_CHECK(optimizer.uses_muon("1.weight") && !optimizer.uses_muon("0.weight") &&
+                  !optimizer.uses_muon("2.weight") && !optimizer.uses_muon("1.bias"),
+              "MuonAdamW routed the parameters wrongly");
+  const auto tokens = torch::randint(0, 10, {3});
+  for (int step = 0; step < 3; ++step) {
+    optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(tokens), tokens).backward();
+    optimizer.step();
+    scheduler.step();
   }
-  fsdp_muon::FsdpMuon opt(matrices, fsdp_muon::MuonOptions(0.02));
-  torch::optim::AdamW adamw(others, torch::optim::AdamWOptions(1e-3));
-  for (auto& g : groups) g->zero_grad();
-  lin->forward(torch::randn({3, 6})).pow(2).sum().backward();
-  for (auto& g : groups) g->reduce_scatter_grads();
-  opt.step();
-  adamw.step();
-  for (auto& g : groups) g->refresh_model_weights();
+  TORCH_CHECK(optimizer.param_groups().front().options().get_lr() == 0.02 / 4,
+              "the scheduler did not reach Muon's learning rate");
   std::cout << "consumer ok (fsdp_muon " << FSDP_MUON_VERSION << ", world size " << comm->size()
             << ")" << std::endl;
   return 0;
