@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include <fsdp_muon/optimizer/owner_plan.h>
+#include <fsdp_muon/planning/owner_plan.h>
 
 #include "model_shapes.h"
 

@@ -14,7 +14,7 @@
 
 #include <fsdp_muon/config.h>
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
-#include <fsdp_muon/optimizer/owner_plan.h>
+#include <fsdp_muon/planning/owner_plan.h>
 
 #include "newton_schulz/newton_schulz_internal.h"
 

@@ -17,7 +17,9 @@
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "bench_util.h"
 
@@ -56,9 +58,9 @@ struct Run {
     std::vector<torch::optim::OptimizerParamGroup> groups;
     for (size_t g = 0; g < layouts.size(); ++g) {
       if (members[g].empty()) continue;
-      groups.emplace_back(members[g], std::make_unique<MuonOptions>(
-                                          MuonOptions(0.02).ns_dtype(ns_dtype).matrix_layout(
-                                              layouts[g])));
+      groups.emplace_back(members[g],
+                          std::make_unique<MuonOptions>(
+                              MuonOptions(0.02).ns_dtype(ns_dtype).matrix_layout(layouts[g])));
     }
     muon = std::make_unique<fsdp_muon::FsdpMuon>(groups);
   }
@@ -150,10 +152,9 @@ int run(Flags& flags) {
       std::printf("%-5s %4lld/%-4lld %4lld/%-4lld %5.2f/%-5.2f %5.2f/%-5.2f %11.4f %11.4f %9.2f\n",
                   dtype_name(dtype), static_cast<long long>(sep.matrices),
                   static_cast<long long>(bat.matrices), static_cast<long long>(sep.calls),
-                  static_cast<long long>(bat.calls), ps.total_cost() / 1e12,
-                  pb.total_cost() / 1e12, ps.max_bytes_per_rank() / 1e6,
-                  pb.max_bytes_per_rank() / 1e6, sep.best_seconds, bat.best_seconds,
-                  expert_ratio[dtype == at::kFloat]);
+                  static_cast<long long>(bat.calls), ps.total_cost() / 1e12, pb.total_cost() / 1e12,
+                  ps.max_bytes_per_rank() / 1e6, pb.max_bytes_per_rank() / 1e6, sep.best_seconds,
+                  bat.best_seconds, expert_ratio[dtype == at::kFloat]);
       std::printf("      (TFLOPs, MB per rank; bytes sent by rank 0 this step: %lld / %lld)\n",
                   static_cast<long long>(sep.sent), static_cast<long long>(bat.sent));
       std::fflush(stdout);

@@ -16,7 +16,9 @@
 #include <torch/cuda.h>
 #include <torch/utils.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "bench.h"
 #include "bench_util.h"

@@ -27,7 +27,9 @@
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "bench_util.h"
 #include "model_shapes.h"

@@ -9,12 +9,12 @@
 
 #include <c10/util/Exception.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
-#include <fsdp_muon/optimizer/owner_plan.h>
+#include <fsdp_muon/planning/owner_plan.h>
 
 #include "bench.h"
 #include "bench_util.h"
 #include "model_shapes.h"
-#include "optimizer/owner_plan_internal.h"
+#include "planning/owner_plan_internal.h"
 
 namespace fsdp_muon_bench {
 namespace {

@@ -33,7 +33,9 @@
 #include <torch/utils.h>
 
 #include <fsdp_muon/config.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #if FSDP_MUON_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

@@ -37,10 +37,10 @@
 
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
+#include <fsdp_muon/fsdp/qk_clip.h>
 #include <fsdp_muon/fsdp/shard_module.h>
 #include <fsdp_muon/muon/muon_options.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
-#include <fsdp_muon/optimizer/qk_clip.h>
 
 #include "checkpoint_hook.h"
 #include "corpus.h"

@@ -1,3 +1,4 @@
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>
 
 #include <unordered_map>

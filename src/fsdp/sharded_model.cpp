@@ -1,5 +1,7 @@
 #include <fsdp_muon/fsdp/sharded_model.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
+
 #include <unordered_map>
 #include <utility>
 
@@ -174,6 +176,12 @@ FsdpParameterGroup& ShardedModel::group_of(const torch::nn::Module& child) const
   TORCH_CHECK(group.has_value(), "fsdp_muon::ShardedModel::group_of: module '", child.name(),
               "' has no parameters, so it belongs to no group; call it directly");
   return *impl_->groups[*group];
+}
+
+at::Tensor ShardedModel::forward(const torch::nn::Module& child,
+                                 const std::function<at::Tensor(const at::Tensor&)>& fn,
+                                 const at::Tensor& input) {
+  return group_of(child).forward(fn, input);
 }
 
 std::shared_ptr<ShardedModel> shard(torch::nn::Module& module, std::shared_ptr<Communicator> comm,

@@ -124,13 +124,6 @@ std::shared_ptr<Communicator> world_of(
   return nullptr;
 }
 
-constexpr detail::EnumName<NonFiniteGradients> kNonFiniteNames[] = {
-    {NonFiniteGradients::kIgnore, "ignore"},
-    {NonFiniteGradients::kSkipStep, "skip_step"},
-    {NonFiniteGradients::kThrow, "throw"},
-};
-static_assert(detail::rows_in_enumerator_order(kNonFiniteNames));
-
 constexpr detail::EnumName<NewtonSchulzBatching> kBatchingNames[] = {
     {NewtonSchulzBatching::kWhereBitwise, "where_bitwise"},
     {NewtonSchulzBatching::kAlways, "always"},
@@ -140,11 +133,21 @@ static_assert(detail::rows_in_enumerator_order(kBatchingNames));
 
 }  // namespace
 
-const char* to_string(NonFiniteGradients mode) { return detail::name_of(kNonFiniteNames, mode); }
-
 const char* to_string(NewtonSchulzBatching mode) { return detail::name_of(kBatchingNames, mode); }
 
-OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const { return OwnerPlanOptions(*this); }
+OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
+  return OwnerPlanOptions()
+      .owner_policy(owner_policy())
+      .owner_schedule(owner_schedule())
+      .max_bytes_ratio(max_bytes_ratio())
+      .newton_schulz_flops_per_second(newton_schulz_flops_per_second())
+      .bytes_per_second(bytes_per_second())
+      .prefetch_budget_bytes(prefetch_budget_bytes())
+      .overlap_communication(overlap_communication())
+      .replica_newton_schulz(replica_newton_schulz())
+      .inter_node_bytes_per_second(inter_node_bytes_per_second())
+      .exchange_latency_seconds(exchange_latency_seconds());
+}
 
 FsdpMuon::FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults,
                    FsdpMuonConfig config)

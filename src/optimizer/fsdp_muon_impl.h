@@ -12,7 +12,7 @@
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/comm/device_mesh.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
-#include <fsdp_muon/optimizer/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "optimizer/exchange_layout.h"
 #include "optimizer/phase_timer.h"

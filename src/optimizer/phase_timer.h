@@ -11,7 +11,7 @@
 #include <c10/core/Device.h>
 
 #include <fsdp_muon/comm/communicator.h>
-#include <fsdp_muon/optimizer/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 namespace fsdp_muon::detail {
 

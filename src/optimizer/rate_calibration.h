@@ -9,8 +9,8 @@
 
 #include <fsdp_muon/comm/device_mesh.h>
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
-#include <fsdp_muon/optimizer/fsdp_muon.h>
-#include <fsdp_muon/optimizer/owner_plan.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
+#include <fsdp_muon/planning/owner_plan.h>
 #include <torch/optim/optimizer.h>
 
 namespace fsdp_muon::detail {

@@ -1,13 +1,7 @@
 list(APPEND FSDP_MUON_SOURCES
-  ${CMAKE_CURRENT_LIST_DIR}/owner_assignment.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/round_packing.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/owner_plan.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/owner_plan_metrics.cpp
   ${CMAKE_CURRENT_LIST_DIR}/rate_calibration.cpp
   ${CMAKE_CURRENT_LIST_DIR}/exchange_layout.cpp
   ${CMAKE_CURRENT_LIST_DIR}/phase_timer.cpp
   ${CMAKE_CURRENT_LIST_DIR}/fsdp_muon.cpp
   ${CMAKE_CURRENT_LIST_DIR}/fsdp_muon_step.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/replica_check.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/clip_grad_norm.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/qk_clip.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/replica_check.cpp)

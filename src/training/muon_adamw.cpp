@@ -7,7 +7,8 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
-#include <fsdp_muon/optimizer/clip_grad_norm.h>
+#include <fsdp_muon/fsdp/clip_grad_norm.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
 
 namespace fsdp_muon {
 namespace {

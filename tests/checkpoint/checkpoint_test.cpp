@@ -40,6 +40,7 @@
 #include <torch/serialize.h>
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "checkpoint/failure_injection.h"

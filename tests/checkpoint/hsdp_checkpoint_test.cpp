@@ -26,6 +26,7 @@
 #include <torch/torch.h>
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "checkpoint/file_io.h"

@@ -54,8 +54,12 @@ def main() -> None:
         files[f"readme_program_{index}.cpp"] = PRELUDE + "\n" + block
     fragments = "\n".join(b for b in blocks if "int main(" not in b)
     if fragments:
+        # A fragment's #include lines (an engine-tier header) go above the function.
+        includes = [l for l in fragments.splitlines() if l.startswith("#include")]
+        body = "\n".join(l for l in fragments.splitlines() if not l.startswith("#include"))
         files["readme_fragments.cpp"] = (
-            PRELUDE + "\nnamespace {\n" + FRAGMENT.format(body=fragments) + "}  // namespace\n")
+            PRELUDE + "".join(i + "\n" for i in includes) + "\nnamespace {\n" +
+            FRAGMENT.format(body=body) + "}  // namespace\n")
     for name, code in files.items():
         path = out_dir / name
         if not path.exists() or path.read_text() != code:  # unchanged: no rebuild

@@ -19,6 +19,7 @@
 
 #include <fsdp_muon/comm/nccl_communicator.h>
 #include <fsdp_muon/config.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "common/test_util.h"

@@ -19,7 +19,9 @@
 
 #include <torch/torch.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "common/distributed_main.h"
 

@@ -19,6 +19,7 @@
 
 #include <torch/torch.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "common/distributed_main.h"

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <fsdp_muon/muon/muon.h>
+#include <fsdp_muon/newton_schulz/newton_schulz.h>
 
 #include "muon/muon_math.h"
 #include "muon/muon_test_util.h"

@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "checkpoint/file_io.h"

@@ -15,7 +15,9 @@
 #include <torch/cuda.h>
 
 #include <fsdp_muon/config.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "common/test_util.h"
 

@@ -29,7 +29,9 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/schedulers/step_lr.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "common/distributed_main.h"
 #include "common/model_specs.h"

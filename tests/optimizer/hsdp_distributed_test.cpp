@@ -23,7 +23,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "common/distributed_main.h"
 #include "common/model_specs.h"

@@ -16,7 +16,9 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
 #include "checkpoint/file_io.h"
 #include "common/distributed_main.h"

@@ -17,6 +17,7 @@
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/torch.h>
 
+#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "checkpoint/file_io.h"

@@ -24,9 +24,9 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
-#include <fsdp_muon/fsdp/parameter_group.h>
-
 namespace fsdp_muon {
+
+class FsdpParameterGroup;  // parameter_group.h (the engine tier)
 
 // The caller's own resume state (the step reached, a data cursor, a run name): a few values
 // stored in the checkpoint's manifest, so that they and the weights become visible by the same

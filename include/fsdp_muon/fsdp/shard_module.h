@@ -8,9 +8,13 @@
 
 #include <torch/nn/module.h>
 
-#include <fsdp_muon/fsdp/parameter_group.h>
+#include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/comm/device_mesh.h>
+#include <fsdp_muon/fsdp/group_options.h>
 
 namespace fsdp_muon {
+
+class FsdpParameterGroup;  // parameter_group.h (the engine tier)
 
 // Decides the group of each parameter: called with the parameter's full name (as in
 // module.named_parameters()) and tensor, returns a group key. Parameters with the same key go

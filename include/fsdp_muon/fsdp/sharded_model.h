@@ -4,6 +4,7 @@
 // of every backward through the model, as FSDP2 does.
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,7 +14,6 @@
 
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/comm/device_mesh.h>
-#include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp/shard_module.h>
 
 namespace fsdp_muon {
@@ -75,8 +75,13 @@ class ShardedModel {
   // kOptim it runs the same bits.
   template <typename ModuleHolder>
   at::Tensor forward(ModuleHolder child, const at::Tensor& input) {  // holders are shared pointers
-    return group_of(*child).forward([&](const at::Tensor& x) { return child->forward(x); }, input);
+    return forward(
+        *child, [&](const at::Tensor& x) { return child->forward(x); }, input);
   }
+  // The same with the call written out: fn(input) inside the boundary of `child`'s group.
+  at::Tensor forward(const torch::nn::Module& child,
+                     const std::function<at::Tensor(const at::Tensor&)>& fn,
+                     const at::Tensor& input);
 
  private:
   struct Impl;

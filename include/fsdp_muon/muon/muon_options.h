@@ -10,7 +10,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <fsdp_muon/muon/matrix_layout.h>
-#include <fsdp_muon/newton_schulz/newton_schulz.h>
+#include <fsdp_muon/newton_schulz/ns_options.h>
 
 namespace fsdp_muon {
 

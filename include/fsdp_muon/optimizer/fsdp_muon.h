@@ -15,9 +15,10 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <fsdp_muon/fsdp/non_finite_gradients.h>
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/muon/muon_options.h>
-#include <fsdp_muon/optimizer/owner_plan.h>
+#include <fsdp_muon/planning/plan_options.h>
 
 namespace torch::serialize {
 class OutputArchive;
@@ -27,18 +28,6 @@ class InputArchive;
 namespace fsdp_muon {
 
 class FsdpParameterGroup;
-
-// What FsdpMuon::step does when a gradient holds NaN or Inf on any rank. The check rides on the
-// agreement all-reduce every step already runs (no extra collective); kIgnore skips it.
-enum class NonFiniteGradients {
-  kIgnore,  // no check: the matrix's update becomes NaN on every rank (as in torch.optim.Muon)
-  // The default: every rank skips FsdpMuon's update (momentum untouched), counts the step, and
-  // rank 0 warns once per skipped step, naming the step and the first parameter with NaN/Inf.
-  kSkipStep,
-  kThrow,  // a clear error on every rank naming the parameters and how many ranks saw them
-};
-
-const char* to_string(NonFiniteGradients mode);
 
 // Whether FsdpMuon orthogonalizes the same-shape matrices a rank owns in a round with one
 // batched Newton–Schulz call (docs/DESIGN.md §4, "Batching"). A batched call is faster (one
@@ -64,33 +53,35 @@ struct FsdpMuonConfig {
   // Who may orthogonalize a matrix (see OwnerPolicy). The default, kBalanced, was chosen from
   // the planned critical paths in bench/RESULTS.md: holders-only leaves ranks that hold
   // expensive matrices whole overloaded in every layer.
-  TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPolicy::kBalanced;
+  TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPlanOptions().owner_policy();
   // kBalanced: the bytes a rank may send per step (gather + scatter), as a multiple of the
   // busiest rank's under holders-only (OwnerPlan::holders_only_max_bytes); >= 1, infinity for
   // no limit, or kBytesRatioByCost, the default: the cost model below chooses it, with the
   // rates calibrate_rates measured (so trading bytes for balance is priced on this machine's
   // links, not guessed; OwnerPlan::max_bytes_ratio says which limit it took).
-  TORCH_ARG(double, max_bytes_ratio) = kBytesRatioByCost;
+  TORCH_ARG(double, max_bytes_ratio) = OwnerPlanOptions().max_bytes_ratio();
   // The cost model (docs/DESIGN.md §7): a plan's step costs its orthogonalize critical path in
   // FLOPs at this Newton–Schulz rate plus its busiest rank's bytes at this per-rank send rate
   // (OwnerPlan::estimated_seconds). With max_bytes_ratio(kBytesRatioByCost) the planner keeps,
   // among a fixed list of limits from 1 to unlimited, the limit whose plan costs least. The
   // defaults are estimates for an H200 NVLink node (bf16 Newton–Schulz at ~40% of peak,
   // ~150 GB/s of all-to-all per rank), not measurements: calibrate_rates replaces them.
-  TORCH_ARG(double, newton_schulz_flops_per_second) = 4e14;
-  TORCH_ARG(double, bytes_per_second) = 1.5e11;
+  TORCH_ARG(double,
+            newton_schulz_flops_per_second) = OwnerPlanOptions().newton_schulz_flops_per_second();
+  TORCH_ARG(double, bytes_per_second) = OwnerPlanOptions().bytes_per_second();
   // The cost model's per-rank send rate between replicas (across nodes) on a replicate x shard
   // mesh; bytes_per_second is the rate within a replica. The default is an estimate for 400 Gb/s
   // InfiniBand per GPU under all-to-all (~25 GB/s achieved), not a measurement.
-  TORCH_ARG(double, inter_node_bytes_per_second) = 2.5e10;
+  TORCH_ARG(double, inter_node_bytes_per_second) = OwnerPlanOptions().inter_node_bytes_per_second();
   // The cost model's fixed cost of one collective exchange (a gather or a scatter), with which
   // overlap_communication decides how many rounds a step has (OwnerPlan::pipelined_seconds).
   // The default is an estimate for an NCCL all-to-all within a node.
-  TORCH_ARG(double, exchange_latency_seconds) = 5e-5;
+  TORCH_ARG(double, exchange_latency_seconds) = OwnerPlanOptions().exchange_latency_seconds();
   // On a mesh with several replicas: who orthogonalizes each matrix (see ReplicaNewtonSchulz).
   // kByCost, the default, picks at construction whichever of kOncePerWorld and kOncePerReplica
   // the cost model above predicts faster. The result bits are the same under all three.
-  TORCH_ARG(ReplicaNewtonSchulz, replica_newton_schulz) = ReplicaNewtonSchulz::kByCost;
+  TORCH_ARG(ReplicaNewtonSchulz,
+            replica_newton_schulz) = OwnerPlanOptions().replica_newton_schulz();
   // Measure the cost model's rates at construction (docs/DESIGN.md §7): Newton–Schulz of the
   // median matrix (at most 2^18 elements on the CPU, 2^22 on CUDA), short all-to-alls on the
   // shard and replicate communicators, each the fastest of three runs, the slowest rank's times
@@ -102,7 +93,7 @@ struct FsdpMuonConfig {
   TORCH_ARG(bool, calibrate_rates) = true;
   // When ranks meet (see OwnerSchedule): kRounds, the default, chosen from bench/RESULTS.md,
   // packs every rank's owned matrices into rounds of about equal cost over the whole model.
-  TORCH_ARG(OwnerSchedule, owner_schedule) = OwnerSchedule::kRounds;
+  TORCH_ARG(OwnerSchedule, owner_schedule) = OwnerPlanOptions().owner_schedule();
   // Bytes of full matrices one rank may hold at once. kRounds: each rank's owned matrices of a
   // round fit it; kWindows: consecutive FSDP groups are gathered together (a window) while
   // every rank's owned full matrices in them fit. With overlap_communication two exchanges are
@@ -110,14 +101,14 @@ struct FsdpMuonConfig {
   // time, kUnlimitedPrefetch everything at once. A matrix or group larger than the budget
   // still runs, alone. The result bits never depend on it.
   // The default, 1 GiB, was chosen from the planned critical paths in bench/RESULTS.md.
-  TORCH_ARG(int64_t, prefetch_budget_bytes) = int64_t{1} << 30;
+  TORCH_ARG(int64_t, prefetch_budget_bytes) = OwnerPlanOptions().prefetch_budget_bytes();
   // Start the gather of the next round (or window) before orthogonalizing the current one, and
   // let the current one's scatter run while the next is orthogonalized (docs/DESIGN.md §3);
   // each round is then packed to half of prefetch_budget_bytes, so that what a rank holds at
   // once stays within it, and under kRounds the cost model splits the step into more rounds
   // where that hides more of the exchange (OwnerPlan::pipelined_seconds). The result bits are
   // the same either way.
-  TORCH_ARG(bool, overlap_communication) = true;
+  TORCH_ARG(bool, overlap_communication) = OwnerPlanOptions().overlap_communication();
   // See NonFiniteGradients. With kSkipStep (the default: one NaN must not silently turn the
   // whole model into NaN) the model weights are still refreshed (another optimizer may have
   // stepped the groups' other parameters), skipped_steps() counts it and rank 0 warns. The check
@@ -156,76 +147,9 @@ struct FsdpMuonConfig {
   OwnerPlanOptions owner_plan_options() const;
 };
 
-// What the last step() did on this rank.
-struct FsdpMuonStepStats {
-  int64_t active_parameters = 0;  // matrices with gradients (the same on every rank)
-  // Matrices whose gradient held NaN or Inf on some rank (0 unless non_finite_gradients is
-  // checked), and whether the update was skipped for them.
-  int64_t non_finite_parameters = 0;
-  bool skipped = false;
-  int64_t rounds = 0;  // exchanges the step ran (OwnerPlan::rounds; one per window under kWindows)
-  // Matrices this rank orthogonalized, and the Newton–Schulz calls it took (fewer when
-  // FsdpMuonConfig::batch_newton_schulz batched same-shape matrices).
-  int64_t orthogonalized_matrices = 0;
-  int64_t newton_schulz_calls = 0;
-  int64_t gather_bytes = 0;   // sent by this rank in the gathers (Communicator::stats)
-  int64_t scatter_bytes = 0;  // sent by this rank in the scatters
-  // The same bytes by where they went: to the ranks of this rank's shard group (intra-node) or
-  // to other replicas (inter-node; only ReplicaNewtonSchulz::kOncePerWorld's scatter sends
-  // any: a gather never leaves the owner's replica). gather_bytes = gather_intra_node_bytes +
-  // gather_inter_node_bytes, and likewise for the scatter.
-  int64_t gather_intra_node_bytes = 0;
-  int64_t gather_inter_node_bytes = 0;
-  int64_t scatter_intra_node_bytes = 0;
-  int64_t scatter_inter_node_bytes = 0;
-  int64_t check_bytes = 0;    // sent by this rank in the gradient-agreement all-reduce
-  int64_t refresh_bytes = 0;  // sent by this rank refreshing model weights
-  // Largest sum of full-matrix bytes this rank held at once (its owned matrices in one round or
-  // window, or in two consecutive ones with overlap_communication); 0 on a rank that owns
-  // nothing.
-  int64_t max_transient_bytes = 0;
-  // Seconds per phase. On the CPU: wall time. On CUDA: execution time on the caller's stream,
-  // measured by CUDA events around each phase; last_step_stats() waits for the step's work the
-  // first time it is called after a step (step() itself never waits for them), bounded by the
-  // communicator's timeout: a peer that never arrives makes it throw instead of hang.
-  double check_seconds = 0;
-  double elementwise_seconds = 0;
-  double gather_seconds = 0;
-  double orthogonalize_seconds = 0;
-  double scatter_seconds = 0;
-  double apply_seconds = 0;
-  double refresh_seconds = 0;
-  // The owner plan's prediction of a step's gather + Newton–Schulz + scatter
-  // (OwnerPlan::pipelined_seconds), and the rates it was planned with: measured at construction
-  // where rates_measured (FsdpMuonConfig::calibrate_rates), the config's otherwise.
-  double predicted_seconds = 0;
-  bool rates_measured = false;
-  double newton_schulz_flops_per_second = 0;
-  double bytes_per_second = 0;
-  double inter_node_bytes_per_second = 0;
-  double exchange_latency_seconds = 0;
-};
-
-// One matrix FsdpMuon updates, as planned at construction: a 2-D parameter, or one block of a
-// parameter its param group's MuonOptions::matrix_layout divides (docs/DESIGN.md §3, "Layouts").
-struct FsdpMuonMatrix {
-  std::shared_ptr<FsdpParameterGroup> group;
-  size_t group_ordinal = 0;      // position of `group` in FsdpMuon::fsdp_groups()
-  size_t index = 0;              // parameter index inside `group`
-  size_t param_group = 0;        // index into FsdpMuon::param_groups() (its MuonOptions)
-  at::Tensor sharded_parameter;  // the whole parameter's shard, shared by its blocks
-  // The parameter's name, with "[b]" for block b of a row_blocks or batched parameter
-  // ("attn.qkv[1]", "experts.w1[7]").
-  std::string name;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  int owner = -1;  // a rank of the plan (see FsdpMuon::owner_of)
-  // Block `block` of the parameter's `blocks` (0 of 1 under MatrixLayout::whole()): elements
-  // [offset, offset + rows * cols) of the flattened parameter.
-  size_t block = 0;
-  size_t blocks = 1;
-  int64_t offset = 0;
-};
+struct FsdpMuonStepStats;  // optimizer/fsdp_muon_introspection.h (the engine tier)
+struct FsdpMuonMatrix;
+struct OwnerPlan;  // planning/owner_plan.h (the engine tier)
 
 // Muon for the 2-D sharded parameters of FsdpParameterGroups on one mesh (the groups' shared
 // DeviceMesh: a 1-D one for groups built on a Communicator; groups on different meshes are an

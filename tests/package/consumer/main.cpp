@@ -1,6 +1,7 @@
 // A program outside the repository, built against the installed package: it uses the public
 // names of docs/DESIGN.md §8 through the umbrella header only.
 #include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/newton_schulz/newton_schulz.h>
 
 #include <torch/torch.h>
 

@@ -5,7 +5,7 @@
 #include <optional>
 #include <tuple>
 
-#include "optimizer/owner_plan_internal.h"
+#include "planning/owner_plan_internal.h"
 
 namespace fsdp_muon::detail {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "optimizer/owner_plan_internal.h"
+#include "planning/owner_plan_internal.h"
 
 namespace fsdp_muon {
 namespace detail {

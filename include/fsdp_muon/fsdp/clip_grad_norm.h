@@ -5,10 +5,11 @@
 #include <memory>
 #include <vector>
 
-#include <fsdp_muon/fsdp/parameter_group.h>
-#include <fsdp_muon/optimizer/fsdp_muon.h>
+#include <fsdp_muon/fsdp/non_finite_gradients.h>
 
 namespace fsdp_muon {
+
+class FsdpParameterGroup;  // parameter_group.h (the engine tier)
 
 // Scales every gradient shard of `groups` (the .grad() of their sharded parameters, matrices and
 // the rest alike) so that the norm of the whole model's gradient is at most `max_norm`, and

@@ -1,4 +1,5 @@
-#include <fsdp_muon/optimizer/clip_grad_norm.h>
+#include <fsdp_muon/fsdp/clip_grad_norm.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
 
 #include <cmath>
 #include <limits>
@@ -8,8 +9,21 @@
 #include <c10/util/Exception.h>
 
 #include "comm/agreement.h"
+#include "common/enum_names.h"
 
 namespace fsdp_muon {
+namespace {
+
+constexpr detail::EnumName<NonFiniteGradients> kNonFiniteNames[] = {
+    {NonFiniteGradients::kIgnore, "ignore"},
+    {NonFiniteGradients::kSkipStep, "skip_step"},
+    {NonFiniteGradients::kThrow, "throw"},
+};
+static_assert(detail::rows_in_enumerator_order(kNonFiniteNames));
+
+}  // namespace
+
+const char* to_string(NonFiniteGradients mode) { return detail::name_of(kNonFiniteNames, mode); }
 
 double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                       double max_norm, double norm_type, NonFiniteGradients non_finite) {

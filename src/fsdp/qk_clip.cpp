@@ -1,4 +1,5 @@
-#include <fsdp_muon/optimizer/qk_clip.h>
+#include <fsdp_muon/fsdp/parameter_group.h>
+#include <fsdp_muon/fsdp/qk_clip.h>
 
 #include <cmath>
 #include <set>

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include <fsdp_muon/optimizer/owner_plan.h>
+#include <fsdp_muon/planning/owner_plan.h>
 
 #include "muon/row_state.h"
 

@@ -2,7 +2,7 @@
 // model shapes (Llama-3-8B) against the numbers the design quotes.
 
 #include <fsdp_muon/optimizer/fsdp_muon.h>
-#include <fsdp_muon/optimizer/owner_plan.h>
+#include <fsdp_muon/planning/owner_plan.h>
 
 #include <algorithm>
 #include <iostream>
@@ -14,7 +14,7 @@
 
 #include <gtest/gtest.h>
 
-#include "optimizer/owner_plan_internal.h"
+#include "planning/owner_plan_internal.h"
 
 namespace fsdp_muon {
 namespace {

@@ -1,9 +1,7 @@
 // plan_owners(): the plan of docs/DESIGN.md §3 assembled from owner assignment
 // (owner_assignment.cpp) and round packing (round_packing.cpp), and the cost-model search of
 // docs/DESIGN.md §7 over byte limits.
-#include <fsdp_muon/optimizer/owner_plan.h>
-
-#include <fsdp_muon/optimizer/fsdp_muon.h>
+#include <fsdp_muon/planning/owner_plan.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,7 +13,7 @@
 
 #include "common/enum_names.h"
 #include "fsdp/flat_layout.h"
-#include "optimizer/owner_plan_internal.h"
+#include "planning/owner_plan_internal.h"
 
 namespace fsdp_muon {
 namespace {
@@ -420,20 +418,6 @@ int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps) {
 int64_t plan_matrix_flops(const PlanMatrix& m) {
   return static_cast<int64_t>(std::llround(newton_schulz_flops(m.rows, m.cols, m.newton_schulz)));
 }
-
-OwnerPlanOptions::OwnerPlanOptions() : OwnerPlanOptions(FsdpMuonConfig()) {}
-
-OwnerPlanOptions::OwnerPlanOptions(const FsdpMuonConfig& config)
-    : owner_policy_(config.owner_policy()),
-      owner_schedule_(config.owner_schedule()),
-      max_bytes_ratio_(config.max_bytes_ratio()),
-      newton_schulz_flops_per_second_(config.newton_schulz_flops_per_second()),
-      bytes_per_second_(config.bytes_per_second()),
-      prefetch_budget_bytes_(config.prefetch_budget_bytes()),
-      overlap_communication_(config.overlap_communication()),
-      replica_newton_schulz_(config.replica_newton_schulz()),
-      inter_node_bytes_per_second_(config.inter_node_bytes_per_second()),
-      exchange_latency_seconds_(config.exchange_latency_seconds()) {}
 
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
                       const OwnerPlanOptions& options) {

@@ -11,9 +11,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
-#include <fsdp_muon/fsdp/parameter_group.h>
-
 namespace fsdp_muon {
+
+class FsdpParameterGroup;  // parameter_group.h (the engine tier)
 
 // One attention layer: where its query and key projections are, as row ranges of weights held by
 // FsdpParameterGroups (by the parameter names the groups use). Separate projections have row
