@@ -92,7 +92,10 @@ function(_fsdp_muon_reuse_pch target pch flags)
     # Headers named in angle brackets: the generated cmake_pch.hxx then holds no path of this
     # checkout, so another clone's PCH is the same bytes and ccache hits through it.
     if(pch STREQUAL "fsdp_muon_pch_pic")
-      set_target_properties(${pch} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+      # The library's objects: position independent, symbols hidden unless FSDP_MUON_API.
+      set_target_properties(${pch} PROPERTIES POSITION_INDEPENDENT_CODE ON
+                                              CXX_VISIBILITY_PRESET hidden
+                                              VISIBILITY_INLINES_HIDDEN ON)
       target_precompile_headers(${pch} PRIVATE ${FSDP_MUON_LIBRARY_PCH_HEADERS})
     elseif(pch STREQUAL "fsdp_muon_pch_test")
       # GoogleTest's definitions (GTEST_HAS_PTHREAD) must match its users': tests only.

@@ -59,9 +59,8 @@ endfunction()
 # compiled once for every distributed test executable.
 add_library(fsdp_muon_distributed_main OBJECT
             ${PROJECT_SOURCE_DIR}/tests/common/distributed_main.cpp)
-target_link_libraries(fsdp_muon_distributed_main PRIVATE fsdp_muon GTest::gtest)
-target_include_directories(fsdp_muon_distributed_main PRIVATE ${PROJECT_SOURCE_DIR}/src
-                                                              ${PROJECT_SOURCE_DIR}/tests)
+target_link_libraries(fsdp_muon_distributed_main PRIVATE fsdp_muon_internal GTest::gtest)
+target_include_directories(fsdp_muon_distributed_main PRIVATE ${PROJECT_SOURCE_DIR}/tests)
 target_compile_options(fsdp_muon_distributed_main PRIVATE -Wall -Wextra)
 fsdp_muon_test_compile(fsdp_muon_distributed_main)
 
@@ -71,12 +70,14 @@ function(fsdp_muon_add_test_executable name)
   cmake_parse_arguments(T "DISTRIBUTED" "" "SOURCES;LIBS" ${ARGN})
   add_executable(${name} ${T_SOURCES})
   if(T_DISTRIBUTED)
-    target_link_libraries(${name} PRIVATE fsdp_muon_distributed_main fsdp_muon GTest::gtest
-                                          ${T_LIBS})
+    target_link_libraries(${name} PRIVATE fsdp_muon_distributed_main fsdp_muon_internal
+                                          GTest::gtest ${T_LIBS})
   else()
-    target_link_libraries(${name} PRIVATE fsdp_muon GTest::gtest_main ${T_LIBS})
+    target_link_libraries(${name} PRIVATE fsdp_muon_internal GTest::gtest_main ${T_LIBS})
   endif()
-  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
+  # Internals (src/) come with fsdp_muon_internal, the statically linked library with every
+  # symbol reachable; the shared library exports only the public API.
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
   target_compile_options(${name} PRIVATE -Wall -Wextra)
   fsdp_muon_test_compile(${name})
 endfunction()

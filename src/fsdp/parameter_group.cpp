@@ -19,7 +19,7 @@
 
 namespace fsdp_muon {
 
-struct FsdpParameterGroup::Impl {
+struct FSDP_MUON_LOCAL FsdpParameterGroup::Impl {
   fsdp::GroupStorage storage;
   // Declared after the storage it works on, so it is destroyed first: its collectives in flight
   // finish while their buffers still exist.

@@ -66,7 +66,7 @@ QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gro
                 "'; give qk_clip the groups of one model");
   }
   // Every data-parallel rank saw other logits: the maxima are reduced over the world, every
-  // replica included (docs/DESIGN.md §3, Clipping); every replica then scales its rows alike.
+  // replica included (docs/DESIGN.md §2, Clipping); every replica then scales its rows alike.
   Communicator& comm = *groups[0]->mesh().world;
 
   struct Resolved {

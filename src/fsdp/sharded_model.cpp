@@ -14,7 +14,7 @@ namespace fsdp_muon {
 
 // The state the autograd hooks reach: shared with them through weak pointers, so a hook that
 // outlives its ShardedModel does nothing.
-struct ShardedModel::Impl {
+struct FSDP_MUON_LOCAL ShardedModel::Impl {
   DeviceMesh mesh;
   std::vector<std::shared_ptr<FsdpParameterGroup>> groups;
   std::vector<ShardedModelParameter> parameters;

@@ -73,7 +73,7 @@ struct RoundInFlight {
 
 }  // namespace detail
 
-struct FsdpMuon::Impl {
+struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   FsdpMuonConfig config;
   // The groups' mesh: the ranks agree over world_comm (every rank of the mesh) and exchange
   // matrices over exchange_comm: shard_comm when each replica orthogonalizes on its own (and on

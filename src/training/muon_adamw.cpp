@@ -40,7 +40,7 @@ Options& options_as(torch::optim::OptimizerParamGroup& group, size_t index, cons
 
 }  // namespace
 
-struct MuonAdamW::Impl {
+struct FSDP_MUON_LOCAL MuonAdamW::Impl {
   std::shared_ptr<ShardedModel> model;
   std::unique_ptr<FsdpMuon> muon;
   std::unique_ptr<torch::optim::AdamW> adamw;

@@ -24,6 +24,8 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <fsdp_muon/config.h>
+
 namespace fsdp_muon {
 
 class FsdpParameterGroup;  // parameter_group.h (the engine tier)
@@ -31,12 +33,12 @@ class FsdpParameterGroup;  // parameter_group.h (the engine tier)
 // The caller's own resume state (the step reached, a data cursor, a run name): a few values
 // stored in the checkpoint's manifest, so that they and the weights become visible by the same
 // rename and no crash can separate them. A key is in one map only.
-struct CheckpointUserState {
+struct FSDP_MUON_API CheckpointUserState {
   std::map<std::string, int64_t> ints;
   std::map<std::string, std::string> strings;
 };
 
-struct SaveCheckpointOptions {
+struct FSDP_MUON_API SaveCheckpointOptions {
   // Complete checkpoints kept in the root after a successful save, the new one included
   // (older ones and incomplete leftovers of crashed saves are removed); 0 keeps everything.
   TORCH_ARG(int64_t, keep_last) = 2;
@@ -49,7 +51,7 @@ struct SaveCheckpointOptions {
   TORCH_ARG(std::string, run_id) = "";
 };
 
-struct ImportCheckpointOptions {
+struct FSDP_MUON_API ImportCheckpointOptions {
   // Install optimizer state ("<name>.exp_avg", ...) when the file has it.
   TORCH_ARG(bool, optimizer_state) = true;
   // A tensor in the file that names no parameter (or no state of one) is an error; false
@@ -69,10 +71,10 @@ struct ImportCheckpointOptions {
 // (only a failed fsync after `latest` was renamed can leave `latest` naming the new, complete
 // checkpoint); the failed save's temporary files are removed as the write fails, its incomplete
 // folder by the next save (before it writes anything), so a retry after e.g. a full disk works.
-std::string save_checkpoint(const std::string& dir,
-                            const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                            const std::vector<torch::optim::Optimizer*>& optimizers,
-                            const SaveCheckpointOptions& options = {});
+FSDP_MUON_API std::string save_checkpoint(
+    const std::string& dir, const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+    const std::vector<torch::optim::Optimizer*>& optimizers,
+    const SaveCheckpointOptions& options = {});
 
 // Loads the checkpoint dir/latest names, or `dir` itself when it is one checkpoint folder (it
 // holds a manifest.pt), at any world size. Rank 0 resolves `dir`, once, and every rank loads
@@ -86,9 +88,9 @@ std::string save_checkpoint(const std::string& dir,
 // checksum mismatch, a rank file of another save) name what is wrong and the file, and are
 // raised on every rank. Every byte the load uses is checked against a checksum (format version
 // 2; version 1 checkpoints load with the checks they had). Returns the saved user state.
-CheckpointUserState load_checkpoint(const std::string& dir,
-                                    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                                    const std::vector<torch::optim::Optimizer*>& optimizers);
+FSDP_MUON_API CheckpointUserState load_checkpoint(
+    const std::string& dir, const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+    const std::vector<torch::optim::Optimizer*>& optimizers);
 
 // The checkpoint folder to resume from: `dir` itself when it holds a manifest.pt, else the
 // folder dir/latest names (or, when `latest` is absent because the first save stopped between
@@ -99,23 +101,23 @@ CheckpointUserState load_checkpoint(const std::string& dir,
 // problem, so that a resume never silently restarts from scratch. Local: reads `latest` and the
 // manifest (checksummed), no communication, so ranks calling it around a save can get different
 // folders: to resume, pass the root to load_checkpoint, which resolves it once for all ranks.
-std::optional<std::string> latest_checkpoint(const std::string& dir);
+FSDP_MUON_API std::optional<std::string> latest_checkpoint(const std::string& dir);
 
 // Writes one file of full tensors keyed by parameter name, in LibTorch's pickle format
 // (torch::pickle_save), so that Python's torch.load(path) returns a dict of tensors: "<name>"
 // (main weights, full shape, main dtype) and, per optimizer state, "<name>.<state>"
 // (momentum_buffer, exp_avg, exp_avg_sq, max_exp_avg_sq: full shape) and "<name>.step" (0-d
 // int64). Collective (one all-gather per group and state); rank 0 writes, atomically.
-void export_full_checkpoint(const std::string& path,
-                            const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                            const std::vector<torch::optim::Optimizer*>& optimizers);
+FSDP_MUON_API void export_full_checkpoint(
+    const std::string& path, const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+    const std::vector<torch::optim::Optimizer*>& optimizers);
 
 // Reads such a file (or a dict of tensors Python saved with torch.save) on every rank: every
 // parameter's weights must be there with its shape; optimizer state is installed where the
 // file has it. Then the model weights are refreshed. Collective.
-void import_full_checkpoint(const std::string& path,
-                            const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                            const std::vector<torch::optim::Optimizer*>& optimizers,
-                            const ImportCheckpointOptions& options = {});
+FSDP_MUON_API void import_full_checkpoint(
+    const std::string& path, const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+    const std::vector<torch::optim::Optimizer*>& optimizers,
+    const ImportCheckpointOptions& options = {});
 
 }  // namespace fsdp_muon

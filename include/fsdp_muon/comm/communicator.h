@@ -16,12 +16,14 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <fsdp_muon/config.h>
+
 namespace fsdp_muon {
 
 enum class ReduceOp { kSum, kMax, kMin };
 
 // Bytes this rank sent to other ranks, per kind of collective, since the last reset.
-struct CommStats {
+struct FSDP_MUON_API CommStats {
   int64_t all_to_all_v_bytes = 0;
   int64_t all_gather_bytes = 0;
   int64_t reduce_scatter_bytes = 0;
@@ -43,7 +45,7 @@ struct CommStats {
 // lets its collective finish: the Gloo work waits for it (swallowing errors), the NCCL work leaves
 // it running with its buffers recorded on the communication stream, so an exception between start
 // and wait() neither corrupts memory nor leaves the collective half-issued.
-class CommWork {
+class FSDP_MUON_API CommWork {
  public:
   virtual ~CommWork();
   CommWork(const CommWork&) = delete;
@@ -59,7 +61,7 @@ class CommWork {
   bool waited_ = false;
 };
 
-class Communicator {
+class FSDP_MUON_API Communicator {
  public:
   virtual ~Communicator();
   Communicator(const Communicator&) = delete;
@@ -177,12 +179,12 @@ class Communicator {
 enum class CommBackend { kAuto, kNccl, kGloo };
 
 // "auto", "nccl", "gloo": the names InitOptions::backend and FSDP_MUON_BACKEND accept.
-const char* to_string(CommBackend backend);
+FSDP_MUON_API const char* to_string(CommBackend backend);
 
 // The backend of that name (as to_string spells it); nullopt for any other string.
-std::optional<CommBackend> parse_comm_backend(std::string_view name);
+FSDP_MUON_API std::optional<CommBackend> parse_comm_backend(std::string_view name);
 
-struct InitOptions {
+struct FSDP_MUON_API InitOptions {
   // A CommBackend by name (to_string(CommBackend::kGloo) or "gloo"): "auto" (NCCL when CUDA is
   // available, else Gloo), "nccl" or "gloo". With "auto", the environment variable
   // FSDP_MUON_BACKEND, when set, chooses instead. init_from_env() parses it once and rejects any
@@ -208,6 +210,6 @@ struct InitOptions {
 // joins, so ranks of two jobs on one MASTER_PORT, or ranks that disagree on the world size,
 // refuse each other with an error on each side. Every call makes a new communicator (its own
 // store prefix), so all ranks must call it equally often.
-std::shared_ptr<Communicator> init_from_env(const InitOptions& options = {});
+FSDP_MUON_API std::shared_ptr<Communicator> init_from_env(const InitOptions& options = {});
 
 }  // namespace fsdp_muon

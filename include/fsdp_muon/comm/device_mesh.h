@@ -8,6 +8,7 @@
 #include <string>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/config.h>
 
 namespace fsdp_muon {
 
@@ -15,7 +16,7 @@ namespace fsdp_muon {
 // group is a contiguous block of world ranks (one node when shard_size() is the launcher's local
 // world size). Two meshes are the same mesh when their world and shard communicators are the
 // same objects.
-struct DeviceMesh {
+struct FSDP_MUON_API DeviceMesh {
   std::shared_ptr<Communicator> world;      // every rank
   std::shared_ptr<Communicator> shard;      // the shard_size() ranks of this rank's replica
   std::shared_ptr<Communicator> replicate;  // the replicas() ranks with this rank's shard rank
@@ -38,18 +39,18 @@ struct DeviceMesh {
 // ranks each. shard_size must divide the world size and be the same on every rank; otherwise
 // every rank throws, naming both. shard_size == world->size() is the 1-D mesh of
 // one_dimensional_mesh(world), with no split and nothing sent.
-DeviceMesh make_device_mesh(std::shared_ptr<Communicator> world, int shard_size);
+FSDP_MUON_API DeviceMesh make_device_mesh(std::shared_ptr<Communicator> world, int shard_size);
 
 // The 1-D mesh of `comm`: world and shard are `comm`, replicate a communicator of one rank. Not
 // a collective; what a group built from a communicator uses.
-DeviceMesh one_dimensional_mesh(std::shared_ptr<Communicator> comm);
+FSDP_MUON_API DeviceMesh one_dimensional_mesh(std::shared_ptr<Communicator> comm);
 
 // init_from_env(options), then make_device_mesh() with `shard_size`, by default the number of
 // ranks the launcher started on this node (LOCAL_WORLD_SIZE under torchrun,
 // OMPI_COMM_WORLD_LOCAL_SIZE under mpirun, SLURM_NTASKS_PER_NODE under srun, MPI_LOCALNRANKS
 // under PMI); a single process is a mesh of one. A launcher that gives no local size needs
 // shard_size, and says so.
-DeviceMesh init_mesh_from_env(std::optional<int> shard_size = std::nullopt,
-                              const InitOptions& options = {});
+FSDP_MUON_API DeviceMesh init_mesh_from_env(std::optional<int> shard_size = std::nullopt,
+                                            const InitOptions& options = {});
 
 }  // namespace fsdp_muon

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/config.h>
 
 namespace fsdp_muon {
 
@@ -17,7 +18,7 @@ namespace fsdp_muon {
 // `hostname` is the address this rank's Gloo device binds to (empty: this machine's hostname,
 // or loopback when it does not resolve; GLOO_SOCKET_IFNAME, when set, names an interface
 // instead). `timeout` bounds the connection set-up and every collective.
-std::shared_ptr<Communicator> make_gloo_communicator(
+FSDP_MUON_API std::shared_ptr<Communicator> make_gloo_communicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int size,
     std::chrono::milliseconds timeout = std::chrono::minutes(5), const std::string& hostname = "");
 

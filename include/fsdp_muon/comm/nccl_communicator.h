@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <fsdp_muon/comm/communicator.h>
+#include <fsdp_muon/config.h>
 
 namespace fsdp_muon {
 
@@ -20,7 +21,7 @@ namespace fsdp_muon {
 // wait for one) ends the process with a message naming the collective and the rank
 // (docs/DESIGN.md §5). Throws when NCCL_COMM_BLOCKING is set, and when this build of fsdp_muon
 // has no CUDA.
-std::shared_ptr<Communicator> make_nccl_communicator(
+FSDP_MUON_API std::shared_ptr<Communicator> make_nccl_communicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int size, int device_index,
     std::chrono::milliseconds timeout = std::chrono::minutes(5));
 

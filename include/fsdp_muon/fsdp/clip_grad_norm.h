@@ -1,10 +1,11 @@
 #pragma once
-// Gradient clipping by the global norm over sharded gradients (docs/DESIGN.md §3): the C++
-// counterpart of torch::nn::utils::clip_grad_norm_ for FsdpParameterGroup gradient shards.
+// Gradient clipping by the global norm over sharded gradients (docs/DESIGN.md §2, Clipping): the
+// C++ counterpart of torch::nn::utils::clip_grad_norm_ for FsdpParameterGroup gradient shards.
 
 #include <memory>
 #include <vector>
 
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/fsdp/non_finite_gradients.h>
 
 namespace fsdp_muon {
@@ -24,8 +25,8 @@ class FsdpParameterGroup;  // parameter_group.h (the engine tier)
 // on every rank: kSkipStep leaves the gradients as they are (FsdpMuon's default then skips its
 // step; stock AdamW does not look), kThrow throws naming the norm, kIgnore scales like torch
 // (every gradient becomes NaN).
-double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                      double max_norm, double norm_type = 2.0,
-                      NonFiniteGradients non_finite = NonFiniteGradients::kSkipStep);
+FSDP_MUON_API double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                                    double max_norm, double norm_type = 2.0,
+                                    NonFiniteGradients non_finite = NonFiniteGradients::kSkipStep);
 
 }  // namespace fsdp_muon

@@ -10,6 +10,8 @@
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
+#include <fsdp_muon/config.h>
+
 namespace fsdp_muon {
 
 // What a group keeps unsharded between uses (docs/DESIGN.md §2, Sharding strategies). The names
@@ -27,11 +29,11 @@ enum class ShardingStrategy {
 };
 
 // "optim", "optim_grads", "optim_grads_params".
-const char* to_string(ShardingStrategy strategy);
+FSDP_MUON_API const char* to_string(ShardingStrategy strategy);
 // The inverse of to_string(); nullopt for any other text.
-std::optional<ShardingStrategy> parse_sharding_strategy(std::string_view text);
+FSDP_MUON_API std::optional<ShardingStrategy> parse_sharding_strategy(std::string_view text);
 
-struct FsdpParameterGroupOptions {
+struct FSDP_MUON_API FsdpParameterGroupOptions {
   // dtype of the unsharded model weights the module computes with; default: the parameters'.
   TORCH_ARG(std::optional<c10::ScalarType>, compute_dtype) = std::nullopt;
   // dtype of the sharded main weights optimizers update (and of the gradient shards).

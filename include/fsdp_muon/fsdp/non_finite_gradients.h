@@ -1,6 +1,8 @@
 #pragma once
 // NonFiniteGradients: one policy for a NaN or Inf gradient, shared by clip_grad_norm and FsdpMuon.
 
+#include <fsdp_muon/config.h>
+
 namespace fsdp_muon {
 
 // What FsdpMuon::step and clip_grad_norm do when a gradient holds NaN or Inf on any rank. In
@@ -14,6 +16,6 @@ enum class NonFiniteGradients {
   kThrow,  // a clear error on every rank naming the parameters and how many ranks saw them
 };
 
-const char* to_string(NonFiniteGradients mode);
+FSDP_MUON_API const char* to_string(NonFiniteGradients mode);
 
 }  // namespace fsdp_muon

@@ -18,19 +18,20 @@
 
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/comm/device_mesh.h>
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/fsdp/group_options.h>
 
 namespace fsdp_muon {
 
 // Where one parameter lives in the flat layout.
-struct ParameterSlot {
+struct FSDP_MUON_API ParameterSlot {
   std::string name;
   std::vector<int64_t> shape;
   int64_t numel = 0;
   int64_t offset = 0;  // element offset of its first element in the padded flat buffer
 };
 
-class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGroup> {
+class FSDP_MUON_API FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGroup> {
  public:
   // The tensors are the module's parameters: they are re-pointed to views into the group's
   // unsharded model-weight buffer, and their .grad() to views into its full-gradient buffer.
@@ -149,7 +150,8 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
   void reset_peak_unsharded_bytes();
 
  private:
-  friend void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
+  friend FSDP_MUON_API void share_forward_order(
+      const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -158,26 +160,29 @@ class FsdpParameterGroup : public std::enable_shared_from_this<FsdpParameterGrou
 // prefetches the group whose forward() first ran after it, backward the one before
 // (docs/DESIGN.md §2, Prefetch). shard_module() does this for the groups it makes; groups built
 // one by one prefetch nothing until they share an order.
-void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
+FSDP_MUON_API void share_forward_order(
+    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
 // What a sharded parameter maps back to.
-struct ShardedParameterInfo {
+struct FSDP_MUON_API ShardedParameterInfo {
   std::shared_ptr<FsdpParameterGroup> group;
   size_t index = 0;
   const ParameterSlot& slot() const { return group->slot(index); }
 };
 
 // Sum of unsharded_bytes() over `groups`: what this rank holds unsharded right now.
-int64_t total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
+FSDP_MUON_API int64_t
+total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 // The highest sum of unsharded bytes over all groups of `groups`' communicator at any moment
 // since the groups were built or the last reset: the peak a rank held (docs/DESIGN.md §2). All
 // groups must share one communicator.
-int64_t peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
-void reset_peak_total_unsharded_bytes(
+FSDP_MUON_API int64_t
+peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
+FSDP_MUON_API void reset_peak_total_unsharded_bytes(
     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
 // The group and index of a sharded parameter, or nullopt when `tensor` is not one (or its group
 // is not owned by a std::shared_ptr).
-std::optional<ShardedParameterInfo> find_sharded_parameter(const at::Tensor& tensor);
+FSDP_MUON_API std::optional<ShardedParameterInfo> find_sharded_parameter(const at::Tensor& tensor);
 
 }  // namespace fsdp_muon

@@ -1,7 +1,7 @@
 #pragma once
-// QK-clip (the MuonClip rule of the Kimi K2 report) on sharded weights (docs/DESIGN.md §3): after
-// a step, every attention head whose largest pre-softmax logit exceeded the threshold τ has its
-// query and key rows scaled down so that the same logit would be τ.
+// QK-clip (the MuonClip rule of the Kimi K2 report) on sharded weights (docs/DESIGN.md §2,
+// Clipping): after a step, every attention head whose largest pre-softmax logit exceeded the
+// threshold τ has its query and key rows scaled down so that the same logit would be τ.
 
 #include <cstdint>
 #include <memory>
@@ -10,6 +10,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
+
+#include <fsdp_muon/config.h>
 
 namespace fsdp_muon {
 
@@ -20,7 +22,7 @@ class FsdpParameterGroup;  // parameter_group.h (the engine tier)
 // offsets 0; a fused QKV weight [q + 2·kv, d] names itself twice, the keys at offset
 // num_heads · head_dim. Head h's query rows are query_row_offset + [h·head_dim, (h+1)·head_dim),
 // key head g's rows likewise from key_row_offset.
-struct QkClipLayer {
+struct FSDP_MUON_API QkClipLayer {
   QkClipLayer(std::string query_weight, std::string key_weight, int64_t num_heads, int64_t head_dim)
       : query_weight_(std::move(query_weight)),
         key_weight_(std::move(key_weight)),
@@ -40,7 +42,7 @@ struct QkClipLayer {
   TORCH_ARG(std::string, key_bias) = "";
 };
 
-struct QkClipResult {
+struct FSDP_MUON_API QkClipResult {
   // [layers, num_heads] float64: the largest logit of each head over every data-parallel rank.
   at::Tensor max_logits;
   // [layers, num_heads] float64: γ = min(1, τ / max_logit), the factor each head's logits take.
@@ -55,8 +57,8 @@ struct QkClipResult {
 // shared key). Then the groups holding those weights refresh their model weights. `max_logits` is
 // [layers.size(), num_heads] on any device and this rank's own maxima; every rank calls qk_clip
 // with the same layers and groups (a collective). Errors name the layer and the fix.
-QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                     const std::vector<QkClipLayer>& layers, double threshold,
-                     const at::Tensor& max_logits);
+FSDP_MUON_API QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
+                                   const std::vector<QkClipLayer>& layers, double threshold,
+                                   const at::Tensor& max_logits);
 
 }  // namespace fsdp_muon

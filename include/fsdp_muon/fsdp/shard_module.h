@@ -10,6 +10,7 @@
 
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/comm/device_mesh.h>
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/fsdp/group_options.h>
 
 namespace fsdp_muon {
@@ -22,16 +23,16 @@ class FsdpParameterGroup;  // parameter_group.h (the engine tier)
 // module the parameter belongs to (its own parameters form one group too).
 using ShardPolicy = std::function<std::string(const std::string& name, const at::Tensor& param)>;
 
-struct ShardModuleOptions {
+struct FSDP_MUON_API ShardModuleOptions {
   TORCH_ARG(ShardPolicy, policy) = nullptr;  // nullptr: one group per direct child
   TORCH_ARG(FsdpParameterGroupOptions, group_options) = {};
 };
 
-std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(
+FSDP_MUON_API std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(
     torch::nn::Module& module, std::shared_ptr<Communicator> comm,
     const ShardModuleOptions& options = {});
 // The same on a mesh (HSDP): every group on `mesh` (FsdpParameterGroup's mesh constructor).
-std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(
+FSDP_MUON_API std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(
     torch::nn::Module& module, const DeviceMesh& mesh, const ShardModuleOptions& options = {});
 
 }  // namespace fsdp_muon

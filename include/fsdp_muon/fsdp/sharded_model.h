@@ -14,13 +14,14 @@
 
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/comm/device_mesh.h>
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/fsdp/shard_module.h>
 
 namespace fsdp_muon {
 
 // One parameter of a ShardedModel, in the module's named_parameters() order, with what its
 // module says about it (what MuonAdamW's default routing reads).
-struct ShardedModelParameter {
+struct FSDP_MUON_API ShardedModelParameter {
   std::string name;  // as in module.named_parameters()
   std::shared_ptr<FsdpParameterGroup> group;
   size_t index = 0;          // in `group`
@@ -32,7 +33,7 @@ struct ShardedModelParameter {
   at::Tensor meta;
 };
 
-class ShardedModel {
+class FSDP_MUON_API ShardedModel {
  public:
   // shard_module(module, comm or mesh, options), and from then on every backward that reaches
   // the model's parameters ends with reduce_scatter_grads() of every group. The module must
@@ -90,9 +91,10 @@ class ShardedModel {
 
 // The user tier's entry point: `module` sharded over `comm` (or `mesh`), one group per direct
 // child unless options.policy() says otherwise (shard_module).
-std::shared_ptr<ShardedModel> shard(torch::nn::Module& module, std::shared_ptr<Communicator> comm,
-                                    const ShardModuleOptions& options = {});
-std::shared_ptr<ShardedModel> shard(torch::nn::Module& module, const DeviceMesh& mesh,
-                                    const ShardModuleOptions& options = {});
+FSDP_MUON_API std::shared_ptr<ShardedModel> shard(torch::nn::Module& module,
+                                                  std::shared_ptr<Communicator> comm,
+                                                  const ShardModuleOptions& options = {});
+FSDP_MUON_API std::shared_ptr<ShardedModel> shard(torch::nn::Module& module, const DeviceMesh& mesh,
+                                                  const ShardModuleOptions& options = {});
 
 }  // namespace fsdp_muon

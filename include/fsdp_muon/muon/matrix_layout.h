@@ -8,11 +8,13 @@
 
 #include <c10/util/ArrayRef.h>
 
+#include <fsdp_muon/config.h>
+
 namespace fsdp_muon {
 
 // One matrix of a parameter: the contiguous elements [offset, offset + rows * cols) of the
 // flattened parameter, read as a rows x cols matrix.
-struct MatrixBlock {
+struct FSDP_MUON_API MatrixBlock {
   int64_t offset = 0;
   int64_t rows = 0;
   int64_t cols = 0;
@@ -33,7 +35,7 @@ struct MatrixBlock {
 //   batched()          a 3-D parameter [E, m, n] is E matrices m x n (fused MoE experts).
 // A 3-D parameter under whole() is not a matrix (an error unless skip_non_matrix); row_blocks
 // on a parameter that is not 2-D, or batched() on one that is not 3-D, is always an error.
-class MatrixLayout {
+class FSDP_MUON_API MatrixLayout {
  public:
   enum class Kind { kWhole, kRowBlocks, kBatched };
 

@@ -11,6 +11,7 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/muon/muon_options.h>
 
 namespace torch::serialize {
@@ -20,7 +21,8 @@ class InputArchive;
 
 namespace fsdp_muon {
 
-struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonParamState> {
+struct FSDP_MUON_API MuonParamState
+    : public torch::optim::OptimizerCloneableParamState<MuonParamState> {
   // Number of steps taken for this parameter (it only counts; the update does not use it).
   TORCH_ARG(int64_t, step) = 0;
   // Created lazily at the first step with a gradient: zeros, the parameter's shape and dtype.
@@ -34,7 +36,7 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
   void serialize(torch::serialize::OutputArchive& archive) const override;
-  friend bool operator==(const MuonParamState& lhs, const MuonParamState& rhs);
+  friend FSDP_MUON_API bool operator==(const MuonParamState& lhs, const MuonParamState& rhs);
 };
 
 // Muon for 2-D parameters (use torch::optim::AdamW for biases, norms and embeddings), or for the
@@ -45,7 +47,7 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
 // Per-group options are kept exactly as given: LibTorch's Optimizer::add_param_group has, in some
 // releases, replaced the options of groups whose optimizer type it does not know with the
 // optimizer's defaults; Muon's constructor and add_param_group restore the group's own options.
-class Muon : public torch::optim::Optimizer {
+class FSDP_MUON_API Muon : public torch::optim::Optimizer {
  public:
   explicit Muon(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                 MuonOptions defaults = MuonOptions());

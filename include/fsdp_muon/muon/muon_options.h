@@ -9,6 +9,7 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/muon/matrix_layout.h>
 #include <fsdp_muon/newton_schulz/ns_options.h>
 
@@ -40,7 +41,7 @@ enum class Normalization { kNone, kNorMuon };
 
 // The per-parameter-group math of Muon and FsdpMuon (docs/DESIGN.md §4); how FsdpMuon
 // distributes it is FsdpMuonConfig. validate() names an invalid option and its fix.
-struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
+struct FSDP_MUON_API MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
   explicit MuonOptions(double lr = 0.02);
   // Learning rate: W <- W - lr * update. >= 0.
   TORCH_ARG(double, lr) = 0.02;
@@ -91,11 +92,11 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   // ns_steps < 1, ...).
   void validate() const;
   NewtonSchulzOptions newton_schulz_options() const;
-  friend bool operator==(const MuonOptions& lhs, const MuonOptions& rhs);
+  friend FSDP_MUON_API bool operator==(const MuonOptions& lhs, const MuonOptions& rhs);
 };
 
-const char* to_string(ScaleMode mode);
-const char* to_string(WeightDecayMethod method);
-const char* to_string(Normalization normalization);  // "none", "normuon"
+FSDP_MUON_API const char* to_string(ScaleMode mode);
+FSDP_MUON_API const char* to_string(WeightDecayMethod method);
+FSDP_MUON_API const char* to_string(Normalization normalization);  // "none", "normuon"
 
 }  // namespace fsdp_muon

@@ -11,6 +11,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/newton_schulz/ns_presets.h>
 
 namespace fsdp_muon {
@@ -49,7 +50,7 @@ enum class NsPreconditioning { kNone, kAol };
 // A list of iteration indices (TORCH_ARG cannot take a template with a comma either).
 using NsRestartList = std::vector<int64_t>;
 
-struct NewtonSchulzOptions {
+struct FSDP_MUON_API NewtonSchulzOptions {
   // Iterations (>= 1; cubic5 takes exactly 5).
   TORCH_ARG(int64_t, steps) = 5;
   // The (a, b, c) schedule, a named preset (see NsCoefficients and the README).
@@ -70,14 +71,14 @@ struct NewtonSchulzOptions {
 };
 
 // Name of a preset as used in the README and in error messages ("quintic", ...).
-const char* to_string(NsCoefficients coefficients);
+FSDP_MUON_API const char* to_string(NsCoefficients coefficients);
 
 // The preset of that name (as to_string spells it); nullopt for any other string.
-std::optional<NsCoefficients> parse_ns_coefficients(std::string_view name);
+FSDP_MUON_API std::optional<NsCoefficients> parse_ns_coefficients(std::string_view name);
 
-const char* to_string(NsMethod method);                    // "standard", "gram", "auto"
-const char* to_string(NsPreconditioning preconditioning);  // "none", "aol"
-std::optional<NsMethod> parse_ns_method(std::string_view name);
-std::optional<NsPreconditioning> parse_ns_preconditioning(std::string_view name);
+FSDP_MUON_API const char* to_string(NsMethod method);  // "standard", "gram", "auto"
+FSDP_MUON_API const char* to_string(NsPreconditioning preconditioning);  // "none", "aol"
+FSDP_MUON_API std::optional<NsMethod> parse_ns_method(std::string_view name);
+FSDP_MUON_API std::optional<NsPreconditioning> parse_ns_preconditioning(std::string_view name);
 
 }  // namespace fsdp_muon

@@ -15,6 +15,7 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/fsdp/non_finite_gradients.h>
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/muon/muon_options.h>
@@ -46,10 +47,10 @@ enum class NewtonSchulzBatching {
   kNever,
 };
 
-const char* to_string(NewtonSchulzBatching mode);
+FSDP_MUON_API const char* to_string(NewtonSchulzBatching mode);
 
 // Distribution settings of FsdpMuon (the math is in MuonOptions).
-struct FsdpMuonConfig {
+struct FSDP_MUON_API FsdpMuonConfig {
   // Who may orthogonalize a matrix (see OwnerPolicy). The default, kBalanced, was chosen from
   // the planned critical paths in bench/RESULTS.md: holders-only leaves ranks that hold
   // expensive matrices whole overloaded in every layer.
@@ -177,7 +178,7 @@ struct OwnerPlan;  // planning/owner_plan.h (the engine tier)
 // Limitations: data parallelism only (a 1-D or replicate x shard mesh; no tensor or pipeline
 // parallelism inside the groups); parameters that are not matrices under their layout are an error
 // unless MuonOptions::skip_non_matrix(true).
-class FsdpMuon : public torch::optim::Optimizer {
+class FSDP_MUON_API FsdpMuon : public torch::optim::Optimizer {
  public:
   explicit FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults = MuonOptions(),
                     FsdpMuonConfig config = {});

@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 #include <fsdp_muon/planning/owner_plan.h>
 
@@ -17,7 +18,7 @@ namespace fsdp_muon {
 class FsdpParameterGroup;
 
 // What the last step() did on this rank.
-struct FsdpMuonStepStats {
+struct FSDP_MUON_API FsdpMuonStepStats {
   int64_t active_parameters = 0;  // matrices with gradients (the same on every rank)
   // Matrices whose gradient held NaN or Inf on some rank (0 unless non_finite_gradients is
   // checked), and whether the update was skipped for them.
@@ -68,7 +69,7 @@ struct FsdpMuonStepStats {
 
 // One matrix FsdpMuon updates, as planned at construction: a 2-D parameter, or one block of a
 // parameter its param group's MuonOptions::matrix_layout divides (docs/DESIGN.md §3, "Layouts").
-struct FsdpMuonMatrix {
+struct FSDP_MUON_API FsdpMuonMatrix {
   std::shared_ptr<FsdpParameterGroup> group;
   size_t group_ordinal = 0;      // position of `group` in FsdpMuon::fsdp_groups()
   size_t index = 0;              // parameter index inside `group`

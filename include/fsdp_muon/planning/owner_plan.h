@@ -13,6 +13,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
 #include <fsdp_muon/planning/plan_options.h>
 
@@ -20,7 +21,7 @@ namespace fsdp_muon {
 
 // The shape of a replicate x shard mesh as the planner sees it: world rank = replica *
 // shard_size + shard rank (include/fsdp_muon/comm/device_mesh.h). {1, W} is the 1-D mesh.
-struct MeshShape {
+struct FSDP_MUON_API MeshShape {
   int replicas = 1;
   int shard_size = 1;
   int world_size() const { return replicas * shard_size; }
@@ -29,11 +30,11 @@ struct MeshShape {
 // Newton–Schulz FLOPs of a rows x cols matrix under standard quintic-style iterations:
 // steps * (4*m*m*n + 2*m*m*m), m = min side, n = max side (docs/DESIGN.md §7). The planner
 // counts what runs instead (plan_matrix_flops); this is its value for default options.
-int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps);
+FSDP_MUON_API int64_t newton_schulz_flops(int64_t rows, int64_t cols, int64_t steps);
 
 // One matrix as the planner sees it: a 2-D parameter, or one block of a parameter its
 // MatrixLayout divides (FsdpMuon clips the parameter's held ranges to the block).
-struct PlanMatrix {
+struct FSDP_MUON_API PlanMatrix {
   std::string name;  // for reports and errors only
   int64_t rows = 0;
   int64_t cols = 0;
@@ -53,10 +54,10 @@ struct PlanMatrix {
 // newton_schulz_flops(rows, cols, m.newton_schulz) — Gram's where the method is or resolves
 // to kGram for this shape (resolve_ns_method, the decision newton_schulz() itself makes), AOL's
 // product reused as the first step's — rounded to an integer. NorMuon adds no GEMM.
-int64_t plan_matrix_flops(const PlanMatrix& m);
+FSDP_MUON_API int64_t plan_matrix_flops(const PlanMatrix& m);
 
 // The 2-D parameters of one FsdpParameterGroup that the optimizer updates, in group order.
-struct PlanGroup {
+struct FSDP_MUON_API PlanGroup {
   std::string name;
   std::vector<PlanMatrix> matrices;
   // Bytes of one element of this group's matrices as moved and held; 0: the plan's default
@@ -64,7 +65,7 @@ struct PlanGroup {
   int64_t element_bytes = 0;
 };
 
-struct OwnerPlan {
+struct FSDP_MUON_API OwnerPlan {
   // The ranks the plan is over: mesh.shard_size under kOncePerReplica (every replica runs the
   // same plan over its shard ranks), mesh.world_size() under kOncePerWorld. Every per-rank
   // vector below has world_size entries and every owner is a rank of that range.
@@ -192,8 +193,8 @@ struct OwnerPlan {
 //
 // With a finite budget, a window grows group by group (re-planned each time) while every rank's
 // owned full-matrix bytes in it fit the budget.
-OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
-                      const OwnerPlanOptions& options = {});
+FSDP_MUON_API OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
+                                    const OwnerPlanOptions& options = {});
 
 // The plan on a replicate x shard mesh (docs/DESIGN.md §7). Every matrix's `held` has
 // mesh.shard_size entries (the same in every replica). options.replica_newton_schulz():
@@ -203,13 +204,13 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
 // and the rounds are cut over all of them; kByCost: the one with the lower
 // estimated_seconds(), kOncePerReplica on a tie. plan_owners(groups, W, options) is
 // plan_owners(groups, {1, W}, options).
-OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
-                      const OwnerPlanOptions& options = {});
+FSDP_MUON_API OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
+                                    const OwnerPlanOptions& options = {});
 
 // The PlanGroup an FsdpParameterGroup would have, from parameter shapes alone (docs/DESIGN.md §2
 // flat layout, the same function the groups use): entries that are not 2-D are left out. The
 // alignment is in bytes of the compute dtype, as in FsdpParameterGroupOptions.
-PlanGroup plan_group_from_shapes(
+FSDP_MUON_API PlanGroup plan_group_from_shapes(
     const std::string& name,
     const std::vector<std::pair<std::string, std::vector<int64_t>>>& named_shapes, int world_size,
     const NewtonSchulzOptions& newton_schulz = NewtonSchulzOptions(),

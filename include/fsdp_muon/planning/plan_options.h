@@ -8,6 +8,8 @@
 
 #include <torch/arg.h>
 
+#include <fsdp_muon/config.h>
+
 namespace fsdp_muon {
 
 enum class OwnerPolicy {
@@ -25,7 +27,7 @@ enum class OwnerPolicy {
   kBalanced,
 };
 
-const char* to_string(OwnerPolicy policy);
+FSDP_MUON_API const char* to_string(OwnerPolicy policy);
 
 // When ranks meet to exchange matrices (docs/DESIGN.md §3).
 enum class OwnerSchedule {
@@ -39,7 +41,7 @@ enum class OwnerSchedule {
   kRounds,
 };
 
-const char* to_string(OwnerSchedule schedule);
+FSDP_MUON_API const char* to_string(OwnerSchedule schedule);
 
 // Who orthogonalizes a matrix on a replicate x shard mesh (HSDP: parameters sharded within a
 // replica, replicated across replicas; docs/DESIGN.md §7).
@@ -56,7 +58,7 @@ enum class ReplicaNewtonSchulz {
   kByCost,
 };
 
-const char* to_string(ReplicaNewtonSchulz mode);
+FSDP_MUON_API const char* to_string(ReplicaNewtonSchulz mode);
 
 // A prefetch budget that gathers every group before orthogonalizing any.
 constexpr int64_t kUnlimitedPrefetch = std::numeric_limits<int64_t>::max();
@@ -68,7 +70,7 @@ constexpr double kBytesRatioByCost = 0.0;
 // element_bytes. Their defaults are set here, once (FsdpMuonConfig's fields start from them);
 // their meaning is documented on FsdpMuonConfig. FsdpMuonConfig::owner_plan_options() holds a
 // config's, which is what FsdpMuon plans with when nothing is calibrated.
-struct OwnerPlanOptions {
+struct FSDP_MUON_API OwnerPlanOptions {
   TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPolicy::kBalanced;
   TORCH_ARG(OwnerSchedule, owner_schedule) = OwnerSchedule::kRounds;
   TORCH_ARG(double, max_bytes_ratio) = kBytesRatioByCost;

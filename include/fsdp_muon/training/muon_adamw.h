@@ -15,6 +15,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <fsdp_muon/checkpoint/checkpoint.h>
+#include <fsdp_muon/config.h>
 #include <fsdp_muon/fsdp/sharded_model.h>
 #include <fsdp_muon/muon/matrix_layout.h>
 #include <fsdp_muon/muon/muon_options.h>
@@ -28,7 +29,7 @@ using ParameterPredicate = std::function<bool(const std::string& name, const at:
 using MatrixLayoutPolicy =
     std::function<MatrixLayout(const std::string& name, const at::Tensor& param)>;
 
-struct MuonAdamWConfig {
+struct FSDP_MUON_API MuonAdamWConfig {
   // Which parameters Muon steps (true) and which AdamW (false). nullptr: the default rule, Muon
   // for the hidden matrices: every 2-D and 3-D parameter except those of torch::nn::Embedding /
   // EmbeddingBag modules and of the model's last torch::nn::Linear (the output head); AdamW for
@@ -46,7 +47,7 @@ struct MuonAdamWConfig {
 // MuonOptions) followed by AdamW's (one, with torch::optim::AdamWOptions), so torch's LR
 // schedulers drive both learning rates. Options changed on those groups take effect at the next
 // step(). Every rank must build it alike and step it alike (FsdpMuon's agreement checks apply).
-class MuonAdamW : public torch::optim::Optimizer {
+class FSDP_MUON_API MuonAdamW : public torch::optim::Optimizer {
  public:
   MuonAdamW(std::shared_ptr<ShardedModel> model, MuonOptions muon = MuonOptions(),
             torch::optim::AdamWOptions adamw = torch::optim::AdamWOptions(),
@@ -84,21 +85,24 @@ class MuonAdamW : public torch::optim::Optimizer {
   std::unique_ptr<Impl> impl_;
   void push_options_to_inner() const;
   void pull_options_from_inner();
-  friend CheckpointUserState load_checkpoint(const std::string& dir, const ShardedModel& model,
-                                             MuonAdamW& optimizer);
+  friend FSDP_MUON_API CheckpointUserState load_checkpoint(const std::string& dir,
+                                                           const ShardedModel& model,
+                                                           MuonAdamW& optimizer);
 };
 
 // save_checkpoint / load_checkpoint / export_full_checkpoint of a ShardedModel and its MuonAdamW
 // in one call (checkpoint.h says what they do; the optimizers are stored as AdamW, then FsdpMuon).
-std::string save_checkpoint(const std::string& dir, const ShardedModel& model,
-                            const MuonAdamW& optimizer, const SaveCheckpointOptions& options = {});
-CheckpointUserState load_checkpoint(const std::string& dir, const ShardedModel& model,
-                                    MuonAdamW& optimizer);
-void export_full_checkpoint(const std::string& path, const ShardedModel& model,
-                            const MuonAdamW& optimizer);
+FSDP_MUON_API std::string save_checkpoint(const std::string& dir, const ShardedModel& model,
+                                          const MuonAdamW& optimizer,
+                                          const SaveCheckpointOptions& options = {});
+FSDP_MUON_API CheckpointUserState load_checkpoint(const std::string& dir, const ShardedModel& model,
+                                                  MuonAdamW& optimizer);
+FSDP_MUON_API void export_full_checkpoint(const std::string& path, const ShardedModel& model,
+                                          const MuonAdamW& optimizer);
 
 // clip_grad_norm over every group of `model`.
-double clip_grad_norm(const ShardedModel& model, double max_norm, double norm_type = 2.0,
-                      NonFiniteGradients non_finite = NonFiniteGradients::kSkipStep);
+FSDP_MUON_API double clip_grad_norm(const ShardedModel& model, double max_norm,
+                                    double norm_type = 2.0,
+                                    NonFiniteGradients non_finite = NonFiniteGradients::kSkipStep);
 
 }  // namespace fsdp_muon
