@@ -38,22 +38,23 @@ void check_same_model(const SavedMeta& saved, const ModelIndex& model, const cha
       const ParameterSlot& slot = group->slot(i);
       auto it = saved.by_name.find(slot.name);
       if (it == saved.by_name.end()) {
-        problems.push_back("parameter '" + slot.name + "' (shape " + shape_string(slot.shape) +
-                           ") is not in the checkpoint");
+        problems.push_back("parameter '" + slot.name + "' (shape " +
+                           c10::str(c10::IntArrayRef(slot.shape)) + ") is not in the checkpoint");
         continue;
       }
       const SavedParam& p = saved.groups[it->second.first].params[it->second.second];
       if (p.shape != slot.shape) {
-        problems.push_back("parameter '" + slot.name + "' has shape " + shape_string(p.shape) +
-                           " in the checkpoint but " + shape_string(slot.shape) + " in this model");
+        problems.push_back("parameter '" + slot.name + "' has shape " +
+                           c10::str(c10::IntArrayRef(p.shape)) + " in the checkpoint but " +
+                           c10::str(c10::IntArrayRef(slot.shape)) + " in this model");
       }
     }
   }
   for (const auto& [name, where] : saved.by_name) {
     if (model.by_name.count(name) == 0) {
       const SavedParam& p = saved.groups[where.first].params[where.second];
-      problems.push_back("checkpoint parameter '" + name + "' (shape " + shape_string(p.shape) +
-                         ") is not in this model");
+      problems.push_back("checkpoint parameter '" + name + "' (shape " +
+                         c10::str(c10::IntArrayRef(p.shape)) + ") is not in this model");
     }
   }
   if (problems.empty()) return;

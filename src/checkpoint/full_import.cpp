@@ -34,7 +34,6 @@ using checkpoint::ModelIndex;
 using checkpoint::OptimizerEntry;
 using checkpoint::ParamRef;
 using checkpoint::ParamState;
-using checkpoint::shape_string;
 
 using TensorsByName = std::unordered_map<std::string, at::Tensor>;
 
@@ -90,10 +89,10 @@ std::vector<std::vector<at::Tensor>> slice_weights(const TensorsByName& tensors,
       auto it = tensors.find(slot.name);
       TORCH_CHECK(it != tensors.end(), kImportApi, ": ", path, " has no tensor '", slot.name,
                   "' (parameter ", i, " of group '", group->name(), "', shape ",
-                  shape_string(slot.shape), ")");
+                  c10::str(c10::IntArrayRef(slot.shape)), ")");
       TORCH_CHECK(it->second.sizes().vec() == slot.shape, kImportApi, ": ", path, " tensor '",
-                  slot.name, "' has shape ", shape_string(it->second.sizes()),
-                  " but the parameter has shape ", shape_string(slot.shape));
+                  slot.name, "' has shape ", c10::str(c10::IntArrayRef(it->second.sizes())),
+                  " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)));
       used.insert(slot.name);
       const auto [a, b] = group->held_range(i);
       per_param.push_back(held_slice(it->second, a, b));
@@ -155,8 +154,8 @@ std::optional<ParamState> import_param_state(const TensorsByName& tensors, const
       const bool matrix = slot.shape.size() >= 2;
       const int64_t rows = detail::row_state_rows(slot.shape);
       TORCH_CHECK(matrix && t.dim() == 1 && t.size(0) == rows, kImportApi, ": ", path, " tensor '",
-                  slot.name, ".", key, "' has shape ", shape_string(t.sizes()),
-                  " but the parameter has shape ", shape_string(slot.shape),
+                  slot.name, ".", key, "' has shape ", c10::str(c10::IntArrayRef(t.sizes())),
+                  " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)),
                   matrix ? " (one value per row expected: " + std::to_string(rows) + ")"
                          : std::string(" (not a matrix)"));
       const auto [first, last] =
@@ -165,8 +164,8 @@ std::optional<ParamState> import_param_state(const TensorsByName& tensors, const
       continue;
     }
     TORCH_CHECK(t.sizes().vec() == slot.shape, kImportApi, ": ", path, " tensor '", slot.name, ".",
-                key, "' has shape ", shape_string(t.sizes()), " but the parameter has shape ",
-                shape_string(slot.shape));
+                key, "' has shape ", c10::str(c10::IntArrayRef(t.sizes())),
+                " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)));
     state.tensors.emplace_back(key, held_slice(t, a, b));
   }
   return state;

@@ -1,6 +1,5 @@
 #include "checkpoint/model_index.h"
 
-#include <sstream>
 
 #include <c10/util/Exception.h>
 #include <torch/optim/adam.h>
@@ -50,14 +49,6 @@ bool is_row_state(OptimizerKind kind, const std::string& key) {
 }
 
 bool has_step(OptimizerKind kind) { return kind != OptimizerKind::kSgd; }
-
-std::string shape_string(at::IntArrayRef shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
 
 Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                               const char* api) {
@@ -137,7 +128,7 @@ std::vector<OptimizerEntry> index_optimizers(
         auto it = model.by_impl.find(impl);
         TORCH_CHECK(it != model.by_impl.end(), api, ": optimizer ", o, " (", kind_name(entry.kind),
                     "), param group ", j, ", parameter ", k, " (shape ",
-                    shape_string(params[k].sizes()),
+                    c10::str(c10::IntArrayRef(params[k].sizes())),
                     ") is not a sharded parameter of the given FsdpParameterGroups");
         auto [prev, inserted] = owner.emplace(impl, o);
         TORCH_CHECK(inserted || prev->second == o, api, ": parameter '",

@@ -82,7 +82,4 @@ std::vector<OptimizerEntry> index_optimizers(
     const std::vector<torch::optim::Optimizer*>& optimizers, const ModelIndex& model,
     const char* api);
 
-// "[5, 7]": shapes as errors print them.
-std::string shape_string(at::IntArrayRef shape);
-
 }  // namespace fsdp_muon::checkpoint

@@ -6,15 +6,7 @@
 #include <c10/util/Exception.h>
 
 namespace fsdp_muon {
-namespace {
-
-std::string shape_string(c10::IntArrayRef shape) {
-  std::ostringstream out;
-  out << shape;
-  return out.str();
-}
-
-}  // namespace
+namespace {}  // namespace
 
 MatrixLayout MatrixLayout::whole() { return MatrixLayout(); }
 
@@ -56,22 +48,22 @@ std::vector<MatrixBlock> MatrixLayout::blocks(c10::IntArrayRef shape, const std:
   std::vector<MatrixBlock> out;
   switch (kind_) {
     case Kind::kWhole:
-      TORCH_CHECK(shape.size() == 2, api, "parameter ", parameter, " has shape ",
-                  shape_string(shape), ", which is not one matrix",
+      TORCH_CHECK(shape.size() == 2, api, "parameter ", parameter, " has shape ", c10::str(shape),
+                  ", which is not one matrix",
                   shape.size() == 3 ? "; a 3-D [E, m, n] parameter of E matrices needs "
                                       ".matrix_layout(MatrixLayout::batched()) in its param group"
                                     : "; give it to an elementwise optimizer such as AdamW");
       out.push_back({0, shape[0], shape[1]});
       return out;
     case Kind::kRowBlocks: {
-      TORCH_CHECK(shape.size() == 2, api, "parameter ", parameter, " has shape ",
-                  shape_string(shape), " but its param group's matrix_layout is ", to_string(),
+      TORCH_CHECK(shape.size() == 2, api, "parameter ", parameter, " has shape ", c10::str(shape),
+                  " but its param group's matrix_layout is ", to_string(),
                   ", which splits the rows of a 2-D parameter; put it in a param group with "
                   "another layout");
       int64_t sum = 0;
       for (int64_t rows : rows_) sum += rows;
       TORCH_CHECK(sum == shape[0], api, "parameter ", parameter, " has ", shape[0], " rows (shape ",
-                  shape_string(shape), ") but its param group's matrix_layout ", to_string(),
+                  c10::str(shape), ") but its param group's matrix_layout ", to_string(),
                   " adds up to ", sum,
                   " rows; the row blocks must add up to the rows of every parameter of the group "
                   "(put parameters with other splits in their own param group)");
@@ -83,8 +75,7 @@ std::vector<MatrixBlock> MatrixLayout::blocks(c10::IntArrayRef shape, const std:
       return out;
     }
     case Kind::kBatched: {
-      TORCH_CHECK(shape.size() == 3, api, "parameter ", parameter, " has shape ",
-                  shape_string(shape),
+      TORCH_CHECK(shape.size() == 3, api, "parameter ", parameter, " has shape ", c10::str(shape),
                   " but its param group's matrix_layout is batched, which "
                   "reads a 3-D [E, m, n] parameter as E matrices; put it in a param group with "
                   "MatrixLayout::whole() or row_blocks(...)");

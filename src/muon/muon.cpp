@@ -48,12 +48,6 @@ MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t in
   return *options;
 }
 
-std::string shape_string(const at::Tensor& t) {
-  std::ostringstream out;
-  out << t.sizes();
-  return out.str();
-}
-
 // Whether Muon orthogonalizes `p` under its group's layout: a whole() parameter only when it is
 // 2-D (the others are skipped under skip_non_matrix or refused); the other layouts always (a
 // parameter their shape does not fit is an error).
@@ -194,7 +188,7 @@ void Muon::check_group(size_t index, std::string& skipped) {
                 " is complex; Muon supports real matrices only");
     if (!is_orthogonalized(p, options)) {
       non_matrix << (count++ ? ", " : "") << "group " << index << " parameter " << i << " shape "
-                 << shape_string(p)
+                 << c10::str(p.sizes())
                  << (p.dim() == 3 ? " (3-D: MatrixLayout::batched() reads it as E matrices)" : "");
       continue;
     }

@@ -83,14 +83,6 @@ using detail::ExchangeLayout;
 using detail::MatrixPlacement;
 using detail::muon_options_of;
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
 std::string group_label(const FsdpParameterGroup& group, size_t ordinal) {
   return group.name().empty() ? "#" + std::to_string(ordinal) : "'" + group.name() + "'";
 }
@@ -290,7 +282,7 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
       if (layout.kind() == MatrixLayout::Kind::kWhole && slot.shape.size() != 2) {
         std::ostringstream& list = options.skip_non_matrix() ? skipped : non_matrix;
         if (list.tellp() > 0) list << ", ";
-        list << "'" << slot.name << "' " << shape_string(slot.shape);
+        list << "'" << slot.name << "' " << c10::str(c10::IntArrayRef(slot.shape));
         if (slot.shape.size() == 3)
           list << " (3-D: MatrixLayout::batched() reads it as E matrices)";
         if (!options.skip_non_matrix()) ++non_matrix_count;
@@ -477,7 +469,7 @@ std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& sel
       lines.push_back(group + "parameter " + std::to_string(i) + " = FSDP group '" +
                       info->group->name() + "' (" + std::to_string(info->group->padded_numel()) +
                       " elements) #" + std::to_string(info->index) + " '" + slot.name + "' " +
-                      shape_string(slot.shape));
+                      c10::str(c10::IntArrayRef(slot.shape)));
     }
   }
   // Last, so that a setting that differs is named rather than the choice it led to.
