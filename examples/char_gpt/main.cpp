@@ -34,6 +34,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
+#include <CLI/CLI.hpp>
 
 #include <fsdp_muon/comm/communicator.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
@@ -50,74 +51,6 @@ namespace char_gpt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-const char* kUsage =
-    R"(usage: char_gpt [options]          (launch with torchrun, mpirun, srun or alone)
-  --optimizer muon|adamw   muon: FsdpMuon on hidden matrices + AdamW on the rest (default)
-                           adamw: AdamW on everything (the baseline)
-  --compare                run muon, then adamw with the same budget, and compare them
-  --sharding S             what each group keeps unsharded between uses: optim (ZeRO-1:
-                           weights and gradients), optim_grads (ZeRO-2: weights),
-                           optim_grads_params (ZeRO-3: nothing); default: the library's
-                           (FsdpParameterGroupOptions). Every part of the model runs through
-                           its group's forward() under each; the training is the same
-  --shard-size N           HSDP: shard each group over N ranks (a node) and replicate it
-                           over the world size / N replicas (fsdp_muon::make_device_mesh;
-                           default: every rank, plain FSDP). FsdpMuon picks once per world or
-                           once per replica by its cost model (FsdpMuonConfig)
-  --steps N                optimizer steps (default 600)
-  --batch N                sequences per rank per step (default 32)
-  --seq-len N              characters per sequence (default 64)
-  --d-model N              model width (default 96)
-  --layers N               transformer blocks (default 3)
-  --heads N                attention heads (default 4)
-  --lr X                   Muon learning rate (default 0.02)
-  --adamw-lr X             AdamW learning rate (default 0.003: the best of 0.002, 0.003,
-                           0.0045, 0.006, 0.01 for --optimizer adamw at the default budget;
-                           beside Muon it steps the embeddings, norms, biases and head)
-  --warmup N               linear warm-up steps (default 20)
-  --cooldown F             fraction of steps over which lr decays linearly to 0 (default 0.4)
-  --ns-dtype bf16|fp32     Newton-Schulz compute dtype (default bf16)
-  --ns-method M            standard|gram|auto (MuonOptions::ns_method; default standard)
-  --ns-preconditioning P   none|aol (MuonOptions::ns_preconditioning; default none)
-  --ns-coefficients C      the (a, b, c) schedule: a preset (quintic, the default; simple,
-                           polar_express, cans, aol, deepseek_v4, cubic5) or turbo_muon:
-                           Turbo-Muon's 4 tuples as custom_coefficients, the schedule built
-                           for --ns-preconditioning aol
-  --ns-steps N             Newton-Schulz iterations (default 5). With --ns-preconditioning
-                           aol, one step fewer is validated only with --ns-coefficients
-                           turbo_muon --ns-steps 4 (quintic at 4 steps with AOL is not;
-                           README "Gram, AOL and NorMuon")
-  --normalization N        none|normuon (MuonOptions::normalization; default none): normuon
-                           divides each row of the orthogonalized update by the root of an
-                           EMA of its mean square (NorMuon), then restores its norm
-  --qkv-layout L           how Muon sees each block's fused [3d, d] QKV weight: qkv (default:
-                           Q, K and V orthogonalized separately, MatrixLayout::row_blocks),
-                           heads (every head of Q, K and V separately) or whole (one matrix)
-  --moe E                  E experts per block instead of the dense MLP, fused as [E, 4d, d]
-                           and [E, d, 4d] tensors (MatrixLayout::batched), top-1 routing
-                           (default 0: dense)
-  --qk-clip TAU            QK-clip (MuonClip) after every step: heads whose largest attention
-                           logit exceeded TAU are scaled back to it (fsdp_muon::qk_clip); the
-                           largest logit before and after the clip is logged, and the run fails
-                           if one stays above TAU (default 0: off)
-  --eval-every N           validation loss every N steps (default 100; 0: only at the end)
-  --log-every N            progress line every N steps when stderr is not a terminal
-                           (default steps / 10)
-  --seed N                 model init and data order (default 1234)
-  --data DIR               folder of text files (default /usr/share/common-licenses)
-  --val-fraction F         last fraction of every file held out (default 0.1)
-  --threads N              intra-op threads per rank (default: as launched, OMP_NUM_THREADS)
-  --max-val-loss X         fail unless the final validation loss is below X
-                           (default: the corpus' unigram entropy)
-  --checkpoint DIR         write a checkpoint under DIR at the end (DIR/latest names it)
-  --resume DIR             continue from the newest checkpoint under DIR (any world size)
-  --stop-at N              stop after step N (the schedule still spans --steps), e.g. to
-                           checkpoint and --resume later
-  --timeout S              seconds the rendezvous and every collective may wait for the other
-                           ranks (default 300; the environment's FSDP_MUON_TIMEOUT, when set,
-                           wins)
-)";
 
 struct Flags {
   std::string optimizer = "muon";
@@ -157,136 +90,129 @@ struct Flags {
   double timeout = fsdp_muon::InitOptions{}.timeout_seconds;
 };
 
+// The options, declared once with CLI11 (its --help lists them with their defaults; a value of
+// the wrong type, out of range or not among the choices is an error naming the option).
 Flags parse_flags(int argc, char** argv) {
   Flags f;
-  std::map<std::string, std::string> kv;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help") {
-      std::cout << kUsage;
-      std::exit(0);
-    }
-    TORCH_CHECK(arg.rfind("--", 0) == 0, "char_gpt: unexpected argument '", arg, "'\n", kUsage);
-    arg = arg.substr(2);
-    if (arg == "compare") {
-      f.compare = true;
-      continue;
-    }
-    const size_t eq = arg.find('=');
-    if (eq != std::string::npos) {
-      kv[arg.substr(0, eq)] = arg.substr(eq + 1);
-    } else {
-      TORCH_CHECK(i + 1 < argc, "char_gpt: --", arg, " needs a value\n", kUsage);
-      kv[arg] = argv[++i];
-    }
-  }
-  auto take = [&](const char* key, auto& out) {
-    auto it = kv.find(key);
-    if (it == kv.end()) return;
-    std::istringstream ss(it->second);
-    ss >> out;
-    TORCH_CHECK(!ss.fail() && ss.eof(), "char_gpt: --", key, " got '", it->second,
-                "', which is not a valid value");
-    kv.erase(it);
+  CLI::App app(
+      "char_gpt: a character-level GPT trained with fsdp_muon (launch with torchrun, "
+      "mpirun, srun or alone)",
+      "char_gpt");
+  app.option_defaults()->always_capture_default();
+  std::string sharding, ns_method = "standard", ns_preconditioning = "none";
+  std::string ns_coefficients = "quintic", normalization = "none";
+  const auto names = [](auto... values) {
+    return std::vector<std::string>{fsdp_muon::to_string(values)...};
   };
-  auto take_string = [&](const char* key, std::string& out) {
-    auto it = kv.find(key);
-    if (it == kv.end()) return;
-    out = it->second;
-    kv.erase(it);
-  };
-  take_string("optimizer", f.optimizer);
-  std::string sharding;
-  take_string("sharding", sharding);
-  if (!sharding.empty()) {
-    const auto parsed = fsdp_muon::parse_sharding_strategy(sharding);
-    TORCH_CHECK(parsed.has_value(), "char_gpt: --sharding must be optim, optim_grads or ",
-                "optim_grads_params, got '", sharding, "'");
-    f.sharding = *parsed;
+  app.add_option("--optimizer", f.optimizer,
+                 "muon: Muon on the hidden matrices + AdamW on the rest; adamw: AdamW on "
+                 "everything (the baseline)")
+      ->check(CLI::IsMember({"muon", "adamw"}));
+  app.add_flag("--compare", f.compare, "run muon, then adamw with the same budget, and compare");
+  app.add_option("--sharding", sharding,
+                 "what each group keeps unsharded between uses: optim (ZeRO-1), optim_grads "
+                 "(ZeRO-2), optim_grads_params (ZeRO-3); default: the library's")
+      ->check(CLI::IsMember(names(fsdp_muon::ShardingStrategy::kOptim,
+                                  fsdp_muon::ShardingStrategy::kOptimGrads,
+                                  fsdp_muon::ShardingStrategy::kOptimGradsParams)));
+  app.add_option("--shard-size", f.shard_size,
+                 "HSDP: shard each group over N ranks (a node), replicate over world size / N "
+                 "(0: every rank, plain FSDP)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", f.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--batch", f.batch, "sequences per rank per step")->check(CLI::PositiveNumber);
+  app.add_option("--seq-len", f.seq_len, "characters per sequence")->check(CLI::Range(2, 1 << 20));
+  app.add_option("--d-model", f.d_model, "model width")->check(CLI::PositiveNumber);
+  app.add_option("--layers", f.layers, "transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--heads", f.heads, "attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--lr", f.lr, "Muon learning rate");
+  app.add_option("--adamw-lr", f.adamw_lr,
+                 "AdamW learning rate (the best of 0.002, 0.003, 0.0045, 0.006, 0.01 for "
+                 "--optimizer adamw at the default budget)");
+  app.add_option("--warmup", f.warmup, "linear warm-up steps");
+  app.add_option("--cooldown", f.cooldown, "fraction of steps over which lr decays to 0")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--ns-dtype", f.ns_dtype, "Newton-Schulz compute dtype")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
+  app.add_option("--ns-method", ns_method, "MuonOptions::ns_method")
+      ->check(CLI::IsMember(names(fsdp_muon::NsMethod::kStandard, fsdp_muon::NsMethod::kGram,
+                                  fsdp_muon::NsMethod::kAuto)));
+  app.add_option("--ns-preconditioning", ns_preconditioning, "MuonOptions::ns_preconditioning")
+      ->check(CLI::IsMember(
+          names(fsdp_muon::NsPreconditioning::kNone, fsdp_muon::NsPreconditioning::kAol)));
+  std::vector<std::string> schedules = {
+#define CHAR_GPT_PRESET_NAME(enumerator, name, ...) name,
+      FSDP_MUON_NS_PRESETS(CHAR_GPT_PRESET_NAME)
+#undef CHAR_GPT_PRESET_NAME
+          "turbo_muon"};
+  app.add_option("--ns-coefficients", ns_coefficients,
+                 "the (a, b, c) schedule: a preset, or turbo_muon (Turbo-Muon's 4 tuples, built "
+                 "for --ns-preconditioning aol)")
+      ->check(CLI::IsMember(schedules));
+  app.add_option("--ns-steps", f.ns_steps,
+                 "Newton-Schulz iterations (with aol, one fewer is validated only for "
+                 "turbo_muon --ns-steps 4)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--normalization", normalization,
+                 "normuon divides each row of the update by the root of an EMA of its mean "
+                 "square (NorMuon), then restores its norm")
+      ->check(CLI::IsMember(
+          names(fsdp_muon::Normalization::kNone, fsdp_muon::Normalization::kNorMuon)));
+  app.add_option("--qkv-layout", f.qkv_layout,
+                 "how Muon sees each fused QKV weight: qkv (Q, K, V apart), heads (every head "
+                 "apart) or whole (one matrix)")
+      ->check(CLI::IsMember({"qkv", "heads", "whole"}));
+  app.add_option("--moe", f.moe,
+                 "E experts per block instead of the dense MLP, fused [E, 4d, d] and [E, d, 4d] "
+                 "(MatrixLayout::batched), top-1 routing (0: dense)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--qk-clip", f.qk_clip,
+                 "QK-clip after every step: heads whose largest logit exceeded TAU are scaled "
+                 "back; the run fails if one stays above TAU (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-every", f.eval_every, "validation loss every N steps (0: at the end)");
+  app.add_option("--log-every", f.log_every,
+                 "progress line every N steps when stderr is not a terminal (0: steps / 10)");
+  app.add_option("--seed", f.seed, "model init and data order");
+  app.add_option("--data", f.data, "folder of text files");
+  app.add_option("--val-fraction", f.val_fraction, "last fraction of every file held out")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--threads", f.threads, "intra-op threads per rank (0: as launched)");
+  app.add_option("--max-val-loss", f.max_val_loss,
+                 "fail unless the final validation loss is below X (nan: the corpus' unigram "
+                 "entropy)");
+  app.add_option("--checkpoint", f.checkpoint,
+                 "write a checkpoint under DIR at the end (DIR/latest names it)");
+  app.add_option("--resume", f.resume,
+                 "continue from the newest checkpoint under DIR (any world size)");
+  app.add_option("--stop-at", f.stop_at,
+                 "stop after step N (the schedule still spans --steps; 0: --steps)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--timeout", f.timeout,
+                 "seconds the rendezvous and every collective may wait for the other ranks "
+                 "(FSDP_MUON_TIMEOUT, when set, wins)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));  // --help: the usage, status 0; else the error, non-zero
   }
-  take("shard-size", f.shard_size);
-  take("steps", f.steps);
-  take("batch", f.batch);
-  take("seq-len", f.seq_len);
-  take("d-model", f.d_model);
-  take("layers", f.layers);
-  take("heads", f.heads);
-  take("lr", f.lr);
-  take("adamw-lr", f.adamw_lr);
-  take("warmup", f.warmup);
-  take("cooldown", f.cooldown);
-  take_string("ns-dtype", f.ns_dtype);
-  std::string text;
-  take_string("ns-method", text);
-  if (!text.empty()) {
-    const auto parsed = fsdp_muon::parse_ns_method(text);
-    TORCH_CHECK(parsed.has_value(), "char_gpt: --ns-method must be standard, gram or auto, got '",
-                text, "'");
-    f.ns_method = *parsed;
-  }
-  text.clear();
-  take_string("ns-preconditioning", text);
-  if (!text.empty()) {
-    const auto parsed = fsdp_muon::parse_ns_preconditioning(text);
-    TORCH_CHECK(parsed.has_value(), "char_gpt: --ns-preconditioning must be none or aol, got '",
-                text, "'");
-    f.ns_preconditioning = *parsed;
-  }
-  take("ns-steps", f.ns_steps);
-  text.clear();
-  take_string("ns-coefficients", text);
-  if (text == "turbo_muon") {
+
+  if (!sharding.empty()) f.sharding = *fsdp_muon::parse_sharding_strategy(sharding);
+  f.ns_method = *fsdp_muon::parse_ns_method(ns_method);
+  f.ns_preconditioning = *fsdp_muon::parse_ns_preconditioning(ns_preconditioning);
+  if (ns_coefficients == "turbo_muon") {
     f.ns_custom_coefficients = {{4.6051, -9.6552, 5.6769},
                                 {4.7505, -6.0861, 2.1790},
                                 {2.7763, -2.3190, 0.5523},
                                 {2.4231, -2.2861, 0.8193}};
-  } else if (!text.empty()) {
-    const auto parsed = fsdp_muon::parse_ns_coefficients(text);
-    TORCH_CHECK(parsed.has_value(),
-                "char_gpt: --ns-coefficients must be a preset (quintic, simple, polar_express, "
-                "cans, aol, deepseek_v4, cubic5) or turbo_muon, got '",
-                text, "'");
-    f.ns_coefficients = *parsed;
+  } else {
+    f.ns_coefficients = *fsdp_muon::parse_ns_coefficients(ns_coefficients);
   }
-  text.clear();
-  take_string("normalization", text);
-  if (!text.empty()) {
-    bool known = false;
-    for (const auto n : {fsdp_muon::Normalization::kNone, fsdp_muon::Normalization::kNorMuon}) {
-      if (text == fsdp_muon::to_string(n)) {
-        f.normalization = n;
-        known = true;
-      }
-    }
-    TORCH_CHECK(known, "char_gpt: --normalization must be none or normuon, got '", text, "'");
-  }
-  take_string("qkv-layout", f.qkv_layout);
-  take("moe", f.moe);
-  take("qk-clip", f.qk_clip);
-  take("eval-every", f.eval_every);
-  take("log-every", f.log_every);
-  take("seed", f.seed);
-  take_string("data", f.data);
-  take("val-fraction", f.val_fraction);
-  take("threads", f.threads);
-  take("max-val-loss", f.max_val_loss);
-  take_string("checkpoint", f.checkpoint);
-  take_string("resume", f.resume);
-  take("stop-at", f.stop_at);
-  take("timeout", f.timeout);
-  TORCH_CHECK(kv.empty(), "char_gpt: unknown option --", kv.begin()->first, "\n", kUsage);
-  TORCH_CHECK(f.optimizer == "muon" || f.optimizer == "adamw", "char_gpt: --optimizer must be ",
-              "muon or adamw, got '", f.optimizer, "'");
-  TORCH_CHECK(f.ns_dtype == "bf16" || f.ns_dtype == "fp32", "char_gpt: --ns-dtype must be bf16 ",
-              "or fp32, got '", f.ns_dtype, "'");
-  TORCH_CHECK(f.steps > 0 && f.batch > 0 && f.seq_len > 1, "char_gpt: --steps, --batch and ",
-              "--seq-len must be positive (--seq-len at least 2)");
-  TORCH_CHECK(f.qkv_layout == "whole" || f.qkv_layout == "qkv" || f.qkv_layout == "heads",
-              "char_gpt: --qkv-layout must be whole, qkv or heads, got '", f.qkv_layout, "'");
-  TORCH_CHECK(f.moe >= 0, "char_gpt: --moe must be >= 0 (0: dense MLPs), got ", f.moe);
+  f.normalization = normalization == fsdp_muon::to_string(fsdp_muon::Normalization::kNorMuon)
+                        ? fsdp_muon::Normalization::kNorMuon
+                        : fsdp_muon::Normalization::kNone;
   TORCH_CHECK(f.qk_clip >= 0.0 && std::isfinite(f.qk_clip),
               "char_gpt: --qk-clip must be a positive threshold (0: off), got ", f.qk_clip);
-  TORCH_CHECK(f.cooldown >= 0.0 && f.cooldown <= 1.0, "char_gpt: --cooldown must be in [0, 1]");
   TORCH_CHECK(!(f.compare && (!f.checkpoint.empty() || !f.resume.empty())),
               "char_gpt: --compare runs two trainings; use --checkpoint/--resume with one "
               "--optimizer at a time");
