@@ -33,7 +33,7 @@ endforeach()
 # A strategy that does not exist is refused, naming the choices.
 execute_process(COMMAND ${EXE} --sharding zero3 RESULT_VARIABLE rc OUTPUT_VARIABLE out
                 ERROR_VARIABLE err)
-if(rc EQUAL 0 OR NOT err MATCHES "--sharding must be optim, optim_grads or optim_grads_params")
+if(rc EQUAL 0 OR NOT err MATCHES "--sharding: zero3 not in {optim,optim_grads,optim_grads_params}")
   message(FATAL_ERROR "char_gpt --sharding zero3 should fail naming the choices (${rc}):\n${err}")
 endif()
 message(STATUS "every strategy ends at ${optim}")
