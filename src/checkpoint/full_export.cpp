@@ -88,7 +88,7 @@ std::vector<PooledStateInfo> pool_state_info(const std::vector<ParamState>& loca
     row += width;
   }
   if (n > 0) {
-    at::Tensor reduced = packed.to(comm.device());
+    at::Tensor reduced = comm.to_device(packed);
     comm.all_reduce(reduced, ReduceOp::kMax);
     packed = comm.to_host(reduced);
   }

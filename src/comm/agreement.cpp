@@ -40,7 +40,7 @@ constexpr int64_t kMessageSlot = 1024;
     std::memcpy(slot + 1, own_error.data(), std::min<size_t>(own_error.size(), kMessageSlot - 2));
   }
   at::Tensor all = at::empty({kMessageSlot * comm.size()}, mine.options().device(comm.device()));
-  comm.all_gather(mine.to(comm.device()), all);
+  comm.all_gather(comm.to_device(mine), all);
   // A rank that failed reports its own message: the root cause reads best where it happened.
   TORCH_CHECK(!failed_here, own_error,
               failed_ranks > 1
@@ -79,7 +79,7 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
   std::vector<int64_t> flags(contribution_size + 1, 0);
   flags[0] = failed ? 1 : 0;
   std::copy(contribution.begin(), contribution.end(), flags.begin() + 1);
-  at::Tensor summed = at::tensor(flags, at::TensorOptions().dtype(at::kLong)).to(comm.device());
+  at::Tensor summed = comm.to_device(at::tensor(flags, at::TensorOptions().dtype(at::kLong)));
   try {
     comm.all_reduce(summed, ReduceOp::kSum);
   } catch (...) {
@@ -122,7 +122,7 @@ std::vector<int> ranks_that_differ(Communicator& comm, const std::string& descri
   at::Tensor mine = at::full({1}, static_cast<int64_t>(stable_hash(description)),
                              at::TensorOptions().dtype(at::kLong));
   at::Tensor all = at::empty({world}, mine.options().device(comm.device()));
-  comm.all_gather(mine.to(comm.device()), all);
+  comm.all_gather(comm.to_device(mine), all);
   const at::Tensor host = comm.to_host(all);
   const int64_t* hashes = host.data_ptr<int64_t>();
   std::vector<int> differ;
@@ -159,7 +159,7 @@ std::vector<std::string> gather_descriptions(Communicator& comm, const std::stri
   at::Tensor padded = at::zeros({slot}, at::kByte);
   std::copy(mine.begin(), mine.end(), padded.data_ptr<uint8_t>());
   at::Tensor all = at::empty({slot * world}, on_device.dtype(at::kByte));
-  comm.all_gather(padded.to(comm.device()), all);
+  comm.all_gather(comm.to_device(padded), all);
   const at::Tensor host = comm.to_host(all);
   const char* bytes = reinterpret_cast<const char*>(host.data_ptr<uint8_t>());
   std::vector<std::string> texts;
@@ -212,7 +212,7 @@ void agree_on_arguments(Communicator& comm, const std::string& what, const std::
       std::vector<int64_t>{failed ? 1 : 0, static_cast<int64_t>(stable_hash(text))}, at::kLong);
   at::Tensor all = at::empty({2 * world}, mine.options().device(comm.device()));
   try {
-    comm.all_gather(mine.to(comm.device()), all);
+    comm.all_gather(comm.to_device(mine), all);
   } catch (...) {
     TORCH_CHECK(!failed, error, " (then ", current_exception_message(), ")");
     throw;

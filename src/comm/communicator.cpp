@@ -191,7 +191,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
   at::Tensor mine = at::empty({2}, at::TensorOptions().dtype(at::kLong));
   mine.data_ptr<int64_t>()[0] = color;
   mine.data_ptr<int64_t>()[1] = key;
-  mine = mine.to(device());
+  mine = to_device(mine);
   const at::Tensor all = at::empty({2 * static_cast<int64_t>(size_)}, mine.options());
   all_gather(mine, all);
   const at::Tensor host = to_host(all).contiguous();
@@ -251,5 +251,16 @@ at::Tensor Communicator::to_host(const at::Tensor& tensor) {
 }
 
 at::Tensor Communicator::do_to_host(const at::Tensor& tensor) { return tensor.cpu(); }
+
+at::Tensor Communicator::to_device(const at::Tensor& host) const {
+  TORCH_CHECK(host.defined() && host.is_cpu(),
+              "fsdp_muon::Communicator::to_device: expects a "
+              "defined CPU tensor, got ",
+              host.defined() ? host.device().str() : "undefined");
+  if (device().is_cpu()) return host;
+  // The caching host allocator keeps the pinned block until the copy, recorded on the stream,
+  // has run, so the temporary may go out of scope at once.
+  return host.contiguous().pin_memory().to(device(), /*non_blocking=*/true);
+}
 
 }  // namespace fsdp_muon

@@ -17,7 +17,7 @@ constexpr const char* kMakeMesh = "fsdp_muon::make_device_mesh";
 std::vector<int64_t> shard_sizes_of_every_rank(Communicator& world, int shard_size) {
   at::Tensor mine = at::empty({1}, at::TensorOptions().dtype(at::kLong));
   mine.data_ptr<int64_t>()[0] = shard_size;
-  mine = mine.to(world.device());
+  mine = world.to_device(mine);
   const at::Tensor all = at::empty({world.size()}, mine.options());
   world.all_gather(mine, all);
   const at::Tensor host = world.to_host(all).contiguous();

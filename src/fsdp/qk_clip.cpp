@@ -47,8 +47,9 @@ void scale_rows(const Located& where, int64_t first_row, const std::vector<doubl
   std::vector<double> per_row(static_cast<size_t>(slot.shape[0]), 1.0);
   for (size_t r = 0; r < factors.size(); ++r) per_row[first_row + r] = factors[r];
   const at::Tensor rows = at::arange(first, second, at::kLong).div(cols, "floor");
-  const at::Tensor row_factor =
-      at::tensor(per_row, at::kDouble).index_select(0, rows).to(shard.options());
+  // Built on the host, moved without a host wait (Communicator::to_device).
+  const at::Tensor row_factor = where.group->communicator()->to_device(
+      at::tensor(per_row, at::kDouble).index_select(0, rows).to(shard.scalar_type()));
   shard.mul_(row_factor);
 }
 
@@ -146,7 +147,8 @@ QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gro
 
   // A maximum over ranks may drop a NaN (which value wins a comparison with NaN depends on the
   // order the values meet), so a last entry, 1 where this rank has a NaN, rides along.
-  const at::Tensor mine = max_logits.to(comm.device(), at::kDouble).reshape({-1});
+  at::Tensor mine = max_logits.detach().to(at::kDouble).reshape({-1});
+  mine = mine.is_cpu() ? comm.to_device(mine) : mine.to(comm.device());
   at::Tensor reduced = at::cat({mine, mine.isnan().any().to(at::kDouble).reshape({1})});
   comm.all_reduce(reduced, ReduceOp::kMax);
   reduced = comm.to_host(reduced);

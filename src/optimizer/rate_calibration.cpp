@@ -29,9 +29,10 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Waits for the device work behind `t` (a host copy on CUDA; CPU work is done already).
-void settle(const at::Tensor& t) {
-  if (t.is_cuda()) (void)t.sum().item<double>();
+// Waits for the device work behind `t`: one element read through to_host, the only host wait
+// library code makes (bounded by the communicator's timeout; CPU work is done already).
+void settle(Communicator& comm, const at::Tensor& t) {
+  if (t.is_cuda()) (void)comm.to_host(t.reshape(-1).narrow(0, 0, std::min<int64_t>(1, t.numel())));
 }
 
 // One all-to-all of `per_peer` fp32 elements to every peer, timed.
@@ -41,10 +42,10 @@ double time_all_to_all(Communicator& comm, int64_t per_peer) {
   const at::Tensor send = at::zeros({n * per_peer}, options);
   const at::Tensor recv = at::empty({n * per_peer}, options);
   const std::vector<int64_t> counts(n, per_peer);
-  settle(send);
+  settle(comm, send);
   const auto start = Clock::now();
   comm.all_to_all_v(send, counts, recv, counts);
-  settle(recv);
+  settle(comm, recv);
   return seconds_since(start);
 }
 
@@ -100,20 +101,20 @@ MeasuredRates measure_rates(const DeviceMesh& mesh, const CalibrationShape& shap
         at::sin(at::arange(shape.rows * shape.cols,
                            at::TensorOptions().dtype(at::kFloat).device(mesh.world->device())))
             .reshape({shape.rows, shape.cols});
-    settle(newton_schulz(x, shape.newton_schulz));  // the first call pays one-time set-up
+    settle(*mesh.world, newton_schulz(x, shape.newton_schulz));  // pays one-time set-up
     times[0] = std::numeric_limits<double>::infinity();
     for (int k = 0; k < kTimedRuns; ++k) {
       const auto ns_start = Clock::now();
-      settle(newton_schulz(x, shape.newton_schulz));
+      settle(*mesh.world, newton_schulz(x, shape.newton_schulz));
       times[0] = std::min(times[0], seconds_since(ns_start));
     }
   }
   std::tie(times[1], times[2]) = probe(*mesh.shard, per_peer);
   std::tie(times[3], times[4]) = probe(*mesh.replicate, per_peer);
   // The slowest rank's figures, on every rank.
-  at::Tensor slowest = at::tensor(times, at::kDouble).to(mesh.world->device());
+  at::Tensor slowest = mesh.world->to_device(at::tensor(times, at::kDouble));
   mesh.world->all_reduce(slowest, ReduceOp::kMax);
-  slowest = slowest.cpu();
+  slowest = mesh.world->to_host(slowest);
   const auto at_ = [&](int i) { return slowest[i].item<double>(); };
 
   MeasuredRates rates;

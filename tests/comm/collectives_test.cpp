@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "common/distributed_main.h"
+#include "common/test_util.h"
 
 namespace fsdp_muon {
 namespace {
@@ -72,6 +73,16 @@ void run_all_to_all_v(at::ScalarType dtype) {
     }
     offset += recv_counts[src];
   }
+}
+
+// On the CPU, to_device is the host tensor itself (no copy); anything but a defined CPU tensor is
+// refused, naming what it got.
+FSDP_MUON_WORLD_TEST(Collectives, ToDeviceOnTheCpuIsTheTensorItself) {
+  const at::Tensor host = at::arange(4, at::kLong);
+  EXPECT_TRUE(world().to_device(host).is_same(host));
+  testing::expect_error([] { world().to_device(at::Tensor()); }, {"to_device", "undefined"});
+  testing::expect_error([] { world().to_device(at::empty({2}, at::Device(at::kMeta))); },
+                        {"to_device", "meta"});
 }
 
 FSDP_MUON_WORLD_TEST(Collectives, AllToAllVUnevenAndZeroCountsFloat) {

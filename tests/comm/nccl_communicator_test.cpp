@@ -103,6 +103,21 @@ TEST(NcclCommunicator, ToHostReturnsTheResultInOrderWithTheCurrentStream) {
   EXPECT_EQ(comm->stats().calls, 2);  // to_host is no collective
 }
 
+// to_device never waits on the host for the stream: with a long sleep queued on the current
+// stream, it returns while the stream is still busy (a pageable copy would have waited for the
+// sleep), and the value lands in order behind it.
+TEST(NcclCommunicator, ToDeviceDoesNotWaitForTheStream) {
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+  const c10::cuda::CUDAStreamGuard guard(side);
+  at::cuda::sleep(2'000'000'000);  // about a second on current GPUs
+  const at::Tensor on_device = comm->to_device(at::arange(5, at::kLong));
+  EXPECT_FALSE(side.query()) << "to_device waited for the stream's work";
+  EXPECT_EQ(on_device.device(), comm->device());
+  EXPECT_TRUE(at::equal(comm->to_host(on_device), at::arange(5, at::kLong)));
+}
+
 // Cycles of at::cuda::sleep per second on this GPU, measured.
 double sleep_cycles_per_second() {
   at::cuda::sleep(1'000'000);  // the first launch loads the kernel

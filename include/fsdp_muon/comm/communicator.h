@@ -127,6 +127,12 @@ class FSDP_MUON_API Communicator {
   // collective enqueued last, this rank, the world size and the timeout. Not a collective: no
   // peer takes part, and nothing is counted.
   at::Tensor to_host(const at::Tensor& tensor);
+  // `host` (a small CPU tensor: flags, counts, a hash) on the communicator's device, for library
+  // code that feeds it to a collective, without a host wait (docs/DESIGN.md §5): on CUDA through
+  // pinned memory with a non-blocking copy, ordered on the current stream. A pageable copy
+  // (tensor.to(device)) would synchronize that stream, waiting for everything enqueued on it —
+  // a collective stuck on a dead peer included — with no bound. On the CPU, `host` itself.
+  at::Tensor to_device(const at::Tensor& host) const;
 
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats{}; }
