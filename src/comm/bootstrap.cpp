@@ -182,6 +182,9 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
         // One visible device is this rank's whatever its local rank (srun --gpus-per-task=1);
         // otherwise cuda:<local rank> (device_choice.h).
         const int device = detail::choose_cuda_device(torch::cuda::device_count(), e);
+        // Two ranks on one GPU (each seeing only it) would fail inside NCCL on some ranks only.
+        detail::check_one_rank_per_device(*store, e.rank, e.world_size,
+                                          detail::cuda_device_placement(device), timeout);
         // The rank's own GPU becomes the current device, so user code that says kCUDA (and
         // LibTorch's default stream) lands there, not on device 0. The guard interface needs
         // no CUDA headers.

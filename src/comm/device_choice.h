@@ -2,7 +2,10 @@
 // Which CUDA device an NCCL rank drives (docs/DESIGN.md §5, Launch): a pure function of what the
 // process sees, so that it is tested without a GPU.
 
+#include <chrono>
 #include <string>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <fsdp_muon/comm/communicator.h>
 
@@ -16,5 +19,17 @@ namespace fsdp_muon::detail {
 // no visible device, or a local rank past the visible ones, throws naming the local rank, its
 // variable and the count.
 int choose_cuda_device(int visible_devices, const LaunchEnvironment& e);
+
+// Every rank claims its device (`placement`: the host and the device's identity, e.g. its PCI bus
+// id) in `store`; when two ranks of the job claim the same one, every rank throws, naming both
+// ranks and the placement, before NCCL would fail on some ranks only ("Duplicate GPU detected")
+// or hang. Two processes that see one GPU each are told apart by the GPU, not by the count
+// choose_cuda_device sees. Store operations per rank: a constant, whatever the world size.
+void check_one_rank_per_device(c10d::Store& store, int rank, int world_size,
+                               const std::string& placement, std::chrono::milliseconds timeout);
+
+// "<host> <PCI bus id>" of CUDA device `device` (the placement above); CUDA builds only.
+std::string cuda_device_placement(int device);
+std::string cuda_pci_bus_id(int device);  // nccl_communicator.cpp
 
 }  // namespace fsdp_muon::detail

@@ -21,6 +21,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/call_watchdog.h"
+#include "comm/device_choice.h"
 #include "comm/nccl_internal.h"
 #include "common/cuda_check.h"
 
@@ -397,10 +398,10 @@ class NcclCommunicator final : public Communicator {
     const cudaStream_t stream = begin_async("all_reduce", {tensor});
     guarded_enqueue([&] {
       if (tensor.numel() == 0) return;
-      finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
-                           static_cast<size_t>(tensor.numel()), to_nccl(tensor.scalar_type(), api_),
-                           to_nccl(op), comm_, stream),
-             "ncclAllReduce");
+      finish(
+          ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
+                        to_nccl(tensor.scalar_type(), api_), to_nccl(op), comm_, stream),
+          "ncclAllReduce");
     });
     return end_async({tensor});
   }
@@ -414,9 +415,9 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Communicator> do_split(const std::vector<int>& members, int new_rank,
                                          const std::string& tag) override {
     check_usable("split");
-    return std::make_shared<NcclCommunicator>(
-        c10::make_intrusive<c10d::PrefixStore>(tag, store_), new_rank,
-        static_cast<int>(members.size()), device_index_, timeout_);
+    return std::make_shared<NcclCommunicator>(c10::make_intrusive<c10d::PrefixStore>(tag, store_),
+                                              new_rank, static_cast<int>(members.size()),
+                                              device_index_, timeout_);
   }
 
   void enqueue_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
@@ -843,6 +844,12 @@ c10::cuda::CUDAStream nccl_communication_stream(int device_index) {
   DeviceOrder& order = device_order(device_index);
   std::lock_guard<std::mutex> lock(order.mutex);
   return communication_stream(order, device_index);
+}
+
+std::string cuda_pci_bus_id(int device) {
+  char id[64] = {0};
+  FSDP_MUON_CHECK_CUDA(cudaDeviceGetPCIBusId(id, sizeof(id) - 1, device));
+  return id;
 }
 }  // namespace detail
 

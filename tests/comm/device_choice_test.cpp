@@ -1,12 +1,17 @@
 // The CUDA device an NCCL rank drives, decided from the visible device count and the launch
 // environment (no GPU needed: the count is given): one visible device is used whatever the
-// local rank says; with several, the local rank chooses and must exist.
+// local rank says; with several, the local rank chooses and must exist. Then the check that no
+// two ranks claim one GPU, on an in-memory store with the ranks as threads.
 
+#include <chrono>
 #include <functional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "comm/device_choice.h"
 
@@ -66,6 +71,45 @@ TEST(DeviceChoice, NoVisibleDeviceIsAnError) {
                          "visible to srun rank 3"),
             std::string::npos)
       << message;
+}
+
+// Every rank's message from check_one_rank_per_device ("" where it passed), ranks as threads.
+std::vector<std::string> claim(const std::vector<std::string>& placements) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const int world = static_cast<int>(placements.size());
+  std::vector<std::string> messages(world);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r] {
+      messages[r] = message_of([&] {
+        check_one_rank_per_device(*store, r, world, placements[r], std::chrono::seconds(30));
+      });
+      if (messages[r] == "(no exception)") messages[r].clear();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return messages;
+}
+
+TEST(OneRankPerDevice, DistinctGpusPass) {
+  for (const std::string& m : claim({"node0 0000:01:00.0", "node0 0000:02:00.0",
+                                     "node1 0000:01:00.0", "node1 0000:02:00.0"})) {
+    EXPECT_EQ(m, "");
+  }
+}
+
+TEST(OneRankPerDevice, TwoRanksOnOneGpuFailOnEveryRankNamingBoth) {
+  // Ranks 0 and 2 see one GPU each, the same one: the count alone cannot tell.
+  const std::vector<std::string> messages =
+      claim({"node0 0000:01:00.0", "node0 0000:02:00.0", "node0 0000:01:00.0"});
+  for (const std::string& m : messages) {
+    EXPECT_NE(m.find("NCCL needs one GPU per rank"), std::string::npos) << m;
+    EXPECT_NE(m.find("both use node0 0000:01:00.0"), std::string::npos) << m;
+    const bool names_both = m.find("ranks 0 and 2") != std::string::npos ||
+                            m.find("ranks 2 and 0") != std::string::npos;
+    EXPECT_TRUE(names_both) << m;
+    EXPECT_NE(m.find("FSDP_MUON_BACKEND=gloo"), std::string::npos) << m;
+  }
 }
 
 }  // namespace
