@@ -16,6 +16,9 @@ const char* kUsage = R"(usage:
   fsdp_muon_bench --plan-only --hsdp [--models dense-70b,qwen3-30b-a3b,gpt2]
                   [--meshes 8x8,32x8,128x8] [--ns-tflops 400] [--intra-gbps 150]
                   [--inter-gbps 25] [--ns-steps 5]
+  fsdp_muon_bench --count-ops [--layers 2] [--scale 16] [--experts 128]
+                  (ATen operator calls per FsdpMuon step on the Qwen3-30B-A3B and GPT-2
+                  presets, one process)
   torchrun --standalone --no-python --nproc_per_node=W fsdp_muon_bench
                   [--preset llama3-layer|gpt2|moe] [--layers N] [--scale S] [--experts E]
                   [--steps 5] [--warmup 1] [--ns-dtype bf16|fp32]
@@ -39,6 +42,8 @@ int main(int argc, char** argv) {
                                    [](fsdp_muon_bench::Flags& flags) {
                                      if (flags.has("plan-only"))
                                        return fsdp_muon_bench::run_plan_only(flags);
+                                     if (flags.has("count-ops"))
+                                       return fsdp_muon_bench::run_count_ops(flags);
                                      return fsdp_muon_bench::run_measure(flags);
                                    });
 }

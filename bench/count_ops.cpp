@@ -1,0 +1,127 @@
+// fsdp_muon_bench --count-ops: ATen operator calls per FsdpMuon step, counted by a RecordFunction
+// callback, against the number of matrices and FSDP groups (docs/DESIGN.md §7). On a GPU every
+// call is at least one kernel launch (~5 µs), so a step whose calls grow with the number of
+// matrices pays launch overhead on MoE models with thousands of experts. One process, world of
+// one: the elementwise phases run the same calls per matrix at any world size.
+
+#include <atomic>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+
+#include <fsdp_muon/fsdp/parameter_group.h>
+#include <fsdp_muon/fsdp_muon.h>
+#include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
+
+#include "bench.h"
+
+namespace fsdp_muon_bench {
+namespace {
+
+// Top-level operator calls (not the ones an operator makes inside), on every thread.
+std::atomic<int64_t> g_calls{0};
+thread_local int t_depth = 0;
+
+struct OpCount {
+  std::string model;
+  int64_t groups = 0, matrices = 0, calls = 0, newton_schulz_calls = 0;
+};
+
+OpCount count_one_step(const std::string& label, const ModelShapes& model,
+                       const std::shared_ptr<fsdp_muon::Communicator>& comm) {
+  torch::manual_seed(1);
+  std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> groups;
+  std::vector<at::Tensor> matrices;
+  for (const auto& [name, shapes] : model.groups) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& [pname, shape] : shapes) {
+      named.emplace_back(pname, (at::randn(shape) * 0.02).requires_grad_(true));
+    }
+    groups.push_back(std::make_shared<fsdp_muon::FsdpParameterGroup>(
+        named, comm, fsdp_muon::FsdpParameterGroupOptions().name(name)));
+    for (size_t i = 0; i < groups.back()->num_parameters(); ++i) {
+      if (groups.back()->slot(i).shape.size() == 2) {
+        matrices.push_back(groups.back()->sharded_parameter(i));
+      }
+    }
+  }
+  fsdp_muon::FsdpMuon muon(matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(at::kFloat),
+                           fsdp_muon::FsdpMuonConfig().calibrate_rates(false));
+  const auto fill_gradients = [&] {
+    for (const auto& g : groups) {
+      g->zero_grad();
+      g->full_grad_buffer().normal_();
+      g->reduce_scatter_grads();
+    }
+  };
+  fill_gradients();
+  muon.step();  // the first step creates the momentum buffers
+  fill_gradients();
+
+  g_calls = 0;
+  at::CallbackHandle handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+            if (t_depth++ == 0) g_calls.fetch_add(1, std::memory_order_relaxed);
+            return nullptr;
+          },
+          [](const at::RecordFunction&, at::ObserverContext*) { --t_depth; })
+          .scopes({at::RecordScope::FUNCTION}));
+  muon.step();
+  at::removeCallback(handle);
+
+  OpCount c;
+  c.model = label;
+  c.groups = static_cast<int64_t>(groups.size());
+  c.matrices = static_cast<int64_t>(muon.matrices().size());
+  c.calls = g_calls.load();
+  c.newton_schulz_calls = muon.last_step_stats().newton_schulz_calls;
+  return c;
+}
+
+}  // namespace
+
+int run_count_ops(Flags& flags) {
+  const int64_t layers = flags.get_int("layers", 2);
+  const int64_t scale = flags.get_int("scale", 16);
+  const int64_t experts = flags.get_int("experts", 128);
+  flags.finish();
+  TORCH_CHECK(layers >= 1 && scale >= 1 && experts >= 1,
+              "--layers, --scale and --experts must be >= 1");
+  const auto comm = fsdp_muon::init_from_env();
+  TORCH_CHECK(comm->size() == 1, "--count-ops runs in one process (no launcher), got a world of ",
+              comm->size());
+  std::vector<OpCount> rows;
+  rows.push_back(
+      count_one_step(format("qwen3-30b-a3b: %lld layers, %lld experts, widths / %lld",
+                            static_cast<long long>(layers), static_cast<long long>(experts),
+                            static_cast<long long>(scale)),
+                     qwen3_30b_a3b(layers, experts, scale), comm));
+  rows.push_back(count_one_step(format("gpt2-124m: %lld layers", static_cast<long long>(layers)),
+                                gpt2_124m(layers), comm));
+  std::printf(
+      "ATen operator calls per FsdpMuon step (top-level calls; each is >= 1 kernel on a "
+      "GPU), world of 1, fp32 Newton-Schulz\n");
+  std::printf("%-48s %7s %9s %11s %12s %12s %9s\n", "model", "groups", "matrices", "calls/step",
+              "calls/matrix", "calls/group", "NS calls");
+  for (const OpCount& r : rows) {
+    std::printf("%-48s %7lld %9lld %11lld %12.1f %12.1f %9lld\n", r.model.c_str(),
+                static_cast<long long>(r.groups), static_cast<long long>(r.matrices),
+                static_cast<long long>(r.calls), static_cast<double>(r.calls) / r.matrices,
+                static_cast<double>(r.calls) / r.groups,
+                static_cast<long long>(r.newton_schulz_calls));
+  }
+  const OpCount& moe = rows.front();
+  std::printf(
+      "headline: %.1f ATen calls per matrix per step on the MoE preset (%lld matrices, "
+      "%lld calls)\n",
+      static_cast<double>(moe.calls) / moe.matrices, static_cast<long long>(moe.matrices),
+      static_cast<long long>(moe.calls));
+  return 0;
+}
+
+}  // namespace fsdp_muon_bench
