@@ -71,7 +71,9 @@ TensorsByName read_tensor_dict(const std::vector<char>& bytes, const std::string
                   item.value().tagKind(), ", not a tensor (pass strict(false) to ignore it)");
       continue;
     }
-    tensors.emplace(item.key().toStringRef(), item.value().toTensor());
+    // On the host from here on: a file saved from CUDA tensors loads onto the GPU, and reading
+    // those later (.item(), slices) would wait on a stream that collectives may occupy by then.
+    tensors.emplace(item.key().toStringRef(), item.value().toTensor().to(at::kCPU));
   }
   return tensors;
 }

@@ -6,16 +6,13 @@ namespace fsdp_muon::checkpoint {
 namespace {
 
 void install_weights(const ModelIndex& model, const std::vector<std::vector<at::Tensor>>& weights) {
-  {
-    at::NoGradGuard no_grad;
-    for (size_t g = 0; g < model.groups.size(); ++g) {
-      for (size_t i = 0; i < model.groups[g]->num_parameters(); ++i) {
-        const at::Tensor& shard = model.groups[g]->sharded_parameter(i);
-        if (shard.numel() > 0) shard.copy_(weights[g][i]);
-      }
+  at::NoGradGuard no_grad;
+  for (size_t g = 0; g < model.groups.size(); ++g) {
+    for (size_t i = 0; i < model.groups[g]->num_parameters(); ++i) {
+      const at::Tensor& shard = model.groups[g]->sharded_parameter(i);
+      if (shard.numel() > 0) shard.copy_(weights[g][i]);
     }
   }
-  for (const auto& group : model.groups) group->refresh_model_weights();
 }
 
 void install_optimizer(const ModelIndex& model, const OptimizerEntry& opt,
@@ -41,6 +38,10 @@ void install_staged(const ModelIndex& model, const std::vector<OptimizerEntry>& 
     install_optimizer(model, opts[o], staged.states[o],
                       staged.options.empty() ? nullptr : &staged.options[o]);
   }
+  // The refresh's all-gathers come last: a host-to-device copy from pageable memory synchronizes
+  // the stream, so copies queued behind a collective would wait for it without a bound (one
+  // stuck on a dead peer included). Every copy above runs before any collective is queued.
+  for (const auto& group : model.groups) group->refresh_model_weights();
 }
 
 }  // namespace fsdp_muon::checkpoint

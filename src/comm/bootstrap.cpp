@@ -176,15 +176,26 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
           << " processes started and reachable within " << seconds << " s?): ";
   detail::agree_on_job(*store, e, timeout, waiting.str());
 
+  // NCCL: the device (device_choice.h), agreed before anything else, with errors of its own: two
+  // ranks on one GPU, each seeing only it, would fail inside NCCL on some ranks only.
+  int nccl_device = -1;
+  if (backend == CommBackend::kNccl) {
+    const int visible = torch::cuda::device_count();
+    detail::check_one_rank_per_device(
+        *store, e.rank, e.world_size,
+        [&] {
+          nccl_device = detail::choose_cuda_device(visible, e);
+          return detail::cuda_device_placement(nccl_device);
+        },
+        timeout);
+  }
+
   try {
     switch (backend) {
       case CommBackend::kNccl: {
         // One visible device is this rank's whatever its local rank (srun --gpus-per-task=1);
         // otherwise cuda:<local rank> (device_choice.h).
-        const int device = detail::choose_cuda_device(torch::cuda::device_count(), e);
-        // Two ranks on one GPU (each seeing only it) would fail inside NCCL on some ranks only.
-        detail::check_one_rank_per_device(*store, e.rank, e.world_size,
-                                          detail::cuda_device_placement(device), timeout);
+        const int device = nccl_device;
         // The rank's own GPU becomes the current device, so user code that says kCUDA (and
         // LibTorch's default stream) lands there, not on device 0. The guard interface needs
         // no CUDA headers.

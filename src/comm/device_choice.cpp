@@ -4,6 +4,8 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -47,33 +49,64 @@ std::string text_of(const std::vector<uint8_t>& bytes) {
 }  // namespace
 
 void check_one_rank_per_device(c10d::Store& store, int rank, int world_size,
-                               const std::string& placement, std::chrono::milliseconds timeout) {
+                               const std::function<std::string()>& placement,
+                               std::chrono::milliseconds timeout) {
+  constexpr const char* kApi = "fsdp_muon::init_from_env: ";
   store.setTimeout(timeout);
-  // The first rank to claim a placement owns it; a later one learns the owner and records the
-  // first conflict for everyone.
   const std::string me = std::to_string(rank);
-  const std::string owner = text_of(store.compareSet("device/" + placement, {}, bytes_of(me)));
-  if (owner != me) {
-    store.compareSet("device_conflict", {},
-                     bytes_of("ranks " + owner + " and " + me + " both use " + placement));
+  const char* shared = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  const bool shared_allowed = shared != nullptr && std::string(shared) == "1";
+  // Whatever happens here, this rank checks in, so no rank waits out the timeout for it.
+  try {
+    const std::string where = placement();
+    // The first rank to claim a placement owns it; a later one records the first conflict.
+    const std::string owner = text_of(store.compareSet("device/" + where, {}, bytes_of(me)));
+    if (owner != me && !shared_allowed) {
+      store.compareSet("device_conflict", {},
+                       bytes_of("ranks " + owner + " and " + me + " both use " + where));
+    }
+  } catch (const c10::Error& ex) {
+    store.compareSet("device_error", {},
+                     bytes_of("rank " + me + ": " + ex.what_without_backtrace()));
+  } catch (const std::exception& ex) {
+    store.compareSet("device_error", {}, bytes_of("rank " + me + ": " + ex.what()));
   }
   // The last rank to check in publishes that all have; then every rank reads the same verdict.
   if (store.add("device_checked", 1) == world_size) store.set("device_check_done", bytes_of("1"));
-  store.wait({"device_check_done"});
+  try {
+    store.wait({"device_check_done"});
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, kApi, "only ", store.add("device_checked", 0), " of ", world_size,
+                " ranks reached the GPU check within ", timeout.count(), " ms (this is rank ", rank,
+                "); a rank failed or stalled before it");
+  }
+  if (store.check({"device_error"})) {
+    TORCH_CHECK(false, kApi, "choosing the GPU failed on ", text_of(store.get("device_error")));
+  }
   if (store.check({"device_conflict"})) {
-    TORCH_CHECK(false, "fsdp_muon::init_from_env: NCCL needs one GPU per rank, but ",
+    TORCH_CHECK(false, kApi, "NCCL needs one GPU per rank, but ",
                 text_of(store.get("device_conflict")),
                 " (host and PCI bus id); start at most one process per GPU on each node, "
                 "give each process its own GPU (CUDA_VISIBLE_DEVICES, srun --gpus-per-task=1), "
-                "or use the gloo backend (FSDP_MUON_BACKEND=gloo)");
+                "set NCCL_MULTI_RANK_GPU_ENABLE=1 where your NCCL supports ranks sharing a GPU "
+                "(MIG), or use the gloo backend (FSDP_MUON_BACKEND=gloo)");
   }
+}
+
+std::string host_identity() {
+  if (const char* id = std::getenv("NCCL_HOSTID"); id != nullptr && *id != 0) return id;
+  char host[256] = {0};
+  TORCH_CHECK(::gethostname(host, sizeof(host) - 1) == 0,
+              "fsdp_muon::init_from_env: gethostname failed");
+  std::string boot_id;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot_id);
+  return std::string(host) + (boot_id.empty() ? "" : "/" + boot_id);
 }
 
 #if FSDP_MUON_WITH_CUDA
 std::string cuda_device_placement(int device) {
-  char host[256] = {0};
-  ::gethostname(host, sizeof(host) - 1);
-  return std::string(host) + " " + cuda_pci_bus_id(device);
+  return host_identity() + " " + cuda_pci_bus_id(device);
 }
 #else
 std::string cuda_device_placement(int /*device*/) {

@@ -3,6 +3,7 @@
 // process sees, so that it is tested without a GPU.
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -20,15 +21,25 @@ namespace fsdp_muon::detail {
 // variable and the count.
 int choose_cuda_device(int visible_devices, const LaunchEnvironment& e);
 
-// Every rank claims its device (`placement`: the host and the device's identity, e.g. its PCI bus
-// id) in `store`; when two ranks of the job claim the same one, every rank throws, naming both
-// ranks and the placement, before NCCL would fail on some ranks only ("Duplicate GPU detected")
-// or hang. Two processes that see one GPU each are told apart by the GPU, not by the count
-// choose_cuda_device sees. Store operations per rank: a constant, whatever the world size.
+// Every rank runs `placement` (which chooses its device and returns where it is: the host and the
+// device's PCI bus id) and claims the result in `store`. When two ranks claim the same one, or
+// `placement` throws on some rank, every rank throws the same error, naming the ranks and the
+// placement (or the failing rank's message), before NCCL would fail on some ranks only
+// ("Duplicate GPU detected") or hang; a rank that never checks in within `timeout` is named by
+// the count that did. Two processes that see one GPU each are told apart by the GPU, not by the
+// count choose_cuda_device sees. NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL's own switch for several
+// ranks on one GPU, e.g. MIG slices of one board) turns the conflict off, not the exchange.
+// Store operations per rank: a constant, whatever the world size.
 void check_one_rank_per_device(c10d::Store& store, int rank, int world_size,
-                               const std::string& placement, std::chrono::milliseconds timeout);
+                               const std::function<std::string()>& placement,
+                               std::chrono::milliseconds timeout);
 
-// "<host> <PCI bus id>" of CUDA device `device` (the placement above); CUDA builds only.
+// Which host this process runs on, as NCCL tells hosts apart: NCCL_HOSTID when set, else the
+// host name and the kernel's boot id (containers may share a host name, not a boot id).
+std::string host_identity();
+
+// "<host_identity()> <PCI bus id>" of CUDA device `device` (the placement above); CUDA builds
+// only.
 std::string cuda_device_placement(int device);
 std::string cuda_pci_bus_id(int device);  // nccl_communicator.cpp
 

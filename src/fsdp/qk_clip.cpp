@@ -46,10 +46,14 @@ void scale_rows(const Located& where, int64_t first_row, const std::vector<doubl
   at::Tensor shard = where.group->sharded_parameter(where.index);
   std::vector<double> per_row(static_cast<size_t>(slot.shape[0]), 1.0);
   for (size_t r = 0; r < factors.size(); ++r) per_row[first_row + r] = factors[r];
-  const at::Tensor rows = at::arange(first, second, at::kLong).div(cols, "floor");
-  // Built on the host, moved without a host wait (Communicator::to_device).
-  const at::Tensor row_factor = where.group->communicator()->to_device(
-      at::tensor(per_row, at::kDouble).index_select(0, rows).to(shard.scalar_type()));
+  // One factor per row moves to the device (without a host wait: Communicator::to_device), and
+  // is spread over the held elements there.
+  const at::Tensor row_factors = where.group->communicator()->to_device(
+      at::tensor(per_row, at::kDouble).to(shard.scalar_type()));
+  const at::Tensor rows =
+      at::arange(first, second, at::TensorOptions().dtype(at::kLong).device(shard.device()))
+          .div(cols, "floor");
+  const at::Tensor row_factor = row_factors.index_select(0, rows);
   shard.mul_(row_factor);
 }
 

@@ -3,6 +3,8 @@
 // local rank says; with several, the local rank chooses and must exist. Then the check that no
 // two ranks claim one GPU, on an in-memory store with the ranks as threads.
 
+#include <stdlib.h>
+
 #include <chrono>
 #include <functional>
 #include <string>
@@ -82,7 +84,13 @@ std::vector<std::string> claim(const std::vector<std::string>& placements) {
   for (int r = 0; r < world; ++r) {
     ranks.emplace_back([&, r] {
       messages[r] = message_of([&] {
-        check_one_rank_per_device(*store, r, world, placements[r], std::chrono::seconds(30));
+        check_one_rank_per_device(
+            *store, r, world,
+            [&] {
+              TORCH_CHECK(placements[r] != "fail", "no CUDA device is visible to this rank");
+              return placements[r];
+            },
+            std::chrono::seconds(30));
       });
       if (messages[r] == "(no exception)") messages[r].clear();
     });
@@ -110,6 +118,33 @@ TEST(OneRankPerDevice, TwoRanksOnOneGpuFailOnEveryRankNamingBoth) {
     EXPECT_TRUE(names_both) << m;
     EXPECT_NE(m.find("FSDP_MUON_BACKEND=gloo"), std::string::npos) << m;
   }
+}
+
+TEST(OneRankPerDevice, ARankThatCannotChooseItsGpuFailsEveryRankWithItsMessage) {
+  for (const std::string& m : claim({"node0 0000:01:00.0", "fail", "node0 0000:02:00.0"})) {
+    EXPECT_NE(m.find("choosing the GPU failed on rank 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("no CUDA device is visible"), std::string::npos) << m;
+  }
+}
+
+TEST(OneRankPerDevice, ARankThatNeverChecksInIsCountedNotWaitedForever) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const std::string m = message_of([&] {
+    check_one_rank_per_device(
+        *store, 0, 2, [] { return std::string("node0 0000:01:00.0"); },
+        std::chrono::milliseconds(300));
+  });
+  EXPECT_NE(m.find("only 1 of 2 ranks reached the GPU check"), std::string::npos) << m;
+}
+
+TEST(OneRankPerDevice, HostIdentityHasTheBootIdAndHonoursNcclHostid) {
+  ::unsetenv("NCCL_HOSTID");
+  const std::string own = host_identity();
+  EXPECT_FALSE(own.empty());
+  EXPECT_NE(own.find('/'), std::string::npos) << own;  // host name / boot id on Linux
+  ::setenv("NCCL_HOSTID", "rack7-node3", 1);
+  EXPECT_EQ(host_identity(), "rack7-node3");
+  ::unsetenv("NCCL_HOSTID");
 }
 
 }  // namespace

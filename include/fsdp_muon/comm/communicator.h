@@ -131,7 +131,8 @@ class FSDP_MUON_API Communicator {
   // code that feeds it to a collective, without a host wait (docs/DESIGN.md §5): on CUDA through
   // pinned memory with a non-blocking copy, ordered on the current stream. A pageable copy
   // (tensor.to(device)) would synchronize that stream, waiting for everything enqueued on it —
-  // a collective stuck on a dead peer included — with no bound. On the CPU, `host` itself.
+  // a collective stuck on a dead peer included — with no bound. On the CPU, `host` itself; a
+  // `host` already pinned is copied from directly, so leave it unchanged until the copy has run.
   at::Tensor to_device(const at::Tensor& host) const;
 
   const CommStats& stats() const { return stats_; }
