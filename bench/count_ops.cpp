@@ -1,13 +1,15 @@
 // fsdp_muon_bench --count-ops: ATen operator calls per FsdpMuon step, counted by a RecordFunction
 // callback, against the number of matrices and FSDP groups (docs/DESIGN.md §7). On a GPU every
 // call is at least one kernel launch (~5 µs), so a step whose calls grow with the number of
-// matrices pays launch overhead on MoE models with thousands of experts. One process, world of
-// one: the elementwise phases run the same calls per matrix at any world size.
+// matrices pays launch overhead on MoE models with thousands of experts. One process, or one
+// rank per process under a launcher (the exchange's packing only runs where matrices move).
 
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -22,13 +24,39 @@
 namespace fsdp_muon_bench {
 namespace {
 
-// Top-level operator calls (not the ones an operator makes inside), on every thread.
-std::atomic<int64_t> g_calls{0};
+// The step's phases as FsdpMuon names its user scopes (RecordFunction), and "other" for calls
+// outside them (the agreement's setup, the state's bookkeeping).
+constexpr const char* kPhases[] = {"check",   "elementwise", "gather", "orthogonalize",
+                                   "scatter", "apply",       "refresh"};
+constexpr size_t kOrthogonalize = 3;  // Newton–Schulz and its scale
+constexpr size_t kOther = std::size(kPhases);
+constexpr size_t kColumns = kOther + 1;
+
+// Top-level operator calls (not the ones an operator makes inside), on every thread, by phase.
+std::array<std::atomic<int64_t>, kColumns> g_calls{};
 thread_local int t_depth = 0;
+thread_local size_t t_phase = kOther;
+
+// Remembers the phase a user scope interrupted.
+struct PhaseContext : at::ObserverContext {
+  explicit PhaseContext(size_t previous) : previous(previous) {}
+  size_t previous;
+};
+
+size_t phase_of(const char* name) {
+  const std::string_view prefix = "fsdp_muon::";
+  const std::string_view n(name);
+  if (n.substr(0, prefix.size()) != prefix) return kColumns;
+  for (size_t i = 0; i < kOther; ++i) {
+    if (n.substr(prefix.size()) == kPhases[i]) return i;
+  }
+  return kColumns;
+}
 
 struct OpCount {
   std::string model;
   int64_t groups = 0, matrices = 0, calls = 0, newton_schulz_calls = 0;
+  std::array<int64_t, kColumns> by_phase{};
 };
 
 OpCount count_one_step(const std::string& label, const ModelShapes& model,
@@ -62,15 +90,28 @@ OpCount count_one_step(const std::string& label, const ModelShapes& model,
   muon.step();  // the first step creates the momentum buffers
   fill_gradients();
 
-  g_calls = 0;
+  for (auto& calls : g_calls) calls = 0;
   at::CallbackHandle handle = at::addGlobalCallback(
       at::RecordFunctionCallback(
-          [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
-            if (t_depth++ == 0) g_calls.fetch_add(1, std::memory_order_relaxed);
+          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+            if (fn.scope() == at::RecordScope::USER_SCOPE) {
+              const size_t phase = phase_of(fn.name());
+              if (phase == kColumns) return nullptr;
+              auto context = std::make_unique<PhaseContext>(t_phase);
+              t_phase = phase;
+              return context;
+            }
+            if (t_depth++ == 0) g_calls[t_phase].fetch_add(1, std::memory_order_relaxed);
             return nullptr;
           },
-          [](const at::RecordFunction&, at::ObserverContext*) { --t_depth; })
-          .scopes({at::RecordScope::FUNCTION}));
+          [](const at::RecordFunction& fn, at::ObserverContext* context) {
+            if (fn.scope() == at::RecordScope::USER_SCOPE) {
+              if (context != nullptr) t_phase = static_cast<PhaseContext*>(context)->previous;
+              return;
+            }
+            --t_depth;
+          })
+          .scopes({at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
   muon.step();
   at::removeCallback(handle);
 
@@ -78,7 +119,10 @@ OpCount count_one_step(const std::string& label, const ModelShapes& model,
   c.model = label;
   c.groups = static_cast<int64_t>(groups.size());
   c.matrices = static_cast<int64_t>(muon.matrices().size());
-  c.calls = g_calls.load();
+  for (size_t i = 0; i < kColumns; ++i) {
+    c.by_phase[i] = g_calls[i].load();
+    c.calls += c.by_phase[i];
+  }
   c.newton_schulz_calls = muon.last_step_stats().newton_schulz_calls;
   return c;
 }
@@ -93,8 +137,9 @@ int run_count_ops(Flags& flags) {
   TORCH_CHECK(layers >= 1 && scale >= 1 && experts >= 1,
               "--layers, --scale and --experts must be >= 1");
   const auto comm = fsdp_muon::init_from_env();
-  TORCH_CHECK(comm->size() == 1, "--count-ops runs in one process (no launcher), got a world of ",
-              comm->size());
+  // Under a launcher every rank counts its own calls (those of the communicator's own threads as
+  // "other"); rank 0 prints.
+  const bool print = comm->rank() == 0;
   std::vector<OpCount> rows;
   rows.push_back(
       count_one_step(format("qwen3-30b-a3b: %lld layers, %lld experts, widths / %lld",
@@ -103,9 +148,11 @@ int run_count_ops(Flags& flags) {
                      qwen3_30b_a3b(layers, experts, scale), comm));
   rows.push_back(count_one_step(format("gpt2-124m: %lld layers", static_cast<long long>(layers)),
                                 gpt2_124m(layers), comm));
+  if (!print) return 0;
   std::printf(
       "ATen operator calls per FsdpMuon step (top-level calls; each is >= 1 kernel on a "
-      "GPU), world of 1, fp32 Newton-Schulz\n");
+      "GPU), rank 0 of a world of %d, fp32 Newton-Schulz\n",
+      comm->size());
   std::printf("%-48s %7s %9s %11s %12s %12s %9s\n", "model", "groups", "matrices", "calls/step",
               "calls/matrix", "calls/group", "NS calls");
   for (const OpCount& r : rows) {
@@ -115,12 +162,22 @@ int run_count_ops(Flags& flags) {
                 static_cast<double>(r.calls) / r.groups,
                 static_cast<long long>(r.newton_schulz_calls));
   }
+  std::printf("\nby phase of the step (FsdpMuon's user scopes; \"other\": outside them)\n");
+  std::printf("%-48s", "model");
+  for (const char* phase : kPhases) std::printf(" %13s", phase);
+  std::printf(" %13s\n", "other");
+  for (const OpCount& r : rows) {
+    std::printf("%-48s", r.model.c_str());
+    for (int64_t calls : r.by_phase) std::printf(" %13lld", static_cast<long long>(calls));
+    std::printf("\n");
+  }
   const OpCount& moe = rows.front();
   std::printf(
       "headline: %.1f ATen calls per matrix per step on the MoE preset (%lld matrices, "
-      "%lld calls)\n",
+      "%lld calls; %.1f per group outside Newton-Schulz)\n",
       static_cast<double>(moe.calls) / moe.matrices, static_cast<long long>(moe.matrices),
-      static_cast<long long>(moe.calls));
+      static_cast<long long>(moe.calls),
+      static_cast<double>(moe.calls - moe.by_phase[kOrthogonalize]) / moe.groups);
   return 0;
 }
 

@@ -28,7 +28,25 @@ PhaseTimer::PhaseTimer(c10::Device device) : device_(device) {}
 PhaseTimer::~PhaseTimer() = default;
 
 PhaseTimer::Scope::Scope(PhaseTimer& timer, Field field)
-    : timer_(timer), field_(field), index_(timer.begin(field)) {}
+    : timer_(timer), field_(field), index_(timer.begin(field)) {
+  auto record = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (record->isActive()) {
+    record->before(phase_name(field));
+    record_ = std::move(record);
+  }
+}
+
+const char* PhaseTimer::phase_name(Field field) {
+  using S = FsdpMuonStepStats;
+  if (field == &S::check_seconds) return "fsdp_muon::check";
+  if (field == &S::elementwise_seconds) return "fsdp_muon::elementwise";
+  if (field == &S::gather_seconds) return "fsdp_muon::gather";
+  if (field == &S::orthogonalize_seconds) return "fsdp_muon::orthogonalize";
+  if (field == &S::scatter_seconds) return "fsdp_muon::scatter";
+  if (field == &S::apply_seconds) return "fsdp_muon::apply";
+  if (field == &S::refresh_seconds) return "fsdp_muon::refresh";
+  return "fsdp_muon::phase";
+}
 
 PhaseTimer::Scope::~Scope() { timer_.end(index_); }
 

@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include <ATen/record_function.h>
 #include <c10/core/Device.h>
 
 #include <fsdp_muon/comm/communicator.h>
@@ -25,7 +26,9 @@ class PhaseTimer {
   PhaseTimer(const PhaseTimer&) = delete;
   PhaseTimer& operator=(const PhaseTimer&) = delete;
 
-  // Adds the time from its construction to its destruction to `field` of the stats.
+  // Adds the time from its construction to its destruction to `field` of the stats. While a
+  // RecordFunction callback listens (torch's profiler, fsdp_muon_bench --count-ops), the phase is
+  // also a user scope named phase_name(field).
   class Scope {
    public:
     Scope(PhaseTimer& timer, Field field);
@@ -37,8 +40,13 @@ class PhaseTimer {
     PhaseTimer& timer_;
     Field field_;
     size_t index_;
+    std::unique_ptr<at::RecordFunction> record_;
   };
   Scope measure(Field field) { return Scope(*this, field); }
+
+  // "fsdp_muon::<phase>" for a field of FsdpMuonStepStats ("fsdp_muon::orthogonalize" for
+  // orthogonalize_seconds).
+  static const char* phase_name(Field field);
 
   // Forgets the phases of the previous step.
   void reset();
