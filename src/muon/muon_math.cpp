@@ -12,6 +12,29 @@
 
 namespace fsdp_muon::detail {
 
+namespace {
+
+// The (1 - c) factor muon_momentum_input applies to the parameter for decoupled, independent and
+// PaLM weight decay (not for kL2, which adds to the gradient instead).
+double decay_factor(const MuonOptions& options) {
+  const double lr = options.lr();
+  const double wd = options.weight_decay();
+  switch (options.weight_decay_method()) {
+    case WeightDecayMethod::kDecoupled:
+      return 1.0 - lr * wd;
+    case WeightDecayMethod::kIndependent:
+      return 1.0 - wd;
+    case WeightDecayMethod::kPalm:
+      return 1.0 - lr * lr * wd;
+    case WeightDecayMethod::kL2:
+      return 1.0;
+  }
+  TORCH_CHECK(false, "fsdp_muon::MuonOptions: weight_decay_method has an unknown value ",
+              static_cast<int>(options.weight_decay_method()));
+}
+
+}  // namespace
+
 at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
                                at::Tensor& momentum_buffer, const MuonOptions& options) {
   TORCH_CHECK(momentum_buffer.defined(),
@@ -19,7 +42,6 @@ at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
   TORCH_CHECK(param.sizes() == grad.sizes() && param.sizes() == momentum_buffer.sizes(),
               "fsdp_muon::Muon: parameter ", param.sizes(), ", gradient ", grad.sizes(),
               " and momentum buffer ", momentum_buffer.sizes(), " must have one shape");
-  const double lr = options.lr();
   const double wd = options.weight_decay();
   const double mu = options.momentum();
 
@@ -27,19 +49,10 @@ at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
   if (wd != 0.0) {
     // The (1 - c) factors are formed in double and applied with one mul, one rounding per
     // element; for kDecoupled this is torch.optim.Muon's param.mul_(1 - lr * wd).
-    switch (options.weight_decay_method()) {
-      case WeightDecayMethod::kDecoupled:
-        param.mul_(1.0 - lr * wd);
-        break;
-      case WeightDecayMethod::kIndependent:
-        param.mul_(1.0 - wd);
-        break;
-      case WeightDecayMethod::kPalm:
-        param.mul_(1.0 - lr * lr * wd);
-        break;
-      case WeightDecayMethod::kL2:
-        g = grad.add(param.mul(wd));  // a new tensor: the user's .grad stays as it was
-        break;
+    if (options.weight_decay_method() == WeightDecayMethod::kL2) {
+      g = grad.add(param.mul(wd));  // a new tensor: the user's .grad stays as it was
+    } else {
+      param.mul_(decay_factor(options));
     }
   }
 
@@ -50,6 +63,39 @@ at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
     return g_scaled.add(momentum_buffer.mul(mu));
   }
   return momentum_buffer.clone();
+}
+
+std::vector<at::Tensor> muon_momentum_inputs(at::TensorList params, at::TensorList grads,
+                                             at::TensorList momentum_buffers,
+                                             const MuonOptions& options) {
+  TORCH_CHECK(params.size() == grads.size() && params.size() == momentum_buffers.size(),
+              "fsdp_muon::Muon: ", params.size(), " parameters, ", grads.size(), " gradients and ",
+              momentum_buffers.size(), " momentum buffers");
+  if (params.empty()) return {};
+  const double wd = options.weight_decay();
+  const double mu = options.momentum();
+  std::vector<at::Tensor> l2_grads;
+  at::TensorList g = grads;
+  if (wd != 0.0) {
+    if (options.weight_decay_method() == WeightDecayMethod::kL2) {
+      l2_grads = at::_foreach_add(grads, at::_foreach_mul(params, wd));
+      g = l2_grads;
+    } else {
+      at::_foreach_mul_(params, decay_factor(options));
+    }
+  }
+  const std::vector<at::Tensor> g_scaled = at::_foreach_mul(g, 1.0 - mu);
+  at::_foreach_mul_(momentum_buffers, mu);
+  at::_foreach_add_(momentum_buffers, g_scaled);
+  if (options.nesterov()) {
+    // mu*B + g_scaled: the sum muon_momentum_input forms as g_scaled + mu*B (addition commutes
+    // exactly).
+    std::vector<at::Tensor> u = at::_foreach_mul(momentum_buffers, mu);
+    at::_foreach_add_(u, g_scaled);
+    return u;
+  }
+  // Copies (x * 1 is x, bit for bit), in one operation for the list.
+  return at::_foreach_mul(momentum_buffers, 1.0);
 }
 
 double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
@@ -149,6 +195,13 @@ void muon_apply_update(const at::Tensor& param, const at::Tensor& update,
   TORCH_CHECK(param.sizes() == update.sizes(), "fsdp_muon::Muon: parameter ", param.sizes(),
               " and update ", update.sizes(), " must have one shape");
   param.sub_(update.mul(options.lr()));
+}
+
+void muon_apply_updates(at::TensorList params, at::TensorList updates, const MuonOptions& options) {
+  TORCH_CHECK(params.size() == updates.size(), "fsdp_muon::Muon: ", params.size(),
+              " parameters but ", updates.size(), " updates");
+  if (params.empty()) return;
+  at::_foreach_sub_(params, at::_foreach_mul(updates, options.lr()));
 }
 
 MuonParamState& advance_muon_state(OptimizerStateMap& state, const at::Tensor& param) {

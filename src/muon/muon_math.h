@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
@@ -35,6 +36,14 @@ namespace fsdp_muon::detail {
 // must have the same shape, dtype and device.
 at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
                                at::Tensor& momentum_buffer, const MuonOptions& options);
+
+// The same for many pieces that share `options`, each at its position in the three lists, as a
+// few multi-tensor (_foreach_) operations: on CUDA a kernel serves many pieces, and the bits are
+// those of muon_momentum_input on each piece (the same operations, rounding once per element).
+// Without Nesterov the inputs are copies of the buffers.
+std::vector<at::Tensor> muon_momentum_inputs(at::TensorList params, at::TensorList grads,
+                                             at::TensorList momentum_buffers,
+                                             const MuonOptions& options);
 
 // The scale factor of the orthogonalized update of a rows x cols (out x in) matrix:
 // spectral sqrt(max(rows, cols)); shape_scaling sqrt(max(1, rows/cols)); unit_rms_norm
@@ -70,6 +79,9 @@ at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& like, 
 // `update` may be a slice of the full update matching a local shard of the parameter.
 void muon_apply_update(const at::Tensor& param, const at::Tensor& update,
                        const MuonOptions& options);
+
+// muon_apply_update on each (param, update) pair of the lists, as two multi-tensor operations.
+void muon_apply_updates(at::TensorList params, at::TensorList updates, const MuonOptions& options);
 
 // The MuonParamState of `param` in an optimizer's state map, created lazily on its first step
 // (momentum: zeros with the parameter's shape and dtype), with its step counter advanced. Muon

@@ -17,6 +17,7 @@
 #include "optimizer/exchange_layout.h"
 #include "optimizer/phase_timer.h"
 #include "optimizer/rate_calibration.h"
+#include "optimizer/step_views.h"
 
 namespace fsdp_muon {
 namespace detail {
@@ -50,14 +51,29 @@ struct StepRun {
   const MuonOptions& options_of(const FsdpMuonMatrix& m) const { return *options[m.param_group]; }
 };
 
+// Same-shape matrices an owner orthogonalizes in one Newton–Schulz call (docs/DESIGN.md §4,
+// "Batching"), back to back in RoundInFlight::owned from `offset`.
+struct OwnedBatch {
+  std::vector<size_t> matrices;  // positions j in the round
+  int64_t offset = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const MuonOptions* options = nullptr;
+};
+
 // One round as it moves through the step's phases: its matrices are round_matrices[round],
 // position j in every vector below.
 struct RoundInFlight {
   size_t round = 0;
-  std::vector<bool> active;      // [j] has a gradient this step
-  std::vector<bool> with_rows;   // [j] NorMuon: its per-row state travels with it
-  std::vector<at::Tensor> own;   // [j] this rank's momentum input, owned matrices
-  std::vector<at::Tensor> full;  // [j] full matrix (input, then update) on owners
+  std::vector<bool> active;     // [j] has a gradient this step
+  std::vector<bool> with_rows;  // [j] NorMuon: its per-row state travels with it
+  std::vector<at::Tensor> own;  // [j] this rank's momentum input, owned matrices
+  // Owners: every full matrix the rank owns in the round (input, then update), batch by batch in
+  // one buffer; [j] a 1-D view of matrix j in it, and [j][h] of shard rank h's piece of that.
+  at::Tensor owned;
+  std::vector<at::Tensor> full;
+  std::vector<std::vector<at::Tensor>> held_piece;
+  std::vector<OwnedBatch> batches;
   // NorMuon (docs/DESIGN.md §3): [j] this rank's rows of the per-row state (its MuonParamState's
   // tensor, written back when the round is applied), and on owners the whole per-row state.
   std::vector<at::Tensor> row_state;
@@ -123,6 +139,11 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   at::Tensor piece(const at::Tensor& shard_like, size_t m) const {
     return shard_like.narrow(0, local_piece[m].first, local_piece[m].second);
   }
+  // [matrix] views of this rank's piece of it in its parameter's shard, gradient and momentum
+  // buffer, kept across steps: the step finds them without an ATen call per matrix.
+  detail::PieceViews param_pieces;
+  detail::PieceViews grad_pieces;
+  detail::PieceViews momentum_pieces;
   int world() const { return exchange_comm->size(); }  // exchange ranks
   int exchange_replicas() const { return world() / shard_size; }
   int replicas() const { return world_comm->size() / shard_size; }
@@ -145,6 +166,7 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   // ---- the step's phases, in order ----
   detail::StepRun agree_on_gradients(FsdpMuon& self);
   void advance_states(FsdpMuon& self, const detail::StepRun& s);
+  std::vector<int64_t> non_finite_matrices(const std::vector<size_t>& with_gradient);
   void reject_non_finite(const std::vector<int64_t>& ranks_per_matrix, detail::StepRun& s);
   detail::RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const detail::StepRun& s);
   void start_gather(detail::RoundInFlight& f, detail::StepRun& s);

@@ -244,8 +244,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
         mine[slot.replica_zero(g)] = zero;
       }
     }
-    std::vector<size_t> checked;
-    std::vector<at::Tensor> not_finite;
+    std::vector<size_t> with_gradient;
     for (size_t m = 0; m < n; ++m) {
       const at::Tensor& p = matrices[m].sharded_parameter;
       const at::Tensor& g = p.grad();
@@ -257,17 +256,12 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
                   "; FsdpMuon expects the group's gradient-shard slice "
                   "(FsdpParameterGroup::reduce_scatter_grads())");
       mine[slot.has_grad(m)] = 1;
-      if (check_finite) {
-        checked.push_back(m);
-        not_finite.push_back(at::logical_not(at::isfinite(piece(g, m))).any());
-      }
+      with_gradient.push_back(m);
     }
-    if (checked.empty()) return;
-    // One device-to-host copy for all matrices. The shards are the reduce-scatter's result, so
-    // the wait is bounded by the communicator's timeout (docs/DESIGN.md §5).
-    const at::Tensor flags = world_comm->to_host(at::stack(not_finite).to(at::kLong));
-    for (size_t k = 0; k < checked.size(); ++k) {
-      mine[slot.non_finite(checked[k])] = flags.data_ptr<int64_t>()[k];
+    if (!check_finite || with_gradient.empty()) return;
+    const std::vector<int64_t> flags = non_finite_matrices(with_gradient);
+    for (size_t k = 0; k < with_gradient.size(); ++k) {
+      mine[slot.non_finite(with_gradient[k])] = flags[k];
     }
   };
   std::vector<int64_t> sums(slot.size(), 0);
@@ -396,6 +390,63 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   return s;
 }
 
+// [k] 1 where the gradient of matrix with_gradient[k] holds NaN or Inf on this rank. Where every
+// such gradient of an FSDP group lies in the group's gradient shard (reduce_scatter_grads() puts
+// it there), one check of the shard clears them all; the group's matrices are checked one by one
+// only when its shard is not finite (docs/DESIGN.md §4, "Kernels per step"). The shards are the
+// reduce-scatter's result, so each wait is bounded by the communicator's timeout (§5).
+std::vector<int64_t> FsdpMuon::Impl::non_finite_matrices(const std::vector<size_t>& with_gradient) {
+  std::vector<int64_t> flags(with_gradient.size(), 0);
+  const auto grad_piece = [&](size_t k) -> const at::Tensor& {
+    const size_t m = with_gradient[k];
+    return grad_pieces.get(m, matrices[m].sharded_parameter.grad(), local_piece[m].first,
+                           local_piece[m].second);
+  };
+  // One device-to-host copy for many "all finite" flags.
+  const auto finite_on_host = [&](const std::vector<at::Tensor>& all_finite) {
+    const at::Tensor host = world_comm->to_host(at::stack(all_finite).to(at::kLong));
+    return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  };
+  std::vector<std::vector<size_t>> of_group(groups.size());
+  std::vector<bool> in_shard(groups.size(), true);
+  for (size_t k = 0; k < with_gradient.size(); ++k) {
+    const size_t g = matrices[with_gradient[k]].group_ordinal;
+    of_group[g].push_back(k);
+    const at::Tensor& grad = matrices[with_gradient[k]].sharded_parameter.grad();
+    in_shard[g] = in_shard[g] && grad.storage().is_alias_of(groups[g]->grad_shard().storage());
+  }
+  std::vector<size_t> by_shard;    // groups checked by their shard
+  std::vector<size_t> one_by_one;  // k
+  std::vector<at::Tensor> all_finite;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (of_group[g].empty()) continue;
+    if (in_shard[g]) {
+      by_shard.push_back(g);
+      all_finite.push_back(at::isfinite(groups[g]->grad_shard()).all());
+    } else {
+      one_by_one.insert(one_by_one.end(), of_group[g].begin(), of_group[g].end());
+    }
+  }
+  for (size_t k : one_by_one) all_finite.push_back(at::isfinite(grad_piece(k)).all());
+  const std::vector<int64_t> finite = finite_on_host(all_finite);
+  for (size_t i = 0; i < one_by_one.size(); ++i) {
+    flags[one_by_one[i]] = finite[by_shard.size() + i] == 0 ? 1 : 0;
+  }
+  // A shard that is not finite: which of its matrices (the rest of it may be another optimizer's
+  // parameters). Only on such steps is there a second wait.
+  std::vector<size_t> again;
+  for (size_t i = 0; i < by_shard.size(); ++i) {
+    if (finite[i] == 0)
+      again.insert(again.end(), of_group[by_shard[i]].begin(), of_group[by_shard[i]].end());
+  }
+  if (again.empty()) return flags;
+  std::vector<at::Tensor> each;
+  for (size_t k : again) each.push_back(at::isfinite(grad_piece(k)).all());
+  const std::vector<int64_t> finite_each = finite_on_host(each);
+  for (size_t i = 0; i < again.size(); ++i) flags[again[i]] = finite_each[i] == 0 ? 1 : 0;
+  return flags;
+}
+
 // Applies NonFiniteGradients to the agreed counts of ranks that saw NaN or Inf per matrix.
 void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& ranks_per_matrix, StepRun& s) {
   const size_t n = matrices.size();
@@ -476,40 +527,69 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
   f.variance.resize(mine.size());
   const size_t group = mine.empty() ? 0 : matrices[mine.front()].group_ordinal;
   f.send = at::empty({x.gather.send_numel}, groups[group]->main_weight_shard().options());
+  // The round's pieces by optimizer group, each group's pieces one list for the multi-tensor
+  // math (docs/DESIGN.md §4, "Kernels per step").
+  std::vector<const MuonOptions*> option_sets;
+  std::vector<std::vector<size_t>> pieces_of;  // [option set] -> positions j
   for (size_t j = 0; j < mine.size(); ++j) {
-    if (!f.active[j]) continue;
-    const FsdpMuonMatrix& mat = matrices[mine[j]];
-    if (local_piece[mine[j]].second == 0) continue;  // this rank holds none of it
-    const at::Tensor& p = mat.sharded_parameter;
-    auto& state =
-        static_cast<MuonParamState&>(*self.state_.at(p.unsafeGetTensorImpl()));  // advance_states
-    const MuonOptions& options = s.options_of(mat);
-    if (f.with_rows[j]) {
-      // This block's rows of the parameter's NorMuon state (docs/DESIGN.md §3): the state holds
-      // the parameter's rows starting in this rank's elements, the block's start at row
-      // offset / cols of the parameter.
-      const auto block_rows = round_placement[round][j].held_rows(holder);
-      const int64_t first_row =
-          detail::rows_starting_in(mat.group->held_range(mat.index, holder), mat.cols).first;
-      f.row_state[j] =
-          state.normuon_variance().narrow(0, mat.offset / mat.cols + block_rows.first - first_row,
-                                          block_rows.second - block_rows.first);
+    if (!f.active[j] || local_piece[mine[j]].second == 0) continue;  // none of it here
+    const MuonOptions* options = &s.options_of(matrices[mine[j]]);
+    const auto o = static_cast<size_t>(std::find(option_sets.begin(), option_sets.end(), options) -
+                                       option_sets.begin());
+    if (o == option_sets.size()) {
+      option_sets.push_back(options);
+      pieces_of.emplace_back();
     }
-    // The elementwise steps on this matrix's piece of the shard: they round once per element,
-    // so pieces give the whole parameter's bits (muon_math.h). A holder in another replica than
-    // the owner's advances its momentum alike and sends nothing: the owner's replica holds the
-    // same bits (docs/DESIGN.md §3).
-    at::Tensor buffer = piece(state.momentum_buffer(), mine[j]);
-    at::Tensor u =
-        detail::muon_momentum_input(piece(p, mine[j]), piece(p.grad(), mine[j]), buffer, options);
-    if (mat.owner == me) {
-      f.own[j] = std::move(u);
-    } else if (x.gather_send_offset[j] >= 0) {
-      f.send.narrow(0, x.gather_send_offset[j], u.numel()).copy_(u);
-      if (f.with_rows[j] && f.row_state[j].numel() > 0) {
-        f.send.narrow(0, x.gather_send_offset[j] + u.numel(), f.row_state[j].numel())
-            .copy_(f.row_state[j]);
+    pieces_of[o].push_back(j);
+  }
+  std::vector<std::pair<int64_t, int64_t>> send_ranges;
+  std::vector<at::Tensor> sent;
+  for (size_t o = 0; o < option_sets.size(); ++o) {
+    std::vector<at::Tensor> params, grads, buffers;
+    for (size_t j : pieces_of[o]) {
+      const size_t m = mine[j];
+      const at::Tensor& p = matrices[m].sharded_parameter;
+      const auto [first, length] = local_piece[m];
+      auto& state =
+          static_cast<MuonParamState&>(*self.state_.at(p.unsafeGetTensorImpl()));  // advance_states
+      params.push_back(param_pieces.get(m, p, first, length));
+      grads.push_back(grad_pieces.get(m, p.grad(), first, length));
+      buffers.push_back(momentum_pieces.get(m, state.momentum_buffer(), first, length));
+    }
+    // They round once per element, so pieces give the whole parameter's bits (muon_math.h). A
+    // holder in another replica than the owner's advances its momentum alike and sends nothing:
+    // the owner's replica holds the same bits (docs/DESIGN.md §3).
+    std::vector<at::Tensor> u =
+        detail::muon_momentum_inputs(params, grads, buffers, *option_sets[o]);
+    for (size_t k = 0; k < pieces_of[o].size(); ++k) {
+      const size_t j = pieces_of[o][k];
+      if (matrices[mine[j]].owner == me) {
+        f.own[j] = std::move(u[k]);
+      } else if (x.gather_send_offset[j] >= 0) {
+        send_ranges.emplace_back(x.gather_send_offset[j], u[k].numel());
+        sent.push_back(std::move(u[k]));
       }
+    }
+  }
+  if (!sent.empty()) at::_foreach_copy_(detail::slices_of(f.send, send_ranges), sent);
+  // NorMuon: each sent piece is followed by this rank's rows of the parameter's per-row state
+  // (the state holds the parameter's rows starting in this rank's elements, the block's start at
+  // row offset / cols of the parameter).
+  for (size_t j = 0; j < mine.size(); ++j) {
+    if (!f.with_rows[j] || local_piece[mine[j]].second == 0) continue;
+    const FsdpMuonMatrix& mat = matrices[mine[j]];
+    const auto& state =
+        static_cast<MuonParamState&>(*self.state_.at(mat.sharded_parameter.unsafeGetTensorImpl()));
+    const auto block_rows = round_placement[round][j].held_rows(holder);
+    const int64_t first_row =
+        detail::rows_starting_in(mat.group->held_range(mat.index, holder), mat.cols).first;
+    f.row_state[j] =
+        state.normuon_variance().narrow(0, mat.offset / mat.cols + block_rows.first - first_row,
+                                        block_rows.second - block_rows.first);
+    if (mat.owner != me && x.gather_send_offset[j] >= 0 && f.row_state[j].numel() > 0) {
+      f.send
+          .narrow(0, x.gather_send_offset[j] + local_piece[mine[j]].second, f.row_state[j].numel())
+          .copy_(f.row_state[j]);
     }
   }
   return f;
@@ -532,7 +612,9 @@ void FsdpMuon::Impl::start_gather(RoundInFlight& f, StepRun& s) {
   }
 }
 
-// Waits for the round's gather, then each owner assembles its full matrices.
+// Waits for the round's gather, then each owner assembles its full matrices: grouped into the
+// batches Newton–Schulz will run (docs/DESIGN.md §4, "Batching"), back to back in one buffer per
+// round, every piece put in place by one multi-tensor copy (§4, "Kernels per step").
 void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
   const auto phase = timer->measure(&Stats::gather_seconds);
   if (f.work) {
@@ -542,99 +624,134 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
   const int me = rank();
   const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
   const auto& where_all = round_placement[f.round];
+  const auto& mine = round_matrices[f.round];
+  // Bounds a batch's Newton–Schulz workspace (2^25 elements: 128 MiB fp32).
+  constexpr int64_t kMaxBatchElements = int64_t{1} << 25;
+  // Batches in order of their first matrix; the key keeps apart what one call cannot share.
+  using Key = std::tuple<int64_t, int64_t, c10::ScalarType, size_t>;  // rows, cols, dtype, group
+  std::map<Key, size_t> open_batch;  // key -> index in f.batches of the batch still filling
+  const NewtonSchulzBatching mode = config.batch_newton_schulz();
   for (size_t j = 0; j < where_all.size(); ++j) {
+    if (!f.active[j] || where_all[j].owner != me) continue;
+    const FsdpMuonMatrix& mat = matrices[mine[j]];
+    const MuonOptions& options = s.options_of(mat);
+    const bool batch =
+        mode == NewtonSchulzBatching::kAlways ||
+        (mode == NewtonSchulzBatching::kWhereBitwise &&
+         detail::batched_newton_schulz_is_bitwise(f.send.device(), options.ns_dtype()));
+    const Key key{mat.rows, mat.cols, f.send.scalar_type(), mat.param_group};
+    auto open = batch ? open_batch.find(key) : open_batch.end();
+    if (open != open_batch.end() &&
+        static_cast<int64_t>(f.batches[open->second].matrices.size() + 1) * mat.rows * mat.cols <=
+            kMaxBatchElements) {
+      f.batches[open->second].matrices.push_back(j);
+      continue;
+    }
+    if (batch) open_batch[key] = f.batches.size();
+    f.batches.push_back(detail::OwnedBatch{{j}, 0, mat.rows, mat.cols, &options});
+  }
+  // Each batch starts where a fresh allocation would (512 bytes: the CUDA caching allocator's
+  // granule, a multiple of the CPU allocator's 64), so Newton–Schulz reads its input at the
+  // alignment single-device Muon's has (CUDA kernels may pick another reduction order on other
+  // alignments).
+  const int64_t align = std::max<int64_t>(1, 512 / static_cast<int64_t>(f.send.element_size()));
+  int64_t total = 0;
+  std::vector<std::pair<int64_t, int64_t>> matrix_ranges, held_ranges, recv_ranges;
+  std::vector<std::pair<size_t, int>> held_of;  // (j, h) of each held range
+  std::vector<int64_t> own_at;                  // this rank's pieces: index into held_ranges
+  std::vector<size_t> own_of;
+  for (detail::OwnedBatch& batch : f.batches) {
+    total = (total + align - 1) / align * align;
+    batch.offset = total;
+    for (size_t j : batch.matrices) {
+      const MatrixPlacement& where = where_all[j];
+      matrix_ranges.emplace_back(total, where.numel());
+      for (int h = 0; h < shard_size; ++h) {
+        if (where.held_numel(h) == 0) continue;
+        held_of.emplace_back(j, h);
+        held_ranges.emplace_back(total + where.held[h].first, where.held_numel(h));
+      }
+      total += where.numel();
+      f.full_bytes += where.numel() * static_cast<int64_t>(f.send.element_size());
+    }
+  }
+  if (f.batches.empty()) return;
+  f.owned = at::empty({total}, f.send.options());
+  const std::vector<at::Tensor> fulls = detail::slices_of(f.owned, matrix_ranges);
+  const std::vector<at::Tensor> held = detail::slices_of(f.owned, held_ranges);
+  f.held_piece.assign(where_all.size(), std::vector<at::Tensor>(shard_size));
+  size_t next_full = 0;
+  for (const detail::OwnedBatch& batch : f.batches) {
+    for (size_t j : batch.matrices) f.full[j] = fulls[next_full++];
+  }
+  // From the shard ranks of the owner's replica: exchange ranks first..first + shard_size.
+  const int first = me - shard_rank();
+  std::vector<at::Tensor> destinations, sources;
+  std::vector<at::Tensor> received_into;
+  for (size_t i = 0; i < held_of.size(); ++i) {
+    const auto [j, h] = held_of[i];
+    f.held_piece[j][h] = held[i];
+    const int q = first + h;
+    if (q == me) {
+      destinations.push_back(held[i]);
+      sources.push_back(f.own[j]);
+    } else {
+      received_into.push_back(held[i]);
+      recv_ranges.emplace_back(x.gather_recv_offset[j][q], held_ranges[i].second);
+    }
+  }
+  const std::vector<at::Tensor> received = detail::slices_of(f.recv, recv_ranges);
+  destinations.insert(destinations.end(), received_into.begin(), received_into.end());
+  sources.insert(sources.end(), received.begin(), received.end());
+  at::_foreach_copy_(destinations, sources);
+  // NorMuon: the whole per-row state of each owned matrix, from its holders' rows.
+  for (size_t j = 0; j < where_all.size(); ++j) {
+    if (!f.full[j].defined() || !f.with_rows[j]) continue;
     const MatrixPlacement& where = where_all[j];
-    if (!f.active[j] || where.owner != me) continue;
-    // One allocation per matrix: fresh, aligned storage, as single-device Muon's U has.
-    at::Tensor full = at::empty({where.numel()}, f.send.options());
-    f.full_bytes += full.nbytes();
-    at::Tensor variance;
-    if (f.with_rows[j]) variance = at::empty({where.numel() / where.cols}, f.send.options());
-    // From the shard ranks of the owner's replica: exchange ranks first..first + shard_size.
-    const int first = me - shard_rank();
+    at::Tensor variance = at::empty({where.numel() / where.cols}, f.send.options());
     for (int h = 0; h < shard_size; ++h) {
       const int q = first + h;
-      const int64_t len = where.held_numel(h);
-      if (len == 0) continue;
-      full.narrow(0, where.held[h].first, len)
-          .copy_(q == me ? f.own[j] : f.recv.narrow(0, x.gather_recv_offset[j][q], len));
-      const int64_t rows = f.with_rows[j] ? where.held_rows_numel(h) : 0;
+      const int64_t rows = where.held_rows_numel(h);
       if (rows == 0) continue;
       variance.narrow(0, where.held_rows(h).first, rows)
-          .copy_(q == me ? f.row_state[j]
-                         : f.recv.narrow(0, x.gather_recv_offset[j][q] + len, rows));
+          .copy_(q == me
+                     ? f.row_state[j]
+                     : f.recv.narrow(0, x.gather_recv_offset[j][q] + where.held_numel(h), rows));
     }
-    f.own[j] = at::Tensor();
-    f.full[j] = std::move(full);
     f.variance[j] = std::move(variance);
   }
+  for (size_t j = 0; j < where_all.size(); ++j) f.own[j] = at::Tensor();
   live_full_bytes += f.full_bytes;
   s.stats.max_transient_bytes = std::max(s.stats.max_transient_bytes, live_full_bytes);
 }
 
-// Newton–Schulz and the scale on each full matrix this rank owns in the round, in place.
-// Same-shape matrices of one optimizer group go through one batched call where
+// Newton–Schulz and the scale on each batch of full matrices this rank owns in the round, in
+// place. Same-shape matrices of one optimizer group share a batch where
 // FsdpMuonConfig::batch_newton_schulz allows it (docs/DESIGN.md §4, "Batching").
 void FsdpMuon::Impl::orthogonalize_owned(RoundInFlight& f, StepRun& s) {
   const auto phase = timer->measure(&Stats::orthogonalize_seconds);
-  // Bounds the batch's stacked copy and Newton–Schulz workspace (2^25 elements: 128 MiB fp32).
-  constexpr int64_t kMaxBatchElements = int64_t{1} << 25;
-  struct Owned {
-    at::Tensor u;  // the full matrix as rows x cols, a view of its storage
-    const MuonOptions* options;
-    at::Tensor variance;  // NorMuon: the whole per-row state, updated in place
-  };
-  // Batches in order of their first matrix; the key keeps apart what one call cannot share.
-  using Key = std::tuple<int64_t, int64_t, c10::ScalarType, size_t>;  // rows, cols, dtype, group
-  std::vector<std::vector<Owned>> batches;
-  std::map<Key, size_t> open_batch;  // key -> index in batches of the batch still filling
-  const auto& mine = round_matrices[f.round];
-  for (size_t j = 0; j < mine.size(); ++j) {
-    at::Tensor& full = f.full[j];
-    if (!full.defined()) continue;
-    const FsdpMuonMatrix& mat = matrices[mine[j]];
-    const MuonOptions& options = s.options_of(mat);
-    Owned owned{full.view({mat.rows, mat.cols}), &options, f.variance[j]};
-    const NewtonSchulzBatching mode = config.batch_newton_schulz();
-    const bool batch =
-        mode == NewtonSchulzBatching::kAlways ||
-        (mode == NewtonSchulzBatching::kWhereBitwise &&
-         detail::batched_newton_schulz_is_bitwise(full.device(), options.ns_dtype()));
-    const Key key{mat.rows, mat.cols, full.scalar_type(), mat.param_group};
-    auto open = batch ? open_batch.find(key) : open_batch.end();
-    if (open != open_batch.end() &&
-        static_cast<int64_t>(batches[open->second].size() + 1) * mat.rows * mat.cols <=
-            kMaxBatchElements) {
-      batches[open->second].push_back(std::move(owned));
-      continue;
-    }
-    if (batch) open_batch[key] = batches.size();
-    batches.push_back({std::move(owned)});
-  }
-  for (const std::vector<Owned>& batch : batches) {
-    const MuonOptions& options = *batch.front().options;
-    s.stats.orthogonalized_matrices += static_cast<int64_t>(batch.size());
+  for (const detail::OwnedBatch& batch : f.batches) {
+    const MuonOptions& options = *batch.options;
+    const auto count = static_cast<int64_t>(batch.matrices.size());
+    s.stats.orthogonalized_matrices += count;
     ++s.stats.newton_schulz_calls;
-    if (batch.size() == 1) {
-      const Owned& owned = batch.front();
-      owned.u.copy_(detail::muon_orthogonalized_update(owned.u, options, owned.variance));
+    if (count == 1) {
+      const size_t j = batch.matrices.front();
+      const at::Tensor u = f.full[j].view({batch.rows, batch.cols});
+      u.copy_(detail::muon_orthogonalized_update(u, options, f.variance[j]));
       continue;
     }
-    std::vector<at::Tensor> inputs;
-    std::vector<at::Tensor> variances;
-    inputs.reserve(batch.size());
-    for (const Owned& owned : batch) {
-      inputs.push_back(owned.u);
-      if (owned.variance.defined()) variances.push_back(owned.variance);
-    }
+    const at::Tensor inputs = f.owned.narrow(0, batch.offset, count * batch.rows * batch.cols)
+                                  .view({count, batch.rows, batch.cols});
     // One optimizer group per batch, so either every matrix has NorMuon state or none has.
+    std::vector<at::Tensor> variances;
+    for (size_t j : batch.matrices) {
+      if (f.variance[j].defined()) variances.push_back(f.variance[j]);
+    }
     const at::Tensor variance = variances.empty() ? at::Tensor() : at::stack(variances);
-    const at::Tensor updates =
-        detail::muon_orthogonalized_update(at::stack(inputs), options, variance);
-    for (size_t b = 0; b < batch.size(); ++b) {
-      const auto i = static_cast<int64_t>(b);
-      batch[b].u.copy_(updates[i]);
-      if (variance.defined()) batch[b].variance.copy_(variance[i]);
+    inputs.copy_(detail::muon_orthogonalized_update(inputs, options, variance));
+    for (size_t b = 0; b < variances.size(); ++b) {
+      variances[b].copy_(variance[static_cast<int64_t>(b)]);
     }
   }
 }
@@ -654,6 +771,8 @@ void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
     f.scatter_recv = at::empty({x.scatter.recv_numel}, f.send.options());
   }
   const auto& where_all = round_placement[f.round];
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::vector<at::Tensor> sources;
   for (size_t j = 0; j < where_all.size(); ++j) {
     if (!f.full[j].defined()) continue;
     const MatrixPlacement& where = where_all[j];
@@ -661,14 +780,15 @@ void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
       const int h = q % shard_size;  // the shard rank of exchange rank q
       const int64_t len = where.held_numel(h);
       if (q == me || len == 0) continue;
-      f.scatter_send.narrow(0, x.scatter_send_offset[j][q], len)
-          .copy_(f.full[j].narrow(0, where.held[h].first, len));
+      ranges.emplace_back(x.scatter_send_offset[j][q], len);
+      sources.push_back(f.held_piece[j][h]);
       const int64_t rows = f.with_rows[j] ? where.held_rows_numel(h) : 0;
       if (rows == 0) continue;
       f.scatter_send.narrow(0, x.scatter_send_offset[j][q] + len, rows)
           .copy_(f.variance[j].narrow(0, where.held_rows(h).first, rows));
     }
   }
+  if (!sources.empty()) at::_foreach_copy_(detail::slices_of(f.scatter_send, ranges), sources);
   if (x.scatter_moves) {
     int64_t sent = 0;
     count_sent(*exchange_comm, &CommStats::all_to_all_v_bytes, sent, [&] {
@@ -695,20 +815,49 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
   const int holder = shard_rank();
   const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
   const auto& mine = round_matrices[f.round];
+  // Each optimizer group's pieces in one list (docs/DESIGN.md §4, "Kernels per step").
+  std::vector<const MuonOptions*> option_sets;
+  std::vector<std::vector<at::Tensor>> params, updates;
+  std::vector<std::pair<size_t, size_t>> received;  // (option set, position in its lists)
+  std::vector<std::pair<int64_t, int64_t>> recv_ranges;
   for (size_t j = 0; j < mine.size(); ++j) {
-    const FsdpMuonMatrix& mat = matrices[mine[j]];
+    const size_t m = mine[j];
+    const auto [first, len] = local_piece[m];
+    if (!f.active[j] || len == 0) continue;
+    const FsdpMuonMatrix& mat = matrices[m];
+    const MuonOptions* options = &s.options_of(mat);
+    const auto o = static_cast<size_t>(std::find(option_sets.begin(), option_sets.end(), options) -
+                                       option_sets.begin());
+    if (o == option_sets.size()) {
+      option_sets.push_back(options);
+      params.emplace_back();
+      updates.emplace_back();
+    }
+    params[o].push_back(param_pieces.get(m, mat.sharded_parameter, first, len));
+    if (mat.owner == me) {
+      updates[o].push_back(f.held_piece[j][holder]);
+    } else {
+      received.emplace_back(o, updates[o].size());
+      recv_ranges.emplace_back(x.scatter_recv_offset[j], len);
+      updates[o].emplace_back();
+    }
+  }
+  const std::vector<at::Tensor> pieces = detail::slices_of(f.scatter_recv, recv_ranges);
+  for (size_t i = 0; i < received.size(); ++i) {
+    updates[received[i].first][received[i].second] = pieces[i];
+  }
+  for (size_t o = 0; o < option_sets.size(); ++o) {
+    detail::muon_apply_updates(params[o], updates[o], *option_sets[o]);
+  }
+  // NorMuon: each holder takes back its rows of the per-row state.
+  for (size_t j = 0; j < mine.size(); ++j) {
     const MatrixPlacement& where = round_placement[f.round][j];
     const int64_t len = local_piece[mine[j]].second;
-    if (!f.active[j] || len == 0) continue;
-    const MuonOptions& options = s.options_of(mat);
-    const bool owner = mat.owner == me;
-    const at::Tensor update = owner ? f.full[j].narrow(0, where.held[holder].first, len)
-                                    : f.scatter_recv.narrow(0, x.scatter_recv_offset[j], len);
-    detail::muon_apply_update(piece(mat.sharded_parameter, mine[j]), update, options);
-    const int64_t rows = f.with_rows[j] ? f.row_state[j].numel() : 0;
+    const int64_t rows = f.active[j] && f.with_rows[j] && len > 0 ? f.row_state[j].numel() : 0;
     if (rows == 0) continue;
-    f.row_state[j].copy_(owner ? f.variance[j].narrow(0, where.held_rows(holder).first, rows)
-                               : f.scatter_recv.narrow(0, x.scatter_recv_offset[j] + len, rows));
+    f.row_state[j].copy_(matrices[mine[j]].owner == me
+                             ? f.variance[j].narrow(0, where.held_rows(holder).first, rows)
+                             : f.scatter_recv.narrow(0, x.scatter_recv_offset[j] + len, rows));
   }
   live_full_bytes -= f.full_bytes;
   f = RoundInFlight{};
