@@ -69,26 +69,36 @@ double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gr
   // replica. Each replica computes the same norm and the same factor from the same bits.
   Communicator& comm = *groups[0]->communicator();
 
-  // This rank's part of the norm, in double whatever the gradients' dtype.
+  // This rank's part of the norm, in double whatever the gradients' dtype: each gradient's norm
+  // accumulated in double as it is read (no double copy), by one multi-tensor kernel on CUDA.
   std::vector<at::Tensor> grads;
-  at::Tensor local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(comm.device()));
   for (const auto& group : groups) {
     for (const at::Tensor& p : group->sharded_parameters()) {
       const at::Tensor& g = p.grad();
-      if (!g.defined() || g.numel() == 0) continue;
-      grads.push_back(g);
-      const at::Tensor magnitude = g.to(at::kDouble).abs();
-      if (inf_norm) {
-        local = at::maximum(local, magnitude.max().reshape({1}));
-      } else {
-        local.add_(norm_type == 2.0 ? magnitude.square().sum() : magnitude.pow(norm_type).sum());
-      }
+      if (g.defined() && g.numel() > 0) grads.push_back(g);
     }
   }
-  // A maximum over ranks may drop a NaN (a comparison with NaN is false, so which value wins
-  // depends on the order it meets the others in): for the largest element a second entry, 1
-  // where this rank's maximum is NaN, travels in the same all-reduce. A sum keeps NaN as is.
-  if (inf_norm) local = at::cat({local, local.isnan().to(at::kDouble)});
+  const auto norms_of = [&](double ord) {
+    return at::stack(at::_foreach_norm(grads, ord, at::kDouble));
+  };
+  const auto double_options = at::TensorOptions().dtype(at::kDouble).device(comm.device());
+  at::Tensor local = at::zeros({1}, double_options);
+  if (!grads.empty()) {
+    const at::Tensor norms =
+        norms_of(inf_norm ? std::numeric_limits<double>::infinity() : norm_type);
+    local =
+        (inf_norm ? norms.max() : (norm_type == 2.0 ? norms.square() : norms.pow(norm_type)).sum())
+            .reshape({1});
+  }
+  // A maximum may drop a NaN (a comparison with NaN is false, so which value wins depends on the
+  // order it meets the others in, over the elements and over the ranks): for the largest element
+  // a second entry, 1 where this rank holds a NaN (its Euclidean norm is NaN), travels in the same
+  // all-reduce. A sum keeps NaN as is.
+  if (inf_norm) {
+    local =
+        at::cat({local, grads.empty() ? at::zeros({1}, double_options)
+                                      : norms_of(2.0).sum().isnan().to(at::kDouble).reshape({1})});
+  }
   comm.all_reduce(local, inf_norm ? ReduceOp::kMax : ReduceOp::kSum);
   const at::Tensor reduced = comm.to_host(local);
   const double first = reduced[0].item<double>();
@@ -106,7 +116,7 @@ double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gr
   // torch's rule: scale by max_norm / (norm + 1e-6), never up.
   const double coefficient = std::min(max_norm / (total + 1e-6), 1.0);
   if (!(coefficient < 1.0) && !std::isnan(coefficient)) return total;
-  for (at::Tensor& g : grads) g.mul_(coefficient);
+  if (!grads.empty()) at::_foreach_mul_(grads, coefficient);
   return total;
 }
 
