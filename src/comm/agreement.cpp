@@ -63,23 +63,49 @@ constexpr int64_t kMessageSlot = 1024;
 std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
                                   size_t contribution_size,
                                   const std::function<void(std::vector<int64_t>&)>& local) {
-  std::vector<int64_t> contribution(contribution_size, 0);
+  return agree_on_sum(comm, what, contribution_size, 0, [&](std::vector<int64_t>& mine) {
+    local(mine);
+    return at::Tensor();
+  });
+}
+
+std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, size_t host_size,
+                                  size_t device_size,
+                                  const std::function<at::Tensor(std::vector<int64_t>&)>& local) {
+  std::vector<int64_t> contribution(host_size, 0);
+  at::Tensor on_device;
   std::string error;
   bool failed = false;
   try {
-    local(contribution);
+    on_device = local(contribution);
+    TORCH_CHECK(!on_device.defined() || (on_device.dim() == 1 &&
+                                         on_device.numel() == static_cast<int64_t>(device_size) &&
+                                         on_device.device() == comm.device()),
+                "internal error: ", what, "'s device part has shape ", on_device.sizes(), " on ",
+                on_device.device(), " where ", device_size, " values on ", comm.device(),
+                " were expected");
   } catch (...) {
     error = current_exception_message();
     failed = true;
+    on_device = at::Tensor();
   }
+  const auto long_on_device = at::TensorOptions().dtype(at::kLong).device(comm.device());
+  if (device_size > 0 && !on_device.defined())
+    on_device = at::zeros({int64_t(device_size)}, long_on_device);
   if (comm.size() == 1) {
     TORCH_CHECK(!failed, error);
+    if (device_size > 0) {
+      const at::Tensor host = comm.to_host(on_device.to(at::kLong));
+      contribution.insert(contribution.end(), host.data_ptr<int64_t>(),
+                          host.data_ptr<int64_t>() + device_size);
+    }
     return contribution;
   }
-  std::vector<int64_t> flags(contribution_size + 1, 0);
+  std::vector<int64_t> flags(host_size + 1, 0);
   flags[0] = failed ? 1 : 0;
   std::copy(contribution.begin(), contribution.end(), flags.begin() + 1);
   at::Tensor summed = comm.to_device(at::tensor(flags, at::TensorOptions().dtype(at::kLong)));
+  if (device_size > 0) summed = at::cat({summed, on_device.to(at::kLong)});
   try {
     comm.all_reduce(summed, ReduceOp::kSum);
   } catch (...) {
@@ -93,7 +119,7 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
   const at::Tensor host = comm.to_host(summed);
   const int64_t* sums = host.data_ptr<int64_t>();
   if (sums[0] != 0) throw_agreed_failure(comm, what, sums[0], error, failed);
-  return std::vector<int64_t>(sums + 1, sums + 1 + contribution_size);
+  return std::vector<int64_t>(sums + 1, sums + 1 + host_size + device_size);
 }
 
 void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn) {

@@ -27,6 +27,14 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
                                   size_t contribution_size,
                                   const std::function<void(std::vector<int64_t>&)>& local);
 
+// agree_on_sum with a part already on comm.device(): `local` fills the host part as above and
+// returns `device_size` int64 values on the device (undefined: zeros), summed after the host part
+// by the same all-reduce and brought to the host by the same wait, so that a result computed on
+// the device (FsdpMuon's non-finite flags) costs no wait of its own (docs/DESIGN.md §5).
+std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, size_t host_size,
+                                  size_t device_size,
+                                  const std::function<at::Tensor(std::vector<int64_t>&)>& local);
+
 // agree_on_sum with nothing to sum: runs `fn` everywhere and fails everywhere if it failed
 // anywhere.
 void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn);

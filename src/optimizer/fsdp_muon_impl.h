@@ -166,7 +166,11 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   // ---- the step's phases, in order ----
   detail::StepRun agree_on_gradients(FsdpMuon& self);
   void advance_states(FsdpMuon& self, const detail::StepRun& s);
-  std::vector<int64_t> non_finite_matrices(const std::vector<size_t>& with_gradient);
+  at::Tensor non_finite_on_device(const std::vector<size_t>& with_gradient);
+  at::Tensor matrices_not_finite(const std::vector<size_t>& which);
+  at::Tensor not_finite(size_t m);
+  at::Tensor flags_on_device(int64_t size, const std::vector<int64_t>& slots,
+                             const std::vector<at::Tensor>& flags) const;
   void reject_non_finite(const std::vector<int64_t>& ranks_per_matrix, detail::StepRun& s);
   detail::RoundInFlight momentum_inputs(FsdpMuon& self, size_t round, const detail::StepRun& s);
   void start_gather(detail::RoundInFlight& f, detail::StepRun& s);

@@ -152,10 +152,12 @@ std::array<uint64_t, kFingerprints> option_values(const MuonOptions& o,
 // Where each check sits in the vector the step's agreement sums over the ranks:
 // [groups edited, per matrix: has a gradient, per FSDP group: unreduced gradients,
 //  per optimizer group and fingerprint: mix40 of the value (every rank) and rank 0's value
-//  (rank 0 only), (on replica-check steps:) per FSDP group: replica_entries, (checked:) per
-//  matrix: NaN/Inf]. The ranks agree on a fingerprint when the
-// sum of mix40 is W times mix40 of rank 0's value; every rank reads the same sums, so all
-// reach the same verdict, and knowing rank 0's exact value each can say how its own differs.
+//  (rank 0 only), (on replica-check steps:) per FSDP group: replica_entries], then, computed on
+// the device and summed by the same all-reduce (checked: NonFiniteGradients), [per FSDP group:
+// its gradient shard holds NaN/Inf, per matrix: its gradient does (matrices not checked by their
+// group's shard)]. The ranks agree on a fingerprint when the sum of mix40 is W times mix40 of
+// rank 0's value; every rank reads the same sums, so all reach the same verdict, and knowing
+// rank 0's exact value each can say how its own differs.
 struct CheckSlots {
   size_t matrices = 0;
   size_t fsdp_groups = 0;
@@ -174,8 +176,10 @@ struct CheckSlots {
     return 1 + matrices + fsdp_groups + 2 * kFingerprints * param_groups + 2 * g;
   }
   size_t replica_zero(size_t g) const { return replica_all(g) + 1; }
-  size_t non_finite(size_t m) const { return replica_all(replica_groups) + m; }
-  size_t size() const { return non_finite(0) + (finite ? matrices : 0); }
+  size_t size() const { return replica_all(replica_groups); }  // the host part
+  size_t device_size() const { return finite ? fsdp_groups + matrices : 0; }
+  size_t shard_not_finite(size_t g) const { return size() + g; }
+  size_t matrix_not_finite(size_t m) const { return size() + fsdp_groups + m; }
 };
 
 }  // namespace
@@ -211,9 +215,9 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   const CheckSlots slot{n, groups.size(), frozen.size(), check_replicas ? groups.size() : 0,
                         check_finite};
   // This rank's view, summed over the ranks unless the loop guarantees agreement.
-  const auto local_checks = [&](std::vector<int64_t>& mine) {
+  const auto local_checks = [&](std::vector<int64_t>& mine) -> at::Tensor {
     mine[slot.changed()] = changed ? 1 : 0;
-    if (changed) return;  // the checks below assume the constructed groups
+    if (changed) return at::Tensor();  // the checks below assume the constructed groups
     for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
       s.options[gi] = &muon_options_of(self.param_groups_[gi], gi);
       s.options[gi]->validate();  // may have been edited
@@ -258,18 +262,15 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       mine[slot.has_grad(m)] = 1;
       with_gradient.push_back(m);
     }
-    if (!check_finite || with_gradient.empty()) return;
-    const std::vector<int64_t> flags = non_finite_matrices(with_gradient);
-    for (size_t k = 0; k < with_gradient.size(); ++k) {
-      mine[slot.non_finite(with_gradient[k])] = flags[k];
-    }
+    if (!check_finite) return at::Tensor();
+    return non_finite_on_device(with_gradient);
   };
-  std::vector<int64_t> sums(slot.size(), 0);
+  std::vector<int64_t> sums(slot.size() + slot.device_size(), 0);
   if (config.check_gradient_agreement()) {
     count_sent(*world_comm, &CommStats::all_reduce_bytes, s.stats.check_bytes, [&] {
       try {
         sums = detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", slot.size(),
-                                    local_checks);
+                                    slot.device_size(), local_checks);
       } catch (...) {
         // A rank that skipped a ZeRO-1 group's reduce_scatter_grads() meets the others' reduce-
         // scatter with this all-reduce: both wait out the timeout. Only this rank can tell why.
@@ -290,7 +291,12 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   } else {
     // Every rank is taken to see what this one sees. Wrapping (unsigned) products: the option
     // slots hold raw 64-bit patterns that are never read on this path (UBSan found the overflow).
-    local_checks(sums);
+    const at::Tensor on_device = local_checks(sums);
+    if (on_device.defined()) {
+      const at::Tensor host = world_comm->to_host(on_device);
+      std::copy(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel(),
+                sums.begin() + static_cast<int64_t>(slot.size()));
+    }
     const auto w = static_cast<uint64_t>(world_comm->size());
     for (int64_t& count : sums) count = static_cast<int64_t>(static_cast<uint64_t>(count) * w);
   }
@@ -384,67 +390,90 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   s.stats.active_parameters = std::count(s.active.begin(), s.active.end(), true);
   if (check_finite) {
     std::vector<int64_t> non_finite_ranks(n);
-    for (size_t m = 0; m < n; ++m) non_finite_ranks[m] = sums[slot.non_finite(m)];
+    for (size_t m = 0; m < n; ++m) non_finite_ranks[m] = sums[slot.matrix_not_finite(m)];
+    // A gradient shard with NaN or Inf on some rank: which of its group's matrices, on how many
+    // ranks (the rest of a shard may be another optimizer's parameters). A second all-reduce and
+    // wait, on such steps only; every rank read the same sums, so all take part.
+    std::vector<size_t> again;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (sums[slot.shard_not_finite(g)] == 0) continue;
+      again.insert(again.end(), group_matrices[g].begin(), group_matrices[g].end());
+    }
+    if (!again.empty()) {
+      const auto each = [&](std::vector<int64_t>&) { return matrices_not_finite(again); };
+      std::vector<int64_t> counts(again.size(), 0);
+      if (config.check_gradient_agreement()) {
+        counts =
+            detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", 0, again.size(), each);
+      } else {
+        const at::Tensor host = world_comm->to_host(matrices_not_finite(again));
+        for (size_t k = 0; k < again.size(); ++k) counts[k] = host.data_ptr<int64_t>()[k] * w;
+      }
+      for (size_t k = 0; k < again.size(); ++k) non_finite_ranks[again[k]] = counts[k];
+    }
     reject_non_finite(non_finite_ranks, s);
   }
   return s;
 }
 
-// [k] 1 where the gradient of matrix with_gradient[k] holds NaN or Inf on this rank. Where every
-// such gradient of an FSDP group lies in the group's gradient shard (reduce_scatter_grads() puts
-// it there), one check of the shard clears them all; the group's matrices are checked one by one
-// only when its shard is not finite (docs/DESIGN.md §4, "Kernels per step"). The shards are the
-// reduce-scatter's result, so each wait is bounded by the communicator's timeout (§5).
-std::vector<int64_t> FsdpMuon::Impl::non_finite_matrices(const std::vector<size_t>& with_gradient) {
-  std::vector<int64_t> flags(with_gradient.size(), 0);
-  const auto grad_piece = [&](size_t k) -> const at::Tensor& {
-    const size_t m = with_gradient[k];
-    return grad_pieces.get(m, matrices[m].sharded_parameter.grad(), local_piece[m].first,
-                           local_piece[m].second);
-  };
-  // One device-to-host copy for many "all finite" flags.
-  const auto finite_on_host = [&](const std::vector<at::Tensor>& all_finite) {
-    const at::Tensor host = world_comm->to_host(at::stack(all_finite).to(at::kLong));
-    return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
-  };
-  std::vector<std::vector<size_t>> of_group(groups.size());
+// 1 where `flags[k]` (a boolean on the device) is set, at `slots[k]` of `size` int64 values on the
+// device, 0 elsewhere: a handful of ATen calls however many flags.
+at::Tensor FsdpMuon::Impl::flags_on_device(int64_t size, const std::vector<int64_t>& slots,
+                                           const std::vector<at::Tensor>& flags) const {
+  at::Tensor out =
+      at::zeros({size}, at::TensorOptions().dtype(at::kLong).device(world_comm->device()));
+  if (flags.empty()) return out;
+  const at::Tensor index =
+      world_comm->to_device(at::tensor(slots, at::TensorOptions().dtype(at::kLong)));
+  return out.index_copy_(0, index, at::stack(flags).to(at::kLong));
+}
+
+// This rank's part of the agreement's device slots (CheckSlots): a group whose matrices'
+// gradients all lie in its gradient shard (reduce_scatter_grads() puts them there) is checked by
+// one reduction over the shard; the matrices of any other group one by one (docs/DESIGN.md §4,
+// "Kernels per step"). Nothing waits here: the agreement's one wait brings the flags.
+at::Tensor FsdpMuon::Impl::non_finite_on_device(const std::vector<size_t>& with_gradient) {
+  const size_t n = matrices.size();
+  std::vector<bool> has(groups.size(), false);
   std::vector<bool> in_shard(groups.size(), true);
-  for (size_t k = 0; k < with_gradient.size(); ++k) {
-    const size_t g = matrices[with_gradient[k]].group_ordinal;
-    of_group[g].push_back(k);
-    const at::Tensor& grad = matrices[with_gradient[k]].sharded_parameter.grad();
-    in_shard[g] = in_shard[g] && grad.storage().is_alias_of(groups[g]->grad_shard().storage());
+  for (size_t m : with_gradient) {
+    const size_t g = matrices[m].group_ordinal;
+    has[g] = true;
+    in_shard[g] = in_shard[g] && matrices[m].sharded_parameter.grad().storage().is_alias_of(
+                                     groups[g]->grad_shard().storage());
   }
-  std::vector<size_t> by_shard;    // groups checked by their shard
-  std::vector<size_t> one_by_one;  // k
-  std::vector<at::Tensor> all_finite;
+  std::vector<int64_t> slots;
+  std::vector<at::Tensor> flags;
   for (size_t g = 0; g < groups.size(); ++g) {
-    if (of_group[g].empty()) continue;
-    if (in_shard[g]) {
-      by_shard.push_back(g);
-      all_finite.push_back(at::isfinite(groups[g]->grad_shard()).all());
-    } else {
-      one_by_one.insert(one_by_one.end(), of_group[g].begin(), of_group[g].end());
-    }
+    if (!has[g] || !in_shard[g]) continue;
+    slots.push_back(static_cast<int64_t>(g));
+    flags.push_back(at::isfinite(groups[g]->grad_shard()).all().logical_not());
   }
-  for (size_t k : one_by_one) all_finite.push_back(at::isfinite(grad_piece(k)).all());
-  const std::vector<int64_t> finite = finite_on_host(all_finite);
-  for (size_t i = 0; i < one_by_one.size(); ++i) {
-    flags[one_by_one[i]] = finite[by_shard.size() + i] == 0 ? 1 : 0;
+  for (size_t m : with_gradient) {
+    if (in_shard[matrices[m].group_ordinal]) continue;
+    slots.push_back(static_cast<int64_t>(groups.size() + m));
+    flags.push_back(not_finite(m));
   }
-  // A shard that is not finite: which of its matrices (the rest of it may be another optimizer's
-  // parameters). Only on such steps is there a second wait.
-  std::vector<size_t> again;
-  for (size_t i = 0; i < by_shard.size(); ++i) {
-    if (finite[i] == 0)
-      again.insert(again.end(), of_group[by_shard[i]].begin(), of_group[by_shard[i]].end());
+  return flags_on_device(static_cast<int64_t>(groups.size() + n), slots, flags);
+}
+
+// [k] 1 where this rank's piece of the gradient of matrix `which[k]` holds NaN or Inf.
+at::Tensor FsdpMuon::Impl::matrices_not_finite(const std::vector<size_t>& which) {
+  std::vector<int64_t> slots;
+  std::vector<at::Tensor> flags;
+  for (size_t k = 0; k < which.size(); ++k) {
+    if (!matrices[which[k]].sharded_parameter.grad().defined()) continue;
+    slots.push_back(static_cast<int64_t>(k));
+    flags.push_back(not_finite(which[k]));
   }
-  if (again.empty()) return flags;
-  std::vector<at::Tensor> each;
-  for (size_t k : again) each.push_back(at::isfinite(grad_piece(k)).all());
-  const std::vector<int64_t> finite_each = finite_on_host(each);
-  for (size_t i = 0; i < again.size(); ++i) flags[again[i]] = finite_each[i] == 0 ? 1 : 0;
-  return flags;
+  return flags_on_device(static_cast<int64_t>(which.size()), slots, flags);
+}
+
+at::Tensor FsdpMuon::Impl::not_finite(size_t m) {
+  const at::Tensor& grad = matrices[m].sharded_parameter.grad();
+  return at::isfinite(grad_pieces.get(m, grad, local_piece[m].first, local_piece[m].second))
+      .all()
+      .logical_not();
 }
 
 // Applies NonFiniteGradients to the agreed counts of ranks that saw NaN or Inf per matrix.

@@ -68,6 +68,37 @@ TEST(Agreement, SumsContributionsOverEveryRank) {
   }
 }
 
+// The device part rides on the same all-reduce after the host part; a rank whose `local` fails
+// contributes zeros there and every rank throws, as for the host part alone.
+TEST(Agreement, SumsADevicePartInTheSameAllReduce) {
+  std::vector<std::vector<int64_t>> sums(3);
+  const auto errors = run_world(3, std::chrono::seconds(60), [&](int r, Communicator& comm) {
+    const int64_t before = comm.stats().calls;
+    sums[r] = detail::agree_on_sum(comm, "fsdp_muon::AgreementTest", 1, 3,
+                                   [&](std::vector<int64_t>& mine) -> at::Tensor {
+                                     mine[0] = 1;
+                                     if (r == 1) return at::Tensor();  // zeros
+                                     return at::tensor({int64_t{r}, int64_t{10}, int64_t{0}});
+                                   });
+    EXPECT_EQ(comm.stats().calls - before, 1) << "rank " << r;  // one collective
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(sums[r], (std::vector<int64_t>{3, 2, 20, 0})) << "rank " << r;
+  }
+  const auto failed = run_world(2, std::chrono::seconds(60), [&](int r, Communicator& comm) {
+    detail::agree_on_sum(comm, "fsdp_muon::AgreementTest", 0, 2,
+                         [&](std::vector<int64_t>&) -> at::Tensor {
+                           TORCH_CHECK(r != 0, "fsdp_muon::AgreementTest: rank 0 broke");
+                           return at::ones({2}, at::kLong);
+                         });
+  });
+  EXPECT_EQ(failed[0], "fsdp_muon::AgreementTest: rank 0 broke");
+  EXPECT_EQ(
+      failed[1],
+      "fsdp_muon::AgreementTest failed on rank 0 of 2: fsdp_muon::AgreementTest: rank 0 broke");
+}
+
 TEST(Agreement, ALocalFailureIsAnErrorOnEveryRank) {
   const auto errors = run_world(2, std::chrono::seconds(60), [&](int r, Communicator& comm) {
     detail::run_agreed(comm, "fsdp_muon::AgreementTest",

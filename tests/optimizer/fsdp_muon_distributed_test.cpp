@@ -1582,6 +1582,54 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNonFinite, EveryModeAgreesOnEveryRank) {
   }
 }
 
+// The check reads a group's gradient shard once (docs/DESIGN.md §4, "Kernels per step"), so it
+// must still tell the group's matrices from its other parameters, and still check a matrix whose
+// .grad() is not a view of the shard. A NaN in a bias FsdpMuon does not hold: the step runs, with
+// the bits of a step without it. A NaN in a matrix's gradient that is a tensor of its own, on one
+// rank: the step is skipped on every rank, naming it.
+FSDP_MUON_WORLD_TEST(FsdpMuonNonFinite, TheShardCheckTellsMatricesFromTheRest) {
+  const int w = world().size();
+  const int me = world().rank();
+  const auto last_holder = [&](const FsdpParameterGroup& group, size_t index) {
+    int holder = -1;
+    for (int r = 0; r < w; ++r) {
+      if (group.held_range(index, r).second > group.held_range(index, r).first) holder = r;
+    }
+    return holder;
+  };
+  Model poisoned = make_model(52);
+  Model clean = make_model(52);
+  FsdpMuon with_nan(sharded_matrices(poisoned), MuonOptions().ns_dtype(at::kFloat));
+  FsdpMuon without(sharded_matrices(clean), MuonOptions().ns_dtype(at::kFloat));
+  feed_gradients(poisoned, 5200);
+  feed_gradients(clean, 5200);
+  const FsdpParameterGroup& g0 = *poisoned.groups[0];  // 'a.b1' (index 1) is a bias
+  if (me == last_holder(g0, 1)) {
+    g0.sharded_parameter(1).grad()[0] = std::numeric_limits<float>::quiet_NaN();
+  }
+  with_nan.step();
+  without.step();
+  EXPECT_FALSE(with_nan.last_step_stats().skipped);
+  EXPECT_EQ(with_nan.last_step_stats().non_finite_parameters, 0);
+  const auto a = sharded_matrices(poisoned);
+  const auto b = sharded_matrices(clean);
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(at::equal(a[k], b[k])) << k;
+
+  // 'c.w' (group 2, index 1): a gradient of its own on every rank, NaN on its last holder.
+  feed_gradients(poisoned, 5201);
+  const at::Tensor& cw = poisoned.groups[2]->sharded_parameter(1);
+  cw.mutable_grad() = cw.grad().clone();
+  if (me == last_holder(*poisoned.groups[2], 1)) {
+    cw.grad()[0] = std::numeric_limits<float>::quiet_NaN();
+  }
+  std::vector<at::Tensor> before;
+  for (const at::Tensor& p : a) before.push_back(p.detach().clone());
+  with_nan.step();
+  EXPECT_TRUE(with_nan.last_step_stats().skipped);
+  EXPECT_EQ(with_nan.last_step_stats().non_finite_parameters, 1);
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(at::equal(a[k], before[k])) << k;
+}
+
 // The default (kSkipStep): a NaN on one rank skips the step on every rank, leaving weights and
 // momentum bit for bit as they were, and rank 0 alone warns once, naming the step and the
 // parameter; the next finite step runs and warns nothing.
