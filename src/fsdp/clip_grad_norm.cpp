@@ -69,8 +69,9 @@ double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gr
   // replica. Each replica computes the same norm and the same factor from the same bits.
   Communicator& comm = *groups[0]->communicator();
 
-  // This rank's part of the norm, in double whatever the gradients' dtype: each gradient's norm
-  // accumulated in double as it is read (no double copy), by one multi-tensor kernel on CUDA.
+  // This rank's part of the norm, in double whatever the gradients' dtype: on CUDA one
+  // multi-tensor kernel reads each gradient once and accumulates in double (no double copy where
+  // the gradients share a dtype; elsewhere ATen converts one gradient at a time).
   std::vector<at::Tensor> grads;
   for (const auto& group : groups) {
     for (const at::Tensor& p : group->sharded_parameters()) {
@@ -78,27 +79,19 @@ double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gr
       if (g.defined() && g.numel() > 0) grads.push_back(g);
     }
   }
-  const auto norms_of = [&](double ord) {
-    return at::stack(at::_foreach_norm(grads, ord, at::kDouble));
-  };
-  const auto double_options = at::TensorOptions().dtype(at::kDouble).device(comm.device());
-  at::Tensor local = at::zeros({1}, double_options);
+  at::Tensor local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(comm.device()));
   if (!grads.empty()) {
-    const at::Tensor norms =
-        norms_of(inf_norm ? std::numeric_limits<double>::infinity() : norm_type);
+    const at::Tensor norms = at::stack(at::_foreach_norm(
+        grads, inf_norm ? std::numeric_limits<double>::infinity() : norm_type, at::kDouble));
     local =
         (inf_norm ? norms.max() : (norm_type == 2.0 ? norms.square() : norms.pow(norm_type)).sum())
             .reshape({1});
   }
-  // A maximum may drop a NaN (a comparison with NaN is false, so which value wins depends on the
-  // order it meets the others in, over the elements and over the ranks): for the largest element
-  // a second entry, 1 where this rank holds a NaN (its Euclidean norm is NaN), travels in the same
+  // A maximum over ranks may drop a NaN (a comparison with NaN is false, so which value wins
+  // depends on the order it meets the others in): for the largest element a second entry, 1
+  // where this rank's maximum is NaN (ATen's norms and max keep NaN), travels in the same
   // all-reduce. A sum keeps NaN as is.
-  if (inf_norm) {
-    local =
-        at::cat({local, grads.empty() ? at::zeros({1}, double_options)
-                                      : norms_of(2.0).sum().isnan().to(at::kDouble).reshape({1})});
-  }
+  if (inf_norm) local = at::cat({local, local.isnan().to(at::kDouble)});
   comm.all_reduce(local, inf_norm ? ReduceOp::kMax : ReduceOp::kSum);
   const at::Tensor reduced = comm.to_host(local);
   const double first = reduced[0].item<double>();

@@ -94,7 +94,8 @@ std::vector<at::Tensor> muon_momentum_inputs(at::TensorList params, at::TensorLi
     at::_foreach_add_(u, g_scaled);
     return u;
   }
-  // Copies (x * 1 is x, bit for bit), in one operation for the list.
+  // Copies in one operation for the list: x * 1 is x, bit for bit, for every number (a NaN may
+  // come back with another payload, which no later step reads).
   return at::_foreach_mul(momentum_buffers, 1.0);
 }
 

@@ -39,7 +39,8 @@ at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
 
 // The same for many pieces that share `options`, each at its position in the three lists, as a
 // few multi-tensor (_foreach_) operations: on CUDA a kernel serves many pieces, and the bits are
-// those of muon_momentum_input on each piece (the same operations, rounding once per element).
+// those of muon_momentum_input on each piece (the same operations, rounding once per element;
+// NaN payloads aside).
 // Without Nesterov the inputs are copies of the buffers.
 std::vector<at::Tensor> muon_momentum_inputs(at::TensorList params, at::TensorList grads,
                                              at::TensorList momentum_buffers,

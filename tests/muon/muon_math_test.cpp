@@ -1,12 +1,14 @@
 // The elementwise math gives the same bits on any contiguous split of a parameter: the contract
 // FsdpMuon relies on to match single-device Muon bitwise (see src/muon/muon_math.h).
 
+#include <iostream>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <fsdp_muon/muon/muon_options.h>
 
@@ -80,6 +82,63 @@ INSTANTIATE_TEST_SUITE_P(AllModes, MuonMathShards, ::testing::ValuesIn(math_case
                                   (info.param.nesterov ? "_nesterov_" : "_plain_") +
                                   (info.param.dtype == at::kFloat ? "fp32" : "bf16");
                          });
+
+// The list form FsdpMuon's step uses (muon_momentum_inputs, muon_apply_updates: _foreach_ ops)
+// against the single-tensor form on each piece: the same bits, on pieces of one buffer cut at odd
+// offsets, lengths that are no multiple of 4 and one longer than a multi-tensor chunk (65536),
+// which on CUDA take the unvectorized and the chunked paths of the multi-tensor kernels.
+void expect_list_form_equals_each_piece(const c10::Device& device) {
+  const std::vector<int64_t> cuts{0, 1, 6, 7, 19, 4116, 4117, 4117 + 70001, 4117 + 70003};
+  const int64_t n = cuts.back();
+  for (const MathCase& c : math_cases()) {
+    SCOPED_TRACE(std::string(to_string(c.method)) + (c.nesterov ? " nesterov " : " plain ") +
+                 (c.dtype == at::kFloat ? "fp32" : "bf16"));
+    const MuonOptions o = MuonOptions(0.03)
+                              .momentum(0.9)
+                              .nesterov(c.nesterov)
+                              .weight_decay(0.07)
+                              .weight_decay_method(c.method);
+    at::manual_seed(12);
+    const auto options = at::TensorOptions().dtype(c.dtype).device(device);
+    at::Tensor w_list = at::randn({n}).to(options);
+    at::Tensor w_each = w_list.clone();
+    at::Tensor b_list = at::randn({n}).to(options);
+    at::Tensor b_each = b_list.clone();
+    const at::Tensor g = at::randn({n}).to(options);
+    const at::Tensor update = at::randn({n}).to(options);
+    std::vector<at::Tensor> w, gs, b, ups;
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      w.push_back(w_list.narrow(0, cuts[k], cuts[k + 1] - cuts[k]));
+      gs.push_back(g.narrow(0, cuts[k], cuts[k + 1] - cuts[k]));
+      b.push_back(b_list.narrow(0, cuts[k], cuts[k + 1] - cuts[k]));
+      ups.push_back(update.narrow(0, cuts[k], cuts[k + 1] - cuts[k]));
+    }
+    const std::vector<at::Tensor> u_list = detail::muon_momentum_inputs(w, gs, b, o);
+    detail::muon_apply_updates(w, ups, o);
+    ASSERT_EQ(u_list.size(), w.size());
+    for (size_t k = 0; k < w.size(); ++k) {
+      at::Tensor wk = w_each.narrow(0, cuts[k], cuts[k + 1] - cuts[k]);
+      at::Tensor bk = b_each.narrow(0, cuts[k], cuts[k + 1] - cuts[k]);
+      const at::Tensor u = detail::muon_momentum_input(wk, gs[k], bk, o);
+      detail::muon_apply_update(wk, ups[k], o);
+      EXPECT_TRUE(at::equal(u_list[k], u)) << "U of piece " << k;
+    }
+    EXPECT_TRUE(at::equal(b_list, b_each)) << "momentum";
+    EXPECT_TRUE(at::equal(w_list, w_each)) << "parameters";
+  }
+}
+
+TEST(MuonMathLists, ListFormEqualsEachPieceBitwise) {
+  expect_list_form_equals_each_piece(c10::Device(c10::kCPU));
+}
+
+TEST(MuonMathListsCuda, ListFormEqualsEachPieceBitwise) {
+  if (!torch::cuda::is_available()) {
+    std::cout << "[  SKIPPED ] no CUDA device: the multi-tensor kernels are checked on a GPU\n";
+    GTEST_SKIP() << "no CUDA device visible";
+  }
+  expect_list_form_equals_each_piece(c10::Device(c10::kCUDA, 0));
+}
 
 TEST(MuonMath, MomentumInputFormulas) {
   // Exact small numbers: mu = 0.5, G = 2, B0 = 4 -> B = 3; Nesterov U = 1 + 1.5 = 2.5.
