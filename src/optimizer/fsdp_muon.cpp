@@ -14,6 +14,7 @@
 #include "comm/agreement.h"
 #include "common/enum_names.h"
 #include "fsdp/group_agreement.h"
+#include "newton_schulz/newton_schulz_internal.h"
 #include "optimizer/fsdp_muon_impl.h"
 
 namespace fsdp_muon {
@@ -120,12 +121,30 @@ constexpr detail::EnumName<NewtonSchulzBatching> kBatchingNames[] = {
     {NewtonSchulzBatching::kWhereBitwise, "where_bitwise"},
     {NewtonSchulzBatching::kAlways, "always"},
     {NewtonSchulzBatching::kNever, "never"},
+    {NewtonSchulzBatching::kAuto, "auto"},
 };
 static_assert(detail::rows_in_enumerator_order(kBatchingNames));
 
 }  // namespace
 
 const char* to_string(NewtonSchulzBatching mode) { return detail::name_of(kBatchingNames, mode); }
+
+bool detail::batches_newton_schulz(NewtonSchulzBatching mode, const c10::Device& device,
+                                   c10::ScalarType ns_dtype, MatrixLayout::Kind layout) {
+  switch (mode) {
+    case NewtonSchulzBatching::kAlways:
+      return true;
+    case NewtonSchulzBatching::kNever:
+      return false;
+    case NewtonSchulzBatching::kWhereBitwise:
+      return detail::batched_newton_schulz_is_bitwise(device, ns_dtype);
+    case NewtonSchulzBatching::kAuto:
+      return detail::batched_newton_schulz_is_bitwise(device, ns_dtype) ||
+             (device.is_cuda() && layout == MatrixLayout::Kind::kBatched);
+  }
+  TORCH_CHECK(false, "fsdp_muon::FsdpMuonConfig: batch_newton_schulz has an unknown value ",
+              static_cast<int>(mode));
+}
 
 OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
   return OwnerPlanOptions()

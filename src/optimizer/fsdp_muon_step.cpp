@@ -664,10 +664,8 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
     if (!f.active[j] || where_all[j].owner != me) continue;
     const FsdpMuonMatrix& mat = matrices[mine[j]];
     const MuonOptions& options = s.options_of(mat);
-    const bool batch =
-        mode == NewtonSchulzBatching::kAlways ||
-        (mode == NewtonSchulzBatching::kWhereBitwise &&
-         detail::batched_newton_schulz_is_bitwise(f.send.device(), options.ns_dtype()));
+    const bool batch = detail::batches_newton_schulz(mode, f.send.device(), options.ns_dtype(),
+                                                     frozen_layouts[mat.param_group].kind());
     const Key key{mat.rows, mat.cols, f.send.scalar_type(), mat.param_group};
     auto open = batch ? open_batch.find(key) : open_batch.end();
     if (open != open_batch.end() &&
@@ -732,7 +730,7 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
   const std::vector<at::Tensor> received = detail::slices_of(f.recv, recv_ranges);
   destinations.insert(destinations.end(), received_into.begin(), received_into.end());
   sources.insert(sources.end(), received.begin(), received.end());
-  at::_foreach_copy_(destinations, sources);
+  if (!destinations.empty()) at::_foreach_copy_(destinations, sources);
   // NorMuon: the whole per-row state of each owned matrix, from its holders' rows.
   for (size_t j = 0; j < where_all.size(); ++j) {
     if (!f.full[j].defined() || !f.with_rows[j]) continue;

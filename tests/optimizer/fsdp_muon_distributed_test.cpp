@@ -1289,7 +1289,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
     if (here) config.batch_newton_schulz(NewtonSchulzBatching::kNever);
     expect_error(
         [&] { FsdpMuon(params, MuonOptions(), config); },
-        {"first difference, batch_newton_schulz: rank 0 has where_bitwise, " + r + "never"});
+        {"first difference, batch_newton_schulz: rank 0 has auto, " + r + "never"});
   }
   // The HSDP settings (issue 21): the ranks must plan alike even on a 1-D mesh.
   {

@@ -45,6 +45,11 @@ enum class NewtonSchulzBatching {
   kAlways,
   // One Newton–Schulz call per matrix.
   kNever,
+  // The default: kWhereBitwise, and on CUDA also the experts of a MatrixLayout::batched() group
+  // (declared one batch by the user, often thousands of small matrices, where one call per expert
+  // costs more in kernel launches than in math). Those may differ from single-device Muon in the
+  // last bits on CUDA, as under kAlways; everything else keeps kWhereBitwise's exactness.
+  kAuto,
 };
 
 FSDP_MUON_API const char* to_string(NewtonSchulzBatching mode);
@@ -138,7 +143,7 @@ struct FSDP_MUON_API FsdpMuonConfig {
   TORCH_ARG(int64_t, check_replicas_every) = 0;
   // See NewtonSchulzBatching. Matrices batch together when they have the same shape, dtype and
   // optimizer parameter group, up to 2^25 elements per call.
-  TORCH_ARG(NewtonSchulzBatching, batch_newton_schulz) = NewtonSchulzBatching::kWhereBitwise;
+  TORCH_ARG(NewtonSchulzBatching, batch_newton_schulz) = NewtonSchulzBatching::kAuto;
 
  public:  // TORCH_ARG leaves the struct in a private section
   // This config's planner settings, with the rates as set: plan_owners(groups, W,
