@@ -95,7 +95,7 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, s
   if (comm.size() == 1) {
     TORCH_CHECK(!failed, error);
     if (device_size > 0) {
-      const at::Tensor host = comm.to_host(on_device.to(at::kLong));
+      const at::Tensor host = comm.to_host(on_device.to(at::kLong)).contiguous();
       contribution.insert(contribution.end(), host.data_ptr<int64_t>(),
                           host.data_ptr<int64_t>() + device_size);
     }
@@ -116,7 +116,7 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, s
   }
   // The host copy is the synchronization point: what follows depends on every rank's outcome.
   // Bounded by the communicator's timeout, so a rank that never arrives is an error, not a hang.
-  const at::Tensor host = comm.to_host(summed);
+  const at::Tensor host = comm.to_host(summed).contiguous();
   const int64_t* sums = host.data_ptr<int64_t>();
   if (sums[0] != 0) throw_agreed_failure(comm, what, sums[0], error, failed);
   return std::vector<int64_t>(sums + 1, sums + 1 + host_size + device_size);
@@ -124,15 +124,6 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, s
 
 void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn) {
   agree_on_sum(comm, what, 0, [&](std::vector<int64_t>&) { fn(); });
-}
-
-uint64_t stable_hash(const std::string& text) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
 }
 
 int64_t mix40(uint64_t x) {

@@ -10,6 +10,8 @@
 
 #include <fsdp_muon/comm/communicator.h>
 
+#include "common/stable_hash.h"
+
 namespace fsdp_muon::detail {
 
 // The message of the exception being handled: c10::Error without its backtrace, any
@@ -38,9 +40,6 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, s
 // agree_on_sum with nothing to sum: runs `fn` everywhere and fails everywhere if it failed
 // anywhere.
 void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn);
-
-// FNV-1a of `text`: stable across builds and processes, unlike std::hash.
-uint64_t stable_hash(const std::string& text);
 
 // 40 well-mixed bits of a value (splitmix64's finalizer): summed over up to 2^23 ranks they stay
 // below 2^63, so an agreement's int64 sum of them never overflows.

@@ -57,9 +57,9 @@ std::vector<std::vector<uint64_t>> shard_hashes(
 
 std::pair<int64_t, int64_t> replica_entries(const std::vector<uint64_t>& parameter_hashes,
                                             int replica) {
-  uint64_t combined = 0x51ED270B27E1A3C5ull;
-  for (const uint64_t h : parameter_hashes) combined = (combined ^ h) * 1099511628211ull;
-  const int64_t mixed = detail::mix40(combined);
+  detail::StableHash combined;
+  for (const uint64_t h : parameter_hashes) combined.add(h);
+  const int64_t mixed = detail::mix40(combined.value());
   return {mixed, replica == 0 ? mixed : 0};
 }
 

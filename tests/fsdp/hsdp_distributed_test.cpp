@@ -23,6 +23,7 @@
 #include <fsdp_muon/fsdp_muon.h>
 
 #include "common/distributed_main.h"
+#include "common/stable_hash.h"
 #include "common/test_util.h"
 
 namespace fsdp_muon {
@@ -86,17 +87,16 @@ torch::optim::AdamWOptions adamw_options() {
   return torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
 }
 
-// FNV-1a over the bytes of `tensors`, as an int64 for an all-gather.
+// The library's stable hash over the bytes of `tensors`, as an int64 for an all-gather.
 int64_t bits_hash(const std::vector<at::Tensor>& tensors) {
-  uint64_t h = 1469598103934665603ull;
+  detail::StableHash h;
   for (const at::Tensor& t : tensors) {
     const at::Tensor c = t.detach().contiguous().cpu();
-    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
-    for (size_t i = 0; i < c.nbytes(); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
-    h = (h ^ 0xff) * 1099511628211ull;  // a boundary between tensors
+    h.add(c.data_ptr(), c.nbytes()).add(uint64_t{0xff});  // and a boundary between tensors
   }
   int64_t out;
-  std::memcpy(&out, &h, sizeof(out));
+  const uint64_t value = h.value();
+  std::memcpy(&out, &value, sizeof(out));
   return out;
 }
 

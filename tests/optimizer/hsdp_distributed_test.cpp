@@ -29,6 +29,7 @@
 
 #include "common/distributed_main.h"
 #include "common/model_specs.h"
+#include "common/stable_hash.h"
 #include "common/test_util.h"
 
 namespace fsdp_muon {
@@ -162,14 +163,10 @@ void expect_matches_reference(const Model& model, const std::string& what) {
   }
 }
 
-// FNV-1a over a tensor's bytes.
-void hash_into(uint64_t& h, const at::Tensor& t) {
+// The library's stable hash over a tensor's bytes.
+void hash_into(detail::StableHash& h, const at::Tensor& t) {
   const at::Tensor c = t.detach().contiguous();
-  const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
-  for (size_t k = 0; k < c.nbytes(); ++k) {
-    h ^= bytes[k];
-    h *= 1099511628211ull;
-  }
+  h.add(c.data_ptr(), c.nbytes());
 }
 
 // Every replica holds the same bits: each rank hashes its main weight shards, momentum and
@@ -177,7 +174,7 @@ void hash_into(uint64_t& h, const at::Tensor& t) {
 // rank with its shard rank in replica 0 (rank r % shard_size).
 void expect_replicas_identical(const Model& model, const FsdpMuon& fsdp, const DeviceMesh& mesh,
                                const std::string& what) {
-  uint64_t h = 1469598103934665603ull;
+  detail::StableHash h;
   for (const auto& group : model.groups) hash_into(h, group->main_weight_shard());
   for (const at::Tensor& p : sharded_matrices(model)) {
     auto it = fsdp.state().find(p.unsafeGetTensorImpl());
@@ -187,7 +184,8 @@ void expect_replicas_identical(const Model& model, const FsdpMuon& fsdp, const D
     if (state.normuon_variance().defined()) hash_into(h, state.normuon_variance());
   }
   int64_t mine = 0;
-  std::memcpy(&mine, &h, sizeof mine);
+  const uint64_t value = h.value();
+  std::memcpy(&mine, &value, sizeof mine);
   const at::Tensor send = at::full({1}, mine, at::kLong);
   const at::Tensor all = at::empty({world().size()}, at::kLong);
   world().all_gather(send, all);
