@@ -94,4 +94,18 @@ std::string nccl_launch_timeout_message(const char* api, const char* call, int r
          std::to_string(kWatchdogExitStatus) + ")";
 }
 
+std::string nccl_abort_timeout_message(const char* api, int rank, int size, int device_index,
+                                       std::chrono::milliseconds elapsed,
+                                       std::chrono::milliseconds limit, const std::string& cause) {
+  return std::string(api) + ": nccl on rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " (cuda:" + std::to_string(device_index) +
+         "): ncclCommAbort has not returned after " + std::to_string(elapsed.count()) +
+         " ms (the limit is " + std::to_string(limit.count()) +
+         " ms, twice the communicator's timeout): it waits for this device's streams, which wait "
+         "for a kernel stuck on a missing peer (of this or another communicator on the device). "
+         "The error it was aborting for: " +
+         (cause.empty() ? std::string("(none recorded)") : cause) +
+         ". The process ends here (exit status " + std::to_string(kWatchdogExitStatus) + ")";
+}
+
 }  // namespace fsdp_muon::detail

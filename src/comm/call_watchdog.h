@@ -83,4 +83,11 @@ std::string nccl_launch_timeout_message(const char* api, const char* call, int r
                                         int device_index, std::chrono::milliseconds elapsed,
                                         std::chrono::milliseconds limit);
 
+// The same for an ncclCommAbort that does not return (it waits for the device's streams, which
+// may wait for another communicator's kernel stuck on a dead peer), with `cause`: the error the
+// abort was for, which would otherwise be lost with the process.
+std::string nccl_abort_timeout_message(const char* api, int rank, int size, int device_index,
+                                       std::chrono::milliseconds elapsed,
+                                       std::chrono::milliseconds limit, const std::string& cause);
+
 }  // namespace fsdp_muon::detail

@@ -91,6 +91,9 @@ size_t bytes_of(const at::Tensor& t) { return static_cast<size_t>(t.nbytes()); }
 
 constexpr const char* kFactoryApi = "fsdp_muon::make_nccl_communicator";
 constexpr const char* kDestructorApi = "fsdp_muon::Communicator::~Communicator";
+// What the watchdog names for an abort after an error (the failing collective is in the cause).
+constexpr const char* kAbortApi = "fsdp_muon::Communicator (aborting after an error)";
+constexpr const char* kAbortCall = "ncclCommAbort";
 
 // A CUDA event that only marks a point on a stream (no timing), destroyed with its scope. An
 // event destroyed before it completes is released by CUDA once it does.
@@ -218,11 +221,17 @@ class NcclCommunicator final : public Communicator {
     check_nccl_version();
     // Twice the timeout: a wait for the GPU (to_host, barrier) reaches its own timeout and
     // throws first; the watchdog is for calls that never get there.
+    // The handler reads abort_cause_, written before the abort's scope begins (whose release
+    // store publishes it) and destroyed after the watchdog's thread is joined (member order).
     watchdog_ = std::make_unique<detail::CallWatchdog>(
-        2 * timeout_, [rank, size, device_index, timeout](const char* api, const char* call,
-                                                          std::chrono::milliseconds elapsed) {
-          detail::terminate_with(detail::nccl_launch_timeout_message(
-              api, call, rank, size, device_index, elapsed, 2 * timeout));
+        2 * timeout_, [this, rank, size, device_index, timeout](const char* api, const char* call,
+                                                                std::chrono::milliseconds elapsed) {
+          detail::terminate_with(
+              std::strcmp(call, kAbortCall) == 0
+                  ? detail::nccl_abort_timeout_message(api, rank, size, device_index, elapsed,
+                                                       2 * timeout, abort_cause_)
+                  : detail::nccl_launch_timeout_message(api, call, rank, size, device_index,
+                                                        elapsed, 2 * timeout));
         });
 
     // Rank 0 draws the id; everyone else reads it from the store (which waits for it).
@@ -322,7 +331,7 @@ class NcclCommunicator final : public Communicator {
         warn_unless_success(child, "ncclCommFinalize (collectives)");
       }
     }
-    abort_all();
+    abort_all(kDestructorApi);
   }
 
   c10::Device device() const override {
@@ -783,19 +792,31 @@ class NcclCommunicator final : public Communicator {
   // thread the parent goes first: its abort raises the child's abort flag and joins that thread
   // (init.cc, ncclCommAbort -> ncclCommEnsureReady -> ncclGroupJobAbort), after which comm_ holds
   // whatever the split produced. Otherwise the child goes first, since it is the one in use.
-  void abort_all() {
+  // `api`: what the watchdog names if an abort does not return (a string literal).
+  void abort_all(const char* api) {
     if (split_pending_ && control_ != nullptr) {
-      warn_unless_success(ncclCommAbort(control_), "ncclCommAbort (set-up)");
+      abort_watched(control_, api, "ncclCommAbort (set-up)");
       control_ = nullptr;
     }
     if (comm_ != nullptr) {
-      warn_unless_success(ncclCommAbort(comm_), "ncclCommAbort (collectives)");
+      abort_watched(comm_, api, "ncclCommAbort (collectives)");
       comm_ = nullptr;
     }
     if (control_ != nullptr) {
-      warn_unless_success(ncclCommAbort(control_), "ncclCommAbort (set-up)");
+      abort_watched(control_, api, "ncclCommAbort (set-up)");
       control_ = nullptr;
     }
+  }
+
+  // An abort synchronizes NCCL's internal stream (init.cc, commDestroySync), which waits on the
+  // user stream, so it can hang behind a kernel of another communicator on the device that waits
+  // for a dead peer: the watchdog bounds it, ending the process with the call named rather than
+  // hanging (docs/DESIGN.md §5). fail() runs after the NCCL call that failed has returned, so
+  // this scope never hides a call still running.
+  void abort_watched(ncclComm_t comm, const char* api, const char* call) {
+    std::optional<detail::CallWatchdog::Scope> watched;
+    if (watchdog_) watched.emplace(*watchdog_, api, kAbortCall);
+    warn_unless_success(ncclCommAbort(comm), call);
   }
 
   // Teardown cannot throw; what fails there is reported, with the rank and the device.
@@ -808,14 +829,17 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Aborting frees the peers' kernels from waiting on us and makes the failure final.
+  // The message is made first: should the abort itself not return, the watchdog prints it.
   [[noreturn]] void fail(const std::string& message) {
+    const std::string error = c10::str(api_, ": nccl on rank ", rank(), " of ", size(),
+                                       " (cuda:", device_index_, "): ", message);
     if (!failed_) {
       failed_ = true;
       aborted_->store(true);
-      abort_all();
+      abort_cause_ = error;
+      abort_all(kAbortApi);
     }
-    TORCH_CHECK(false, api_, ": nccl on rank ", rank(), " of ", size(), " (cuda:", device_index_,
-                "): ", message, "; the communicator has been aborted");
+    TORCH_CHECK(false, error, "; the communicator has been aborted");
   }
 
   c10::intrusive_ptr<c10d::Store> store_;  // split() sets up its children through it
@@ -826,7 +850,6 @@ class NcclCommunicator final : public Communicator {
   bool split_pending_ = false;
   bool failed_ = false;
   cudaStream_t calling_stream_ = nullptr;  // the current stream of the async call in progress
-  std::unique_ptr<detail::CallWatchdog> watchdog_;
   at::Tensor barrier_buffer_;
   // The end of the last collective enqueued (any stream), and the event synchronous ones reuse.
   std::shared_ptr<MarkerEvent> last_enqueued_;
@@ -835,6 +858,11 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
   // The public call errors are reported under: the factory until the first collective.
   std::string api_ = kFactoryApi;
+  // The error an abort is for, for the watchdog's message should the abort not return.
+  std::string abort_cause_;
+  // Last, so that it is destroyed first: its thread is joined before the members its handler
+  // reads (abort_cause_) go.
+  std::unique_ptr<detail::CallWatchdog> watchdog_;
 };
 
 }  // namespace
