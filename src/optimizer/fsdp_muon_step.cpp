@@ -293,7 +293,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     // slots hold raw 64-bit patterns that are never read on this path (UBSan found the overflow).
     const at::Tensor on_device = local_checks(sums);
     if (on_device.defined()) {
-      const at::Tensor host = world_comm->to_host(on_device);
+      const at::Tensor host = world_comm->to_host(on_device).contiguous();
       std::copy(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel(),
                 sums.begin() + static_cast<int64_t>(slot.size()));
     }
@@ -403,10 +403,12 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       const auto each = [&](std::vector<int64_t>&) { return matrices_not_finite(again); };
       std::vector<int64_t> counts(again.size(), 0);
       if (config.check_gradient_agreement()) {
-        counts =
-            detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", 0, again.size(), each);
+        count_sent(*world_comm, &CommStats::all_reduce_bytes, s.stats.check_bytes, [&] {
+          counts =
+              detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", 0, again.size(), each);
+        });
       } else {
-        const at::Tensor host = world_comm->to_host(matrices_not_finite(again));
+        const at::Tensor host = world_comm->to_host(matrices_not_finite(again)).contiguous();
         for (size_t k = 0; k < again.size(); ++k) counts[k] = host.data_ptr<int64_t>()[k] * w;
       }
       for (size_t k = 0; k < again.size(); ++k) non_finite_ranks[again[k]] = counts[k];
@@ -417,15 +419,21 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
 }
 
 // 1 where `flags[k]` (a boolean on the device) is set, at `slots[k]` of `size` int64 values on the
-// device, 0 elsewhere: a handful of ATen calls however many flags.
+// device, 0 elsewhere: the flags stacked with one shared zero over the span of slots they cover,
+// zeros around it; a handful of kernels whatever the size, no index moved to the device, nothing
+// that waits.
 at::Tensor FsdpMuon::Impl::flags_on_device(int64_t size, const std::vector<int64_t>& slots,
                                            const std::vector<at::Tensor>& flags) const {
-  at::Tensor out =
-      at::zeros({size}, at::TensorOptions().dtype(at::kLong).device(world_comm->device()));
-  if (flags.empty()) return out;
-  const at::Tensor index =
-      world_comm->to_device(at::tensor(slots, at::TensorOptions().dtype(at::kLong)));
-  return out.index_copy_(0, index, at::stack(flags).to(at::kLong));
+  const auto on_device = at::TensorOptions().device(world_comm->device());
+  if (flags.empty()) return at::zeros({size}, on_device.dtype(at::kLong));
+  const int64_t first = *std::min_element(slots.begin(), slots.end());
+  const int64_t last = *std::max_element(slots.begin(), slots.end());
+  const at::Tensor zero = at::zeros({}, on_device.dtype(at::kBool));
+  std::vector<at::Tensor> span(static_cast<size_t>(last - first + 1), zero);
+  for (size_t k = 0; k < slots.size(); ++k) span[static_cast<size_t>(slots[k] - first)] = flags[k];
+  return at::cat({at::zeros({first}, on_device.dtype(at::kBool)), at::stack(span),
+                  at::zeros({size - last - 1}, on_device.dtype(at::kBool))})
+      .to(at::kLong);
 }
 
 // This rank's part of the agreement's device slots (CheckSlots): a group whose matrices'
