@@ -8,94 +8,105 @@
 #include <sstream>
 
 #include <c10/util/Exception.h>
+#include <CLI/CLI.hpp>
 
 namespace fsdp_muon_bench {
 
-Flags::Flags(int argc, char** argv, const std::string& usage) : usage_(usage) {
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    TORCH_CHECK(arg.rfind("--", 0) == 0, "unexpected argument '", arg, "'\n", usage_);
-    arg = arg.substr(2);
-    const size_t eq = arg.find('=');
-    if (eq != std::string::npos) {
-      values_[arg.substr(0, eq)] = arg.substr(eq + 1);
-    } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
-      values_[arg] = argv[++i];
-    } else {
-      values_[arg] = "";
+struct Flags::Parser {
+  CLI::App app;
+  int argc;
+  char** argv;
+  bool parsed = false;
+
+  // --key, added once (a mode may read an option another read already).
+  CLI::Option* option(const std::string& key, bool flag) {
+    if (CLI::Option* known = app.get_option_no_throw("--" + key)) return known;
+    return flag ? app.add_flag("--" + key) : app.add_option("--" + key)->expected(1);
+  }
+  void parse(const std::string& usage) {
+    app.allow_extras();
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      TORCH_CHECK(false, e.what(), "\n", usage);
     }
+    parsed = true;
+  }
+};
+
+Flags::Flags(int argc, char** argv, const std::string& usage)
+    : parser_(new Parser{CLI::App(usage), argc, argv}), usage_(usage) {
+  parser_->app.set_help_flag();  // run_main prints the usage for --help
+}
+
+Flags::~Flags() = default;
+
+bool Flags::has(const std::string& key) {
+  CLI::Option* flag = parser_->option(key, /*flag=*/true);
+  parser_->parse(usage_);
+  return flag->count() > 0;
+}
+
+namespace {
+
+// The option's value as T, or a message naming the option and what it expects.
+template <typename T>
+T value_as(CLI::Option* option, const std::string& key, const char* expected) {
+  try {
+    return option->as<T>();
+  } catch (const CLI::Error&) {
+    TORCH_CHECK(false, "--", key, " got '", option->as<std::string>(), "'; ", expected);
   }
 }
 
-bool Flags::has(const std::string& key) {
-  auto it = values_.find(key);
-  if (it == values_.end()) return false;
-  TORCH_CHECK(it->second.empty(), "--", key, " takes no value (got '", it->second, "')");
-  values_.erase(it);
-  return true;
+}  // namespace
+
+CLI::Option* Flags::given(const std::string& key) {
+  CLI::Option* option = parser_->option(key, /*flag=*/false);
+  parser_->parse(usage_);
+  return option->count() > 0 ? option : nullptr;
 }
 
 std::string Flags::get(const std::string& key, const std::string& fallback) {
-  auto it = values_.find(key);
-  if (it == values_.end()) return fallback;
-  TORCH_CHECK(!it->second.empty(), "--", key, " needs a value\n", usage_);
-  std::string value = it->second;
-  values_.erase(it);
-  return value;
+  CLI::Option* option = given(key);
+  return option ? option->as<std::string>() : fallback;
 }
 
 int64_t Flags::get_int(const std::string& key, int64_t fallback) {
-  const std::string v = get(key, "");
-  if (v.empty()) return fallback;
-  size_t used = 0;
-  int64_t out = 0;
-  try {
-    out = std::stoll(v, &used);
-  } catch (...) {
-    used = 0;
-  }
-  TORCH_CHECK(used == v.size(), "--", key, " got '", v, "', which is not an integer");
-  return out;
+  CLI::Option* option = given(key);
+  return option ? value_as<int64_t>(option, key, "give an integer") : fallback;
 }
 
 double Flags::get_double(const std::string& key, double fallback) {
-  const std::string v = get(key, "");
-  if (v.empty()) return fallback;
-  size_t used = 0;
-  double out = 0;
-  try {
-    out = std::stod(v, &used);
-  } catch (...) {
-    used = 0;
-  }
-  TORCH_CHECK(used == v.size(), "--", key, " got '", v, "', which is not a number");
-  return out;
+  CLI::Option* option = given(key);
+  return option ? value_as<double>(option, key, "give a number") : fallback;
 }
 
 std::vector<int64_t> Flags::get_ints(const std::string& key, const std::vector<int64_t>& fallback) {
-  const std::string v = get(key, "");
-  if (v.empty()) return fallback;
+  CLI::Option* option = given(key);
+  if (!option) return fallback;
   std::vector<int64_t> out;
-  std::stringstream ss(v);
+  std::stringstream items(option->as<std::string>());
   std::string item;
-  while (std::getline(ss, item, ',')) {
+  while (std::getline(items, item, ',')) {
     size_t used = 0;
     int64_t x = 0;
     try {
       x = std::stoll(item, &used);
-    } catch (...) {
+    } catch (const std::exception&) {
       used = 0;
     }
-    TORCH_CHECK(used == item.size() && !item.empty(), "--", key, " got '", v,
-                "'; give comma-separated integers");
+    TORCH_CHECK(used == item.size() && !item.empty(), "--", key, " got '",
+                option->as<std::string>(), "'; give comma-separated integers");
     out.push_back(x);
   }
   return out;
 }
 
-void Flags::finish() const {
-  TORCH_CHECK(values_.empty(), "unknown option --", values_.empty() ? "" : values_.begin()->first,
-              "\n", usage_);
+void Flags::finish() {
+  if (!parser_->parsed) parser_->parse(usage_);
+  const std::vector<std::string> rest = parser_->app.remaining();
+  TORCH_CHECK(rest.empty(), "unknown option ", rest.empty() ? "" : rest.front(), "\n", usage_);
 }
 
 std::string bytes_ratio_name(double max_bytes_ratio) {
@@ -180,6 +191,10 @@ int run_main(int argc, char** argv, const char* program, const char* usage,
     }
     Flags flags(argc, argv, usage);
     return run(flags);
+  } catch (const c10::Error& e) {
+    // The message without the C++ backtrace: these are the user's mistakes, not the code's.
+    std::fprintf(stderr, "%s: error: %s\n", program, e.what_without_backtrace());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: error: %s\n", program, e.what());
     return 2;

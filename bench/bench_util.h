@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,21 +12,34 @@
 
 #include "model_shapes.h"
 
+namespace CLI {
+class Option;
+}  // namespace CLI
+
 namespace fsdp_muon_bench {
 
-// --key value / --key=value / --flag. Unknown keys are an error at finish().
+// The benchmarks' command lines, parsed by CLI11 (--key value, --key=value, --flag). A mode
+// declares each option where it reads it, with the default it computes there: every read adds
+// the option to the parser and parses the command line again, so an option is only known once
+// some mode has read it, and finish() reports what no read claimed.
 class Flags {
  public:
   Flags(int argc, char** argv, const std::string& usage);
-  bool has(const std::string& key);  // a bare --key (consumed)
+  ~Flags();
+  Flags(const Flags&) = delete;
+  Flags& operator=(const Flags&) = delete;
+  bool has(const std::string& key);  // a bare --key
   std::string get(const std::string& key, const std::string& fallback);
   int64_t get_int(const std::string& key, int64_t fallback);
   double get_double(const std::string& key, double fallback);
   std::vector<int64_t> get_ints(const std::string& key, const std::vector<int64_t>& fallback);
-  void finish() const;  // throws on anything not consumed
+  void finish();  // throws naming the first option no read claimed
 
  private:
-  std::map<std::string, std::string> values_;
+  struct Parser;
+  // The option --key holding one value, after parsing: null where the command line lacks it.
+  CLI::Option* given(const std::string& key);
+  std::unique_ptr<Parser> parser_;
   std::string usage_;
 };
 
