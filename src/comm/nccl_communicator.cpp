@@ -165,18 +165,24 @@ class NcclWork final : public CommWork {
 
  protected:
   void do_wait() override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaStream_t caller =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
+    // The streams that reuse the buffers are ordered after the collective first, also when the
+    // communicator was aborted (an abort ends its kernels, so `done` still comes): wait() marks
+    // the work waited before it runs, so the destructor will not order them again, and the
+    // buffers must not reach the allocator while the communication stream may still write them.
+    // Where CUDA refuses the wait the device is gone, and nothing will write them.
+    cudaError_t ordered = cudaStreamWaitEvent(caller, done_->get(), 0);
+    if (ordered == cudaSuccess && calling_stream_ != caller) {
+      ordered = cudaStreamWaitEvent(calling_stream_, done_->get(), 0);
+    }
+    buffers_.clear();
     // An aborted communicator's collectives never completed: the receive buffer is undefined.
     TORCH_CHECK(!aborted_->load(), api_,
                 ": the nccl communicator was aborted by an error before this collective was "
                 "waited for; its result is undefined");
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaStream_t caller =
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
-    FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, done_->get(), 0));
-    if (calling_stream_ != caller) {
-      FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(calling_stream_, done_->get(), 0));
-    }
-    buffers_.clear();
+    FSDP_MUON_CHECK_CUDA(ordered);
   }
 
  private:
