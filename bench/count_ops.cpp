@@ -4,6 +4,7 @@
 // matrices pays launch overhead on MoE models with thousands of experts. One process, or one
 // rank per process under a launcher (the exchange's packing only runs where matrices move).
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdio>
@@ -59,25 +60,64 @@ struct OpCount {
   std::array<int64_t, kColumns> by_phase{};
 };
 
+// The model with each layer's experts as one [E, m, n] tensor per projection ("...mlp.experts.
+// gate_proj.weight"), in place of its E 2-D ones: what MatrixLayout::batched() orthogonalizes.
+ModelShapes with_batched_experts(const ModelShapes& model) {
+  ModelShapes out{model.name + ", experts as batched()", {}};
+  for (const auto& [name, shapes] : model.groups) {
+    NamedShapes kept;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> stacked;  // name, [E, m, n]
+    for (const auto& [pname, shape] : shapes) {
+      const size_t at = pname.find(".mlp.experts.");
+      if (at == std::string::npos) {
+        kept.emplace_back(pname, shape);
+        continue;
+      }
+      const std::string rest = pname.substr(at + 13);  // "<e>.<proj>.weight"
+      const std::string stacked_name = pname.substr(0, at + 13) + rest.substr(rest.find('.') + 1);
+      auto found = std::find_if(stacked.begin(), stacked.end(),
+                                [&](const auto& entry) { return entry.first == stacked_name; });
+      if (found == stacked.end()) {
+        stacked.emplace_back(stacked_name, std::vector<int64_t>{0, shape[0], shape[1]});
+        found = stacked.end() - 1;
+      }
+      ++found->second[0];
+    }
+    kept.insert(kept.end(), stacked.begin(), stacked.end());
+    out.groups.emplace_back(name, std::move(kept));
+  }
+  return out;
+}
+
 OpCount count_one_step(const std::string& label, const ModelShapes& model,
                        const std::shared_ptr<fsdp_muon::Communicator>& comm) {
   torch::manual_seed(1);
   std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>> groups;
-  std::vector<at::Tensor> matrices;
+  // 2-D matrices whole, 3-D expert tensors batched() (each its own optimizer group).
+  std::vector<at::Tensor> matrices, expert_tensors;
   for (const auto& [name, shapes] : model.groups) {
     std::vector<std::pair<std::string, at::Tensor>> named;
     for (const auto& [pname, shape] : shapes) {
-      named.emplace_back(pname, (at::randn(shape) * 0.02).requires_grad_(true));
+      named.emplace_back(pname, (at::randn(shape) * 0.02).to(comm->device()).requires_grad_(true));
     }
     groups.push_back(std::make_shared<fsdp_muon::FsdpParameterGroup>(
         named, comm, fsdp_muon::FsdpParameterGroupOptions().name(name)));
     for (size_t i = 0; i < groups.back()->num_parameters(); ++i) {
-      if (groups.back()->slot(i).shape.size() == 2) {
-        matrices.push_back(groups.back()->sharded_parameter(i));
-      }
+      const size_t dims = groups.back()->slot(i).shape.size();
+      if (dims == 2) matrices.push_back(groups.back()->sharded_parameter(i));
+      if (dims == 3) expert_tensors.push_back(groups.back()->sharded_parameter(i));
     }
   }
-  fsdp_muon::FsdpMuon muon(matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(at::kFloat),
+  const auto options = fsdp_muon::MuonOptions(0.02).ns_dtype(at::kFloat);
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  param_groups.emplace_back(matrices, std::make_unique<fsdp_muon::MuonOptions>(options));
+  if (!expert_tensors.empty()) {
+    param_groups.emplace_back(
+        expert_tensors,
+        std::make_unique<fsdp_muon::MuonOptions>(
+            fsdp_muon::MuonOptions(options).matrix_layout(fsdp_muon::MatrixLayout::batched())));
+  }
+  fsdp_muon::FsdpMuon muon(param_groups, options,
                            fsdp_muon::FsdpMuonConfig().calibrate_rates(false));
   const auto fill_gradients = [&] {
     for (const auto& g : groups) {
@@ -146,6 +186,8 @@ int run_count_ops(Flags& flags) {
                             static_cast<long long>(layers), static_cast<long long>(experts),
                             static_cast<long long>(scale)),
                      qwen3_30b_a3b(layers, experts, scale), comm));
+  rows.push_back(count_one_step("  the same, experts as batched() [E, m, n]",
+                                with_batched_experts(qwen3_30b_a3b(layers, experts, scale)), comm));
   rows.push_back(count_one_step(format("gpt2-124m: %lld layers", static_cast<long long>(layers)),
                                 gpt2_124m(layers), comm));
   if (!print) return 0;
