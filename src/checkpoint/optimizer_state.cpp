@@ -11,6 +11,8 @@
 
 #include <fsdp_muon/muon/muon.h>
 
+#include "muon/update_rule.h"
+
 namespace fsdp_muon::checkpoint {
 namespace {
 
@@ -147,7 +149,7 @@ std::vector<std::string> required_state_keys(OptimizerKind kind,
   switch (kind) {
     case OptimizerKind::kFsdpMuon: {
       const auto& o = static_cast<const MuonOptions&>(options);
-      if (o.normalization() == Normalization::kNorMuon) {
+      if (detail::update_rule(o).per_row_state) {
         return {"momentum_buffer", "normuon_variance"};
       }
       return {"momentum_buffer"};

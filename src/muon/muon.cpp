@@ -249,7 +249,7 @@ at::Tensor Muon::step(LossClosure closure) {
       MuonParamState& state = detail::advance_muon_state(state_, p);
       at::Tensor buffer = state.momentum_buffer();
       const at::Tensor u = detail::muon_momentum_input(p, g, buffer, options);
-      at::Tensor variance = detail::muon_normuon_variance(state, p, options);
+      at::Tensor variance = detail::muon_row_state(state, p, options);
       const at::Tensor update = options.matrix_layout().kind() == MatrixLayout::Kind::kWhole
                                     ? detail::muon_orthogonalized_update(u, options, variance)
                                     : blockwise_update(u, blocks[gi][i], options, variance);

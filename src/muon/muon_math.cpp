@@ -8,6 +8,8 @@
 
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
 
+#include "muon/update_rule.h"
+
 // Only mul / add / sub (alpha = 1) / div below: see the bitwise contract in muon_math.h.
 
 namespace fsdp_muon::detail {
@@ -138,17 +140,17 @@ at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& varianc
   return normalized.mul(norm.div(new_norm));
 }
 
-at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& param,
-                                 const MuonOptions& options) {
+at::Tensor muon_row_state(MuonParamState& state, const at::Tensor& param,
+                          const MuonOptions& options) {
   // One entry per row of the parameter: rows x cols, or E x m x n read as E·m rows
   // (MatrixLayout::batched), so each matrix of a layout normalizes its own rows.
   const int64_t rows = param.dim() == 3 ? param.size(0) * param.size(1) : param.size(0);
-  return muon_normuon_variance(state, param, rows, options);
+  return muon_row_state(state, param, rows, options);
 }
 
-at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& like, int64_t rows,
-                                 const MuonOptions& options) {
-  if (options.normalization() != Normalization::kNorMuon) return at::Tensor();
+at::Tensor muon_row_state(MuonParamState& state, const at::Tensor& like, int64_t rows,
+                          const MuonOptions& options) {
+  if (!update_rule(options).per_row_state) return at::Tensor();
   if (!state.normuon_variance().defined()) {
     state.normuon_variance(at::zeros({rows}, like.options()));
   }
@@ -160,7 +162,7 @@ at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& like, 
 }
 
 at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options,
-                                      const at::Tensor& normuon_variance) {
+                                      const at::Tensor& row_state) {
   TORCH_CHECK(full_u.dim() == 2 || full_u.dim() == 3,
               "fsdp_muon::Muon: expected a 2-D matrix or a 3-D batch of matrices, got shape ",
               full_u.sizes());
@@ -170,21 +172,23 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
   if (update.scalar_type() != full_u.scalar_type()) {
     update = update.to(full_u.scalar_type());
   }
-  const bool normuon = options.normalization() == Normalization::kNorMuon;
-  TORCH_CHECK(normuon == normuon_variance.defined(), "fsdp_muon::Muon: NorMuon's variance is ",
-              normuon ? "missing" : "given", " but normalization is ",
-              to_string(options.normalization()));
-  if (normuon) {
+  const UpdateRule& rule = update_rule(options);
+  TORCH_CHECK(rule.per_row_state == row_state.defined(), "fsdp_muon::Muon: per-row state is ",
+              rule.per_row_state ? "missing" : "given", " but the update rule is '", rule.name,
+              "'");
+  if (rule.transform != nullptr) {
     if (full_u.dim() == 2) {
-      update = muon_normuon_normalize(update, normuon_variance, options);
+      update = rule.transform(update, row_state, options);
     } else {
       // One matrix at a time, so each sees the reductions of the 2-D call (the bitwise contract
       // between a batched FsdpMuon owner and Muon).
-      TORCH_CHECK(normuon_variance.dim() == 2 && normuon_variance.size(0) == full_u.size(0),
-                  "fsdp_muon::Muon: NorMuon's variance for a batch must be [batch, rows], got ",
-                  normuon_variance.sizes(), " for ", full_u.sizes());
+      TORCH_CHECK(
+          !row_state.defined() || (row_state.dim() == 2 && row_state.size(0) == full_u.size(0)),
+          "fsdp_muon::Muon: the per-row state of a batch must be [batch, rows], got ",
+          row_state.sizes(), " for ", full_u.sizes());
       for (int64_t i = 0; i < full_u.size(0); ++i) {
-        update[i].copy_(muon_normuon_normalize(update[i], normuon_variance[i], options));
+        update[i].copy_(
+            rule.transform(update[i], row_state.defined() ? row_state[i] : at::Tensor(), options));
       }
     }
   }

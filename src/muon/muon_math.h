@@ -51,30 +51,30 @@ std::vector<at::Tensor> muon_momentum_inputs(at::TensorList params, at::TensorLi
 // sqrt(rows/cols); match_rms_adamw 0.2*sqrt(max(rows, cols)); none 1.
 double muon_scale(int64_t rows, int64_t cols, ScaleMode mode);
 
-// newton_schulz(U) * (muon_scale(rows, cols) * extra_scale_factor) for a full 2-D matrix U, or
-// for a 3-D batch of same-shape matrices (rows, cols its last two sizes), in U's dtype. With
-// Normalization::kNorMuon, NS(U) is normalized (muon_normuon_normalize) before the scale, and
-// `normuon_variance` — [rows] for a matrix, [batch, rows] for a batch — is updated in place;
-// without it, `normuon_variance` must be undefined.
+// newton_schulz(U), then the transform of the options' update rule (update_rule.h: NorMuon's
+// normalization, or none), then * (muon_scale(rows, cols) * extra_scale_factor), for a full 2-D
+// matrix U or for a 3-D batch of same-shape matrices (rows, cols its last two sizes), in U's
+// dtype. A rule with per-row state updates `row_state` in place — [rows] for a matrix,
+// [batch, rows] for a batch; for any other rule `row_state` must be undefined.
 at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options,
-                                      const at::Tensor& normuon_variance = at::Tensor());
+                                      const at::Tensor& row_state = at::Tensor());
 
-// NorMuon's normalization of one orthogonalized rows × cols matrix O (docs/DESIGN.md §4):
-// v ← β2·v + (1 − β2)·mean_j(O_ij²) in place on `variance` ([rows], O's dtype), then
-// O_ij / (√v_i + ε) rescaled by ‖O‖_F / max(‖that‖_F, ε). Always a whole matrix: the reductions
-// see the same shape, hence the same bits, in Muon and in an FsdpMuon owner.
+// NorMuon's normalization of one orthogonalized rows × cols matrix O (docs/DESIGN.md §4), its
+// update rule's transform: v ← β2·v + (1 − β2)·mean_j(O_ij²) in place on `variance` ([rows], O's
+// dtype), then O_ij / (√v_i + ε) rescaled by ‖O‖_F / max(‖that‖_F, ε). Always a whole matrix:
+// the reductions see the same shape, hence the same bits, in Muon and in an FsdpMuon owner.
 at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& variance,
                                   const MuonOptions& options);
 
-// NorMuon's per-row state of `param` (created as zeros [rows] in the parameter's dtype on first
-// use) when options.normalization() is kNorMuon; undefined otherwise.
-at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& param,
-                                 const MuonOptions& options);
+// The per-row state of `param` (created as zeros [rows] in the parameter's dtype on first use)
+// where the options' update rule keeps one; undefined otherwise.
+at::Tensor muon_row_state(MuonParamState& state, const at::Tensor& param,
+                          const MuonOptions& options);
 // The same for a holder of a sharded matrix that keeps `rows` of its rows (detail::
 // rows_starting_in, docs/DESIGN.md §4): zeros [rows] in `like`'s dtype and device on first use.
 // A state of another length (which no save or load makes) is an error naming both.
-at::Tensor muon_normuon_variance(MuonParamState& state, const at::Tensor& like, int64_t rows,
-                                 const MuonOptions& options);
+at::Tensor muon_row_state(MuonParamState& state, const at::Tensor& like, int64_t rows,
+                          const MuonOptions& options);
 
 // param <- param - lr * update, computed as one mul (lr * update) and one sub, in place.
 // `update` may be a slice of the full update matching a local shard of the parameter.

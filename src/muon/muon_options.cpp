@@ -10,6 +10,7 @@
 #include <torch/serialize/archive.h>
 
 #include "common/enum_names.h"
+#include "muon/update_rule.h"
 #include "newton_schulz/newton_schulz_internal.h"
 
 namespace fsdp_muon {
@@ -120,7 +121,19 @@ void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
                           restarts.data_ptr<int64_t>() + restarts.numel());
   }
   read_enum(archive, "ns_preconditioning", ns_preconditioning_, 2);
-  read_enum(archive, "normalization", normalization_, 2);
+  {
+    // Any value with an update rule: the library's, or a variant registered before the load.
+    c10::IValue ivalue;
+    if (archive.try_read("normalization", ivalue)) {
+      const auto value = static_cast<Normalization>(ivalue.toInt());
+      TORCH_CHECK(detail::has_update_rule(value),
+                  "fsdp_muon::MuonOptions: archive entry 'normalization' holds ", ivalue.toInt(),
+                  ", which has no update rule; the file is corrupt, from a newer fsdp_muon, or "
+                  "saved with a variant registered (detail::register_update_rule) that this "
+                  "process has not registered");
+      normalization_ = value;
+    }
+  }
   read_scalar(archive, "normuon_beta2", normuon_beta2_);
   read_scalar(archive, "normuon_eps", normuon_eps_);
   MatrixLayout::Kind layout_kind = matrix_layout_.kind();
@@ -172,10 +185,7 @@ void MuonOptions::validate() const {
   TORCH_CHECK(std::isfinite(extra_scale_factor()),
               "fsdp_muon::MuonOptions: invalid extra_scale_factor ", extra_scale_factor(),
               "; use a finite factor, e.g. .extra_scale_factor(1.0)");
-  TORCH_CHECK(normalization() == Normalization::kNone || normalization() == Normalization::kNorMuon,
-              "fsdp_muon::MuonOptions: normalization has an unknown value ",
-              static_cast<int>(normalization()),
-              "; use Normalization::kNone or Normalization::kNorMuon");
+  detail::update_rule(normalization());  // an unknown value is an error naming it
   TORCH_CHECK(normuon_beta2() >= 0 && normuon_beta2() < 1,
               "fsdp_muon::MuonOptions: invalid normuon_beta2 ", normuon_beta2(),
               "; NorMuon's second-moment decay must lie in [0, 1), e.g. .normuon_beta2(0.95)");
@@ -236,12 +246,6 @@ constexpr detail::EnumName<WeightDecayMethod> kWeightDecayNames[] = {
 };
 static_assert(detail::rows_in_enumerator_order(kWeightDecayNames));
 
-constexpr detail::EnumName<Normalization> kNormalizationNames[] = {
-    {Normalization::kNone, "none"},
-    {Normalization::kNorMuon, "normuon"},
-};
-static_assert(detail::rows_in_enumerator_order(kNormalizationNames));
-
 }  // namespace
 
 const char* to_string(ScaleMode mode) { return detail::name_of(kScaleModeNames, mode); }
@@ -250,8 +254,9 @@ const char* to_string(WeightDecayMethod method) {
   return detail::name_of(kWeightDecayNames, method);
 }
 
+// The update rule's name (update_rule.h: the library's table, or a registered variant).
 const char* to_string(Normalization normalization) {
-  return detail::name_of(kNormalizationNames, normalization);
+  return detail::update_rule(normalization).name.c_str();
 }
 
 }  // namespace fsdp_muon

@@ -14,6 +14,7 @@
 #include "comm/agreement.h"
 #include "common/enum_names.h"
 #include "fsdp/group_agreement.h"
+#include "muon/update_rule.h"
 #include "newton_schulz/newton_schulz_internal.h"
 #include "optimizer/fsdp_muon_impl.h"
 
@@ -380,7 +381,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       pm.rows = m.rows;
       pm.cols = m.cols;
       pm.newton_schulz = options.newton_schulz_options();
-      pm.normuon = options.normalization() == Normalization::kNorMuon;
+      pm.per_row_state = detail::update_rule(options).per_row_state;
       // docs/DESIGN.md §3, "Layouts": a block is a contiguous element range of its parameter, so
       // what each rank holds of it is the parameter's held range clipped to the block; the
       // clipped ranges still tile the block in rank order.

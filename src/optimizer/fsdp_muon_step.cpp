@@ -15,6 +15,7 @@
 
 #include "comm/agreement.h"
 #include "muon/muon_math.h"
+#include "muon/update_rule.h"
 #include "newton_schulz/newton_schulz_internal.h"
 #include "optimizer/fsdp_muon_impl.h"
 #include "optimizer/replica_check.h"
@@ -535,7 +536,7 @@ void FsdpMuon::Impl::advance_states(FsdpMuon& self, const StepRun& s) {
       // that every rank saves the same state keys (docs/DESIGN.md §3).
       const auto [first, last] =
           detail::rows_starting_in(mat.group->held_range(mat.index, shard_rank()), mat.cols);
-      detail::muon_normuon_variance(state, mat.sharded_parameter, last - first, s.options_of(mat));
+      detail::muon_row_state(state, mat.sharded_parameter, last - first, s.options_of(mat));
     }
   }
 }
@@ -555,7 +556,7 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
   for (size_t j = 0; j < mine.size(); ++j) {
     f.active[j] = s.active[mine[j]];
     f.with_rows[j] =
-        f.active[j] && s.options_of(matrices[mine[j]]).normalization() == Normalization::kNorMuon;
+        f.active[j] && detail::update_rule(s.options_of(matrices[mine[j]])).per_row_state;
   }
   const ExchangeLayout& x = exchange(round, f.active, f.with_rows);
   f.own.resize(mine.size());

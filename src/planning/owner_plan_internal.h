@@ -23,15 +23,15 @@ constexpr double kCostModelBytesRatios[] = {
 // What `rank` sends of `m` to its owner (and receives back): its elements and, with NorMuon,
 // the per-row state of the rows that start in them (docs/DESIGN.md §3).
 inline int64_t held_numel(const PlanMatrix& m, int rank) {
-  const int64_t rows = m.normuon ? rows_starting_in(m.held[rank], m.cols).second -
-                                       rows_starting_in(m.held[rank], m.cols).first
-                                 : 0;
+  const int64_t rows = m.per_row_state ? rows_starting_in(m.held[rank], m.cols).second -
+                                             rows_starting_in(m.held[rank], m.cols).first
+                                       : 0;
   return m.held[rank].second - m.held[rank].first + rows;
 }
 
 // What an owner holding none of `m` receives: all of held_numel over the ranks.
 inline int64_t moved_numel(const PlanMatrix& m) {
-  return m.rows * m.cols + (m.normuon ? m.rows : 0);
+  return m.rows * m.cols + (m.per_row_state ? m.rows : 0);
 }
 
 inline double ratio(double value, double ideal) { return ideal > 0 ? value / ideal : 1.0; }

@@ -232,9 +232,9 @@ TEST(MuonNorMuon, VarianceMustMatchTheNormalization) {
       [&] {
         detail::muon_orthogonalized_update(u, MuonOptions().normalization(Normalization::kNorMuon));
       },
-      {"fsdp_muon::Muon: NorMuon's variance is missing but normalization is normuon"});
+      {"fsdp_muon::Muon: per-row state is missing but the update rule is 'normuon'"});
   expect_error([&] { detail::muon_orthogonalized_update(u, MuonOptions(), torch::zeros({4})); },
-               {"NorMuon's variance is given but normalization is none"});
+               {"per-row state is given but the update rule is 'none'"});
   expect_error(
       [&] {
         detail::muon_orthogonalized_update(u, MuonOptions().normalization(Normalization::kNorMuon),

@@ -339,7 +339,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
         groups.push_back(
             plan_group_from_shapes("", shapes, world().size(), options.newton_schulz_options()));
         for (PlanMatrix& pm : groups.back().matrices) {
-          pm.normuon = options.normalization() == Normalization::kNorMuon;
+          pm.per_row_state = options.normalization() == Normalization::kNorMuon;
         }
       }
       // The planning API is the single source of truth for what runs, at the rates planned with
@@ -1287,9 +1287,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
   {
     FsdpMuonConfig config;
     if (here) config.batch_newton_schulz(NewtonSchulzBatching::kNever);
-    expect_error(
-        [&] { FsdpMuon(params, MuonOptions(), config); },
-        {"first difference, batch_newton_schulz: rank 0 has auto, " + r + "never"});
+    expect_error([&] { FsdpMuon(params, MuonOptions(), config); },
+                 {"first difference, batch_newton_schulz: rank 0 has auto, " + r + "never"});
   }
   // The HSDP settings (issue 21): the ranks must plan alike even on a 1-D mesh.
   {

@@ -152,7 +152,7 @@ TEST(OwnerPlanTest, PlanBalancesByTheMethodThatRuns) {
 TEST(OwnerPlanTest, NorMuonRowStateIsCountedInTheBytes) {
   PlanMatrix pm = matrix("m", 3, 4, 2, {{0, 5}, {1, 7}});
   const OwnerPlan plain = plan_owners({{"g", {pm}}}, 2, holders_only());
-  pm.normuon = true;
+  pm.per_row_state = true;
   const OwnerPlan normuon = plan_owners({{"g", {pm}}}, 2, holders_only());
   ASSERT_EQ(plain.owner[0][0], 0);
   EXPECT_EQ(normuon.owner[0][0], 0);
@@ -688,7 +688,7 @@ std::vector<PlanGroup> mesh_groups(const std::string& which, int shard_size) {
   std::vector<PlanGroup> groups = model_groups(which, shard_size);
   if (which == "gpt2") {
     for (auto& g : groups) {
-      for (auto& m : g.matrices) m.normuon = m.name.find("c_fc") != std::string::npos;
+      for (auto& m : g.matrices) m.per_row_state = m.name.find("c_fc") != std::string::npos;
     }
   }
   return groups;

@@ -45,9 +45,10 @@ struct FSDP_MUON_API PlanMatrix {
   // holds; first == second when it holds none. The ranges tile [0, rows*cols) in rank order. On
   // a mesh, shard rank s holds the same range in every replica.
   std::vector<std::pair<int64_t, int64_t>> held;
-  // MuonOptions::normalization(kNorMuon): the per-row state travels with the matrix, one element
-  // per row whose first element a non-owner holds (docs/DESIGN.md §3), and the bytes count it.
-  bool normuon = false;
+  // The matrix's update rule keeps per-row state (NorMuon's): it travels with the matrix, one
+  // element per row whose first element a non-owner holds (docs/DESIGN.md §3), and the bytes
+  // count it.
+  bool per_row_state = false;
 };
 
 // The cost the planner gives a matrix (docs/DESIGN.md §7): the GEMM FLOPs of its Newton–Schulz,
