@@ -124,19 +124,28 @@ double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
 
 at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& variance,
                                   const MuonOptions& options) {
-  TORCH_CHECK(o.dim() == 2 && variance.dim() == 1 && variance.size(0) == o.size(0),
+  const bool batch = o.dim() == 3;
+  TORCH_CHECK((o.dim() == 2 || batch) && variance.dim() == o.dim() - 1 &&
+                  variance.sizes() == o.sizes().slice(0, o.dim() - 1),
               "fsdp_muon::Muon: NorMuon's variance must be one entry per row: update ", o.sizes(),
               ", variance ", variance.sizes());
   TORCH_CHECK(variance.scalar_type() == o.scalar_type(), "fsdp_muon::Muon: NorMuon's variance is ",
               variance.scalar_type(), " but the update is ", o.scalar_type());
   const double beta2 = options.normuon_beta2();
   const double eps = options.normuon_eps();
-  const at::Tensor norm = at::linalg_vector_norm(o, 2);
+  // Per matrix: the whole matrix's norm, or each batch entry's ([batch, 1, 1]). On one CPU thread
+  // a batch's reductions give each matrix the 2-D call's bits (tests/muon); elsewhere a batch is
+  // only formed where its last bits may differ (NewtonSchulzBatching).
+  const auto matrix_norm = [&](const at::Tensor& t) {
+    return batch ? at::linalg_vector_norm(t, 2, at::IntArrayRef{-2, -1}, /*keepdim=*/true)
+                 : at::linalg_vector_norm(t, 2);
+  };
+  const at::Tensor norm = matrix_norm(o);
   const at::Tensor row_mean_square = o.mul(o).mean(-1);
   variance.mul_(beta2);
   variance.add_(row_mean_square.mul(1.0 - beta2));
   const at::Tensor normalized = o.div(variance.sqrt().add(eps).unsqueeze(-1));
-  const at::Tensor new_norm = at::linalg_vector_norm(normalized, 2).clamp_min(eps);
+  const at::Tensor new_norm = matrix_norm(normalized).clamp_min(eps);
   return normalized.mul(norm.div(new_norm));
 }
 
@@ -177,7 +186,7 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
               rule.per_row_state ? "missing" : "given", " but the update rule is '", rule.name,
               "'");
   if (rule.transform != nullptr) {
-    if (full_u.dim() == 2) {
+    if (full_u.dim() == 2 || rule.transforms_batches) {
       update = rule.transform(update, row_state, options);
     } else {
       // One matrix at a time, so each sees the reductions of the 2-D call (the bitwise contract

@@ -61,8 +61,9 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
 
 // NorMuon's normalization of one orthogonalized rows × cols matrix O (docs/DESIGN.md §4), its
 // update rule's transform: v ← β2·v + (1 − β2)·mean_j(O_ij²) in place on `variance` ([rows], O's
-// dtype), then O_ij / (√v_i + ε) rescaled by ‖O‖_F / max(‖that‖_F, ε). Always a whole matrix:
-// the reductions see the same shape, hence the same bits, in Muon and in an FsdpMuon owner.
+// dtype), then O_ij / (√v_i + ε) rescaled by ‖O‖_F / max(‖that‖_F, ε). Always whole matrices:
+// the reductions see the same shape, hence the same bits, in Muon and in an FsdpMuon owner. Also
+// a [batch, rows, cols] batch with variance [batch, rows], each matrix on its own.
 at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& variance,
                                   const MuonOptions& options);
 

@@ -15,7 +15,7 @@ std::map<int, UpdateRule> built_in_rules() {
   std::map<int, UpdateRule> rules;
   rules[static_cast<int>(Normalization::kNone)] = UpdateRule{"none", false, nullptr};
   rules[static_cast<int>(Normalization::kNorMuon)] =
-      UpdateRule{"normuon", true, &muon_normuon_normalize};
+      UpdateRule{"normuon", true, &muon_normuon_normalize, /*transforms_batches=*/true};
   return rules;
 }
 

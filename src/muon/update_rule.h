@@ -24,6 +24,10 @@ struct UpdateRule {
   // compute the same bits.
   at::Tensor (*transform)(const at::Tensor& o, const at::Tensor& row_state,
                           const MuonOptions& options) = nullptr;
+  // The transform also takes a [batch, rows, cols] batch (row state [batch, rows]) in one call,
+  // each matrix getting the bits the 2-D call gives it where batched Newton–Schulz is bitwise
+  // (docs/DESIGN.md §4, "Batching"). False: a batch goes through it one matrix at a time.
+  bool transforms_batches = false;
 };
 
 // The rule of a Normalization value: the built-in ones, or one registered below. An unknown value

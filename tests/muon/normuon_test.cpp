@@ -210,7 +210,35 @@ TEST(MuonNorMuon, SaveLoadRoundTripContinuesIdentically) {
   EXPECT_TRUE(torch::equal(resumed.detach(), w.detach()));
 }
 
+// A batch's normalization, one call for every matrix, gives each the bits of its 2-D call on one
+// CPU thread (where FsdpMuon batches by default), in fp32 and bf16, over shapes with rows of one,
+// odd widths and sizes past a vector's length; the variance too.
+TEST(NorMuonNormalize, ABatchIsEachMatrixBitwiseOnOneThread) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const MuonOptions options = MuonOptions().normalization(Normalization::kNorMuon);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+             {5, 3, 7}, {4, 7, 3}, {3, 1, 9}, {6, 16, 24}, {2, 129, 65}, {3, 96, 256}}) {
+      torch::manual_seed(shape[1] * 7 + shape[2]);
+      const torch::Tensor o = torch::randn(shape).to(dtype);
+      torch::Tensor v_batch = torch::rand({shape[0], shape[1]}).to(dtype);
+      std::vector<torch::Tensor> v_one;
+      for (int64_t i = 0; i < shape[0]; ++i) v_one.push_back(v_batch[i].clone());
+      const torch::Tensor batch = detail::muon_normuon_normalize(o, v_batch, options);
+      for (int64_t i = 0; i < shape[0]; ++i) {
+        const torch::Tensor one = detail::muon_normuon_normalize(o[i], v_one[i], options);
+        EXPECT_TRUE(torch::equal(batch[i], one)) << dtype << " " << o.sizes() << " matrix " << i;
+        EXPECT_TRUE(torch::equal(v_batch[i], v_one[i])) << dtype << " " << o.sizes() << " " << i;
+      }
+    }
+  }
+  at::set_num_threads(threads);
+}
+
 TEST(MuonNorMuon, BatchedUpdateEqualsOneMatrixAtATime) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);  // where batches are bitwise (docs/DESIGN.md §4, "Batching")
   const MuonOptions options =
       MuonOptions().ns_dtype(at::kFloat).normalization(Normalization::kNorMuon);
   torch::manual_seed(5);
@@ -224,6 +252,7 @@ TEST(MuonNorMuon, BatchedUpdateEqualsOneMatrixAtATime) {
     EXPECT_TRUE(torch::equal(batch[i], one)) << i;
     EXPECT_TRUE(torch::equal(v_batch[i], v_one[i])) << i;
   }
+  at::set_num_threads(threads);
 }
 
 TEST(MuonNorMuon, VarianceMustMatchTheNormalization) {
