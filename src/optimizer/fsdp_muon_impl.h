@@ -61,6 +61,7 @@ struct StepRun {
 struct OwnedBatch {
   std::vector<size_t> matrices;  // positions j in the round
   int64_t offset = 0;
+  int64_t row_offset = 0;  // in RoundInFlight::owned_rows, where the rule keeps per-row state
   int64_t rows = 0;
   int64_t cols = 0;
   const MuonOptions* options = nullptr;
@@ -78,6 +79,10 @@ struct RoundInFlight {
   at::Tensor owned;
   std::vector<at::Tensor> full;
   std::vector<std::vector<at::Tensor>> held_piece;
+  // The same for per-row state (where the rule keeps it): one buffer, [j] 1-D views of it in
+  // `variance`, and [j][h] shard rank h's rows.
+  at::Tensor owned_rows;
+  std::vector<std::vector<at::Tensor>> held_rows;
   std::vector<OwnedBatch> batches;
   // NorMuon (docs/DESIGN.md §3): [j] this rank's rows of the per-row state (its MuonParamState's
   // tensor, written back when the round is applied), and on owners the whole per-row state.
@@ -149,6 +154,7 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   detail::PieceViews param_pieces;
   detail::PieceViews grad_pieces;
   detail::PieceViews momentum_pieces;
+  detail::PieceViews row_pieces;  // this rank's rows of each matrix's per-row state
   int world() const { return exchange_comm->size(); }  // exchange ranks
   int exchange_replicas() const { return world() / shard_size; }
   int replicas() const { return world_comm->size() / shard_size; }

@@ -609,27 +609,28 @@ RoundInFlight FsdpMuon::Impl::momentum_inputs(FsdpMuon& self, size_t round, cons
       }
     }
   }
-  if (!sent.empty()) at::_foreach_copy_(detail::slices_of(f.send, send_ranges), sent);
-  // NorMuon: each sent piece is followed by this rank's rows of the parameter's per-row state
-  // (the state holds the parameter's rows starting in this rank's elements, the block's start at
-  // row offset / cols of the parameter).
+  // Per-row state (the rule's, docs/DESIGN.md §3): each sent piece is followed by this rank's
+  // rows of it (the state holds the parameter's rows starting in this rank's elements, the
+  // block's start at row offset / cols of the parameter), in the same copy.
   for (size_t j = 0; j < mine.size(); ++j) {
     if (!f.with_rows[j] || local_piece[mine[j]].second == 0) continue;
-    const FsdpMuonMatrix& mat = matrices[mine[j]];
+    const size_t m = mine[j];
+    const FsdpMuonMatrix& mat = matrices[m];
     const auto& state =
         static_cast<MuonParamState&>(*self.state_.at(mat.sharded_parameter.unsafeGetTensorImpl()));
     const auto block_rows = round_placement[round][j].held_rows(holder);
     const int64_t first_row =
         detail::rows_starting_in(mat.group->held_range(mat.index, holder), mat.cols).first;
-    f.row_state[j] =
-        state.normuon_variance().narrow(0, mat.offset / mat.cols + block_rows.first - first_row,
-                                        block_rows.second - block_rows.first);
+    f.row_state[j] = row_pieces.get(m, state.normuon_variance(),
+                                    mat.offset / mat.cols + block_rows.first - first_row,
+                                    block_rows.second - block_rows.first);
     if (mat.owner != me && x.gather_send_offset[j] >= 0 && f.row_state[j].numel() > 0) {
-      f.send
-          .narrow(0, x.gather_send_offset[j] + local_piece[mine[j]].second, f.row_state[j].numel())
-          .copy_(f.row_state[j]);
+      send_ranges.emplace_back(x.gather_send_offset[j] + local_piece[m].second,
+                               f.row_state[j].numel());
+      sent.push_back(f.row_state[j]);
     }
   }
+  if (!sent.empty()) at::_foreach_copy_(detail::slices_of(f.send, send_ranges), sent);
   return f;
 }
 
@@ -684,7 +685,7 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
       continue;
     }
     if (batch) open_batch[key] = f.batches.size();
-    f.batches.push_back(detail::OwnedBatch{{j}, 0, mat.rows, mat.cols, &options});
+    f.batches.push_back(detail::OwnedBatch{{j}, 0, 0, mat.rows, mat.cols, &options});
   }
   // Each batch starts where a fresh allocation would (512 bytes: the CUDA caching allocator's
   // granule, a multiple of the CPU allocator's 64), so Newton–Schulz reads its input at the
@@ -694,12 +695,26 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
   int64_t total = 0;
   std::vector<std::pair<int64_t, int64_t>> matrix_ranges, held_ranges, recv_ranges;
   std::vector<std::pair<size_t, int>> held_of;  // (j, h) of each held range
-  std::vector<int64_t> own_at;                  // this rank's pieces: index into held_ranges
-  std::vector<size_t> own_of;
+  // Per-row state: one buffer too, batch by batch, so a batch's is one [batch, rows] view.
+  int64_t rows_total = 0;
+  std::vector<std::pair<int64_t, int64_t>> row_ranges, held_row_ranges;
+  std::vector<std::pair<size_t, int>> held_rows_of;  // (j, h) of each held row range
   for (detail::OwnedBatch& batch : f.batches) {
     total = (total + align - 1) / align * align;
     batch.offset = total;
+    batch.row_offset = rows_total;
     for (size_t j : batch.matrices) {
+      if (f.with_rows[j]) {
+        const MatrixPlacement& where = where_all[j];
+        row_ranges.emplace_back(rows_total, where.numel() / where.cols);
+        for (int h = 0; h < shard_size; ++h) {
+          if (where.held_rows_numel(h) == 0) continue;
+          held_rows_of.emplace_back(j, h);
+          held_row_ranges.emplace_back(rows_total + where.held_rows(h).first,
+                                       where.held_rows_numel(h));
+        }
+        rows_total += where.numel() / where.cols;
+      }
       const MatrixPlacement& where = where_all[j];
       matrix_ranges.emplace_back(total, where.numel());
       for (int h = 0; h < shard_size; ++h) {
@@ -720,6 +735,19 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
   for (const detail::OwnedBatch& batch : f.batches) {
     for (size_t j : batch.matrices) f.full[j] = fulls[next_full++];
   }
+  std::vector<at::Tensor> held_rows;
+  if (rows_total > 0) {
+    f.owned_rows = at::empty({rows_total}, f.send.options());
+    const std::vector<at::Tensor> variances = detail::slices_of(f.owned_rows, row_ranges);
+    size_t next_rows = 0;
+    for (const detail::OwnedBatch& batch : f.batches) {
+      for (size_t j : batch.matrices) {
+        if (f.with_rows[j]) f.variance[j] = variances[next_rows++];
+      }
+    }
+    held_rows = detail::slices_of(f.owned_rows, held_row_ranges);
+    f.held_rows.assign(where_all.size(), std::vector<at::Tensor>(shard_size));
+  }
   // From the shard ranks of the owner's replica: exchange ranks first..first + shard_size.
   const int first = me - shard_rank();
   std::vector<at::Tensor> destinations, sources;
@@ -736,26 +764,24 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
       recv_ranges.emplace_back(x.gather_recv_offset[j][q], held_ranges[i].second);
     }
   }
+  // The whole per-row state of each owned matrix, from its holders' rows (after their pieces).
+  for (size_t i = 0; i < held_rows_of.size(); ++i) {
+    const auto [j, h] = held_rows_of[i];
+    f.held_rows[j][h] = held_rows[i];
+    const int q = first + h;
+    if (q == me) {
+      destinations.push_back(held_rows[i]);
+      sources.push_back(f.row_state[j]);
+    } else {
+      received_into.push_back(held_rows[i]);
+      recv_ranges.emplace_back(x.gather_recv_offset[j][q] + where_all[j].held_numel(h),
+                               held_row_ranges[i].second);
+    }
+  }
   const std::vector<at::Tensor> received = detail::slices_of(f.recv, recv_ranges);
   destinations.insert(destinations.end(), received_into.begin(), received_into.end());
   sources.insert(sources.end(), received.begin(), received.end());
   if (!destinations.empty()) at::_foreach_copy_(destinations, sources);
-  // NorMuon: the whole per-row state of each owned matrix, from its holders' rows.
-  for (size_t j = 0; j < where_all.size(); ++j) {
-    if (!f.full[j].defined() || !f.with_rows[j]) continue;
-    const MatrixPlacement& where = where_all[j];
-    at::Tensor variance = at::empty({where.numel() / where.cols}, f.send.options());
-    for (int h = 0; h < shard_size; ++h) {
-      const int q = first + h;
-      const int64_t rows = where.held_rows_numel(h);
-      if (rows == 0) continue;
-      variance.narrow(0, where.held_rows(h).first, rows)
-          .copy_(q == me
-                     ? f.row_state[j]
-                     : f.recv.narrow(0, x.gather_recv_offset[j][q] + where.held_numel(h), rows));
-    }
-    f.variance[j] = std::move(variance);
-  }
   for (size_t j = 0; j < where_all.size(); ++j) f.own[j] = at::Tensor();
   live_full_bytes += f.full_bytes;
   s.stats.max_transient_bytes = std::max(s.stats.max_transient_bytes, live_full_bytes);
@@ -779,16 +805,13 @@ void FsdpMuon::Impl::orthogonalize_owned(RoundInFlight& f, StepRun& s) {
     }
     const at::Tensor inputs = f.owned.narrow(0, batch.offset, count * batch.rows * batch.cols)
                                   .view({count, batch.rows, batch.cols});
-    // One optimizer group per batch, so either every matrix has NorMuon state or none has.
-    std::vector<at::Tensor> variances;
-    for (size_t j : batch.matrices) {
-      if (f.variance[j].defined()) variances.push_back(f.variance[j]);
-    }
-    const at::Tensor variance = variances.empty() ? at::Tensor() : at::stack(variances);
+    // One optimizer group per batch, so either every matrix has per-row state or none has;
+    // the batch's is one [batch, rows] view, updated in place.
+    const at::Tensor variance =
+        f.with_rows[batch.matrices.front()]
+            ? f.owned_rows.narrow(0, batch.row_offset, count * batch.rows).view({count, batch.rows})
+            : at::Tensor();
     inputs.copy_(detail::muon_orthogonalized_update(inputs, options, variance));
-    for (size_t b = 0; b < variances.size(); ++b) {
-      variances[b].copy_(variance[static_cast<int64_t>(b)]);
-    }
   }
 }
 
@@ -820,8 +843,8 @@ void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
       sources.push_back(f.held_piece[j][h]);
       const int64_t rows = f.with_rows[j] ? where.held_rows_numel(h) : 0;
       if (rows == 0) continue;
-      f.scatter_send.narrow(0, x.scatter_send_offset[j][q] + len, rows)
-          .copy_(f.variance[j].narrow(0, where.held_rows(h).first, rows));
+      ranges.emplace_back(x.scatter_send_offset[j][q] + len, rows);
+      sources.push_back(f.held_rows[j][h]);
     }
   }
   if (!sources.empty()) at::_foreach_copy_(detail::slices_of(f.scatter_send, ranges), sources);
@@ -885,16 +908,27 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
   for (size_t o = 0; o < option_sets.size(); ++o) {
     detail::muon_apply_updates(params[o], updates[o], *option_sets[o]);
   }
-  // NorMuon: each holder takes back its rows of the per-row state.
+  // Each holder takes back its rows of the per-row state, in one copy.
+  std::vector<at::Tensor> row_states, row_sources;
+  std::vector<std::pair<int64_t, int64_t>> row_ranges;
+  std::vector<size_t> row_from_recv;  // positions in row_sources filled from scatter_recv
   for (size_t j = 0; j < mine.size(); ++j) {
-    const MatrixPlacement& where = round_placement[f.round][j];
     const int64_t len = local_piece[mine[j]].second;
     const int64_t rows = f.active[j] && f.with_rows[j] && len > 0 ? f.row_state[j].numel() : 0;
     if (rows == 0) continue;
-    f.row_state[j].copy_(matrices[mine[j]].owner == me
-                             ? f.variance[j].narrow(0, where.held_rows(holder).first, rows)
-                             : f.scatter_recv.narrow(0, x.scatter_recv_offset[j] + len, rows));
+    row_states.push_back(f.row_state[j]);
+    if (matrices[mine[j]].owner == me) {
+      row_sources.push_back(f.held_rows[j][holder]);
+    } else {
+      row_from_recv.push_back(row_sources.size());
+      row_ranges.emplace_back(x.scatter_recv_offset[j] + len, rows);
+      row_sources.emplace_back();
+    }
   }
+  const std::vector<at::Tensor> received_rows = detail::slices_of(f.scatter_recv, row_ranges);
+  for (size_t i = 0; i < row_from_recv.size(); ++i)
+    row_sources[row_from_recv[i]] = received_rows[i];
+  if (!row_states.empty()) at::_foreach_copy_(row_states, row_sources);
   live_full_bytes -= f.full_bytes;
   f = RoundInFlight{};
 }
