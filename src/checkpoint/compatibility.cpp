@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "checkpoint/optimizer_state.h"
+#include "common/check.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
@@ -31,7 +32,7 @@ std::string first_names(const std::vector<std::string>& names) {
 
 }  // namespace
 
-void check_same_model(const SavedMeta& saved, const ModelIndex& model, const char* api) {
+void check_same_model(const SavedMeta& saved, const ModelIndex& model) {
   std::vector<std::string> problems;
   for (const auto& group : model.groups) {
     for (size_t i = 0; i < group->num_parameters(); ++i) {
@@ -60,7 +61,7 @@ void check_same_model(const SavedMeta& saved, const ModelIndex& model, const cha
   if (problems.empty()) return;
   std::sort(problems.begin(), problems.end());
   std::ostringstream msg;
-  msg << api << ": " << saved.path << " is a checkpoint of another model: ";
+  msg << detail::ApiPrefix{} << saved.path << " is a checkpoint of another model: ";
   const size_t shown = std::min<size_t>(problems.size(), 8);
   for (size_t i = 0; i < shown; ++i) msg << (i ? "; " : "") << problems[i];
   if (shown < problems.size()) msg << "; and " << problems.size() - shown << " more";
@@ -68,24 +69,24 @@ void check_same_model(const SavedMeta& saved, const ModelIndex& model, const cha
 }
 
 void check_same_optimizers(const SavedMeta& saved, const ModelIndex& model,
-                           const std::vector<OptimizerEntry>& opts, const char* api) {
-  TORCH_CHECK(saved.optimizers.size() == opts.size(), api, ": ", saved.path, " holds ",
-              saved.optimizers.size(), " optimizer(s) ", saved_kinds(saved), " but ", opts.size(),
-              " were given; pass the same optimizers, in the same order, as when saving");
+                           const std::vector<OptimizerEntry>& opts) {
+  FSDP_MUON_CHECK(saved.optimizers.size() == opts.size(), saved.path, " holds ",
+                  saved.optimizers.size(), " optimizer(s) ", saved_kinds(saved), " but ",
+                  opts.size(),
+                  " were given; pass the same optimizers, in the same order, as when saving");
   for (size_t o = 0; o < opts.size(); ++o) {
     const SavedOptimizer& s = saved.optimizers[o];
-    TORCH_CHECK(s.kind == kind_name(opts[o].kind), api, ": optimizer ", o, " is '", s.kind,
-                "' in the checkpoint but '", kind_name(opts[o].kind), "' here");
-    TORCH_CHECK(s.param_groups.size() == opts[o].param_groups.size(), api, ": optimizer ", o, " (",
-                s.kind, ") has ", s.param_groups.size(), " param group(s) in the checkpoint but ",
-                opts[o].param_groups.size(), " here");
+    FSDP_MUON_CHECK(s.kind == kind_name(opts[o].kind), "optimizer ", o, " is '", s.kind,
+                    "' in the checkpoint but '", kind_name(opts[o].kind), "' here");
+    FSDP_MUON_CHECK(s.param_groups.size() == opts[o].param_groups.size(), "optimizer ", o, " (",
+                    s.kind, ") has ", s.param_groups.size(),
+                    " param group(s) in the checkpoint but ", opts[o].param_groups.size(), " here");
     for (size_t j = 0; j < s.param_groups.size(); ++j) {
       std::vector<std::string> live;
       for (const ParamRef& ref : opts[o].param_groups[j]) live.push_back(model.slot(ref).name);
-      TORCH_CHECK(s.param_groups[j] == live, api, ": optimizer ", o, " (", s.kind,
-                  "), param group ", j,
-                  " holds different parameters in the checkpoint than here: saved ",
-                  first_names(s.param_groups[j]), ", here ", first_names(live));
+      FSDP_MUON_CHECK(s.param_groups[j] == live, "optimizer ", o, " (", s.kind, "), param group ",
+                      j, " holds different parameters in the checkpoint than here: saved ",
+                      first_names(s.param_groups[j]), ", here ", first_names(live));
     }
   }
 }
@@ -96,11 +97,12 @@ std::string other_job_reason(const SavedMeta& saved, const ModelIndex& model,
     return "run id '" + *saved.run_id + "' there, '" + run_id + "' here";
   }
   try {
-    check_same_model(saved, model, "");
-    check_same_optimizers(saved, model, opts, "");
+    check_same_model(saved, model);
+    check_same_optimizers(saved, model, opts);
   } catch (const c10::Error& e) {
     std::string msg = e.what_without_backtrace();
-    if (msg.rfind(": ", 0) == 0) msg = msg.substr(2);  // the empty api's separator
+    const std::string prefix = c10::str(detail::ApiPrefix{});
+    if (msg.rfind(prefix, 0) == 0) msg = msg.substr(prefix.size());
     return msg;
   }
   return "";

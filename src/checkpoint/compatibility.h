@@ -13,11 +13,11 @@ namespace fsdp_muon::checkpoint {
 
 // Parameters are matched by name: every live one must be saved with the same shape, and every
 // saved one must be live.
-void check_same_model(const SavedMeta& saved, const ModelIndex& model, const char* api);
+void check_same_model(const SavedMeta& saved, const ModelIndex& model);
 
 // The same optimizers in the same order: kinds, param groups and their parameters.
 void check_same_optimizers(const SavedMeta& saved, const ModelIndex& model,
-                           const std::vector<OptimizerEntry>& opts, const char* api);
+                           const std::vector<OptimizerEntry>& opts);
 
 // Why the saved checkpoint is of another job than a save of `model` and `opts` under `run_id`
 // (SaveCheckpointOptions::run_id; docs/DESIGN.md §6), or "" when it is of this one: another run

@@ -5,6 +5,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 namespace {
 
@@ -25,14 +27,14 @@ thread_local std::function<void(bool)> g_latest_hook;
 
 namespace checkpoint {
 
-InjectedFailure take_injected_failure(const char* api) {
+InjectedFailure take_injected_failure() {
   if (!g_env_read) {
     g_env_read = true;
     if (const char* env = std::getenv("FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES")) {
       char* end = nullptr;
       const long long n = std::strtoll(env, &end, 10);
-      TORCH_CHECK(end != env && *end == '\0', api, ": FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES='", env,
-                  "' is not an integer");
+      FSDP_MUON_CHECK(end != env && *end == '\0', "FSDP_MUON_CHECKPOINT_FAIL_AFTER_FILES='", env,
+                      "' is not an integer");
       if (g_fail_after < 0) {
         g_fail_after = n;
         g_kind = InjectedFailure::kCrash;

@@ -6,8 +6,8 @@
 // that a retry succeeds. Another makes the fsync of a folder fail as with EIO, and a third runs
 // a callback around the reading of `latest`, so that a test can move `latest` between two
 // ranks' reads. Each hook is armed for the calling thread only (the thread a rank saves and
-// loads on), so that a test playing several ranks as threads arms one rank's. Internal header: not part of the public API (tests have src/ on their include
-// path).
+// loads on), so that a test playing several ranks as threads arms one rank's. Internal header: not
+// part of the public API (tests have src/ on their include path).
 
 #include <cstdint>
 #include <functional>
@@ -45,7 +45,7 @@ int64_t checkpoint_chunk_bytes();
 
 // Called by every checkpoint file write as it starts: how this write must fail half-way
 // (anything but kNone disarms the hook). `api` names the public function in errors.
-InjectedFailure take_injected_failure(const char* api);
+InjectedFailure take_injected_failure();
 
 // Called by every fsync of a checkpoint folder: true when it must fail (disarms the hook).
 bool take_injected_folder_sync_failure();

@@ -16,17 +16,18 @@
 #include <zlib.h>
 
 #include "checkpoint/failure_injection.h"
+#include "common/check.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
-void write_all(int fd, const char* data, size_t size, const std::string& path, const char* api) {
+void write_all(int fd, const char* data, size_t size, const std::string& path) {
   while (size > 0) {
     const ssize_t n = ::write(fd, data, size);
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, api, ": writing ", path, " failed: ", errno_text());
+    FSDP_MUON_CHECK(n > 0, "writing ", path, " failed: ", errno_text());
     data += n;
     size -= static_cast<size_t>(n);
   }
@@ -49,19 +50,19 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-bool make_directory(const std::string& path, const char* api) {
+bool make_directory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) == 0) return true;
-  TORCH_CHECK(errno == EEXIST, api, ": cannot create ", path, ": ", errno_text());
-  TORCH_CHECK(is_directory(path), api, ": ", path, " exists and is not a folder");
+  FSDP_MUON_CHECK(errno == EEXIST, "cannot create ", path, ": ", errno_text());
+  FSDP_MUON_CHECK(is_directory(path), path, " exists and is not a folder");
   return false;
 }
 
-void make_directories(const std::string& path, const char* api) {
+void make_directories(const std::string& path) {
   for (size_t pos = path.find('/', 1); pos != std::string::npos; pos = path.find('/', pos + 1)) {
     const std::string prefix = path.substr(0, pos);
-    if (!is_directory(prefix)) make_directory(prefix, api);
+    if (!is_directory(prefix)) make_directory(prefix);
   }
-  if (!path.empty() && !is_directory(path)) make_directory(path, api);
+  if (!path.empty() && !is_directory(path)) make_directory(path);
 }
 
 std::vector<std::string> list_directory(const std::string& path) {
@@ -87,33 +88,33 @@ void remove_tree(const std::string& path) {
   }
 }
 
-void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks, const char* api) {
+void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks) {
   const auto slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? std::string(".")
                           : slash == 0               ? std::string("/")
                                                      : path.substr(0, slash);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const InjectedFailure fail = take_injected_failure(api);
+  const InjectedFailure fail = take_injected_failure();
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, api, ": cannot create ", tmp, ": ", errno_text());
+  FSDP_MUON_CHECK(fd >= 0, "cannot create ", tmp, ": ", errno_text());
   try {
     size_t total = 0;
     for (const Chunk& c : chunks) total += c.size;
     size_t budget = fail != InjectedFailure::kNone ? total / 2 : total;
     for (const Chunk& c : chunks) {
       const size_t n = std::min(budget, c.size);
-      write_all(fd, static_cast<const char*>(c.data), n, tmp, api);
+      write_all(fd, static_cast<const char*>(c.data), n, tmp);
       budget -= n;
     }
-    TORCH_CHECK(fail != InjectedFailure::kCrash, api, ": injected failure while writing ", path,
-                " (", total / 2, " of ", total, " bytes written to ", tmp, ")");
-    TORCH_CHECK(fail != InjectedFailure::kWriteError, api, ": injected write error while writing ",
-                path, " (as when the disk is full: ", total / 2, " of ", total,
-                " bytes written to ", tmp, ")");
-    TORCH_CHECK(::fsync(fd) == 0, api, ": fsync of ", tmp, " failed: ", errno_text());
+    FSDP_MUON_CHECK(fail != InjectedFailure::kCrash, "injected failure while writing ", path, " (",
+                    total / 2, " of ", total, " bytes written to ", tmp, ")");
+    FSDP_MUON_CHECK(fail != InjectedFailure::kWriteError, "injected write error while writing ",
+                    path, " (as when the disk is full: ", total / 2, " of ", total,
+                    " bytes written to ", tmp, ")");
+    FSDP_MUON_CHECK(::fsync(fd) == 0, "fsync of ", tmp, " failed: ", errno_text());
     const int closed = ::close(fd);
     fd = -1;
-    TORCH_CHECK(closed == 0, api, ": closing ", tmp, " failed: ", errno_text());
+    FSDP_MUON_CHECK(closed == 0, "closing ", tmp, " failed: ", errno_text());
   } catch (...) {
     if (fd >= 0) ::close(fd);
     // A crash would leave the temporary file; an error must not, or a full disk stays full.
@@ -123,14 +124,14 @@ void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const std::string err = errno_text();
     ::unlink(tmp.c_str());
-    TORCH_CHECK(false, api, ": renaming ", tmp, " to ", path, " failed: ", err);
+    FSDP_MUON_CHECK(false, "renaming ", tmp, " to ", path, " failed: ", err);
   }
-  sync_folder(dir, api);
+  sync_folder(dir);
 }
 
-void sync_folder(const std::string& dir, const char* api) {
+void sync_folder(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, api, ": cannot open folder ", dir, " to fsync it: ", errno_text());
+  FSDP_MUON_CHECK(fd >= 0, "cannot open folder ", dir, " to fsync it: ", errno_text());
   int rc = ::fsync(fd);
   if (take_injected_folder_sync_failure()) {
     rc = -1;
@@ -140,8 +141,8 @@ void sync_folder(const std::string& dir, const char* api) {
   ::close(fd);
   // EINVAL: this file system cannot sync folders at all (the rename is still atomic); anything
   // else (EIO above all) means the new name may not survive a crash, so the save fails.
-  TORCH_CHECK(rc == 0 || err == EINVAL, api, ": fsync of folder ", dir,
-              " failed: ", std::strerror(err));
+  FSDP_MUON_CHECK(rc == 0 || err == EINVAL, "fsync of folder ", dir,
+                  " failed: ", std::strerror(err));
 }
 
 std::vector<char> pickle_save_plain(const c10::IValue& value) {
@@ -172,28 +173,28 @@ uint32_t crc32(const void* data, size_t size, uint32_t crc) {
       ::crc32_z(crc, static_cast<const Bytef*>(data), static_cast<z_size_t>(size)));
 }
 
-std::vector<char> read_whole_file(const std::string& path, const char* api) {
-  ReadFile file(path, api);
+std::vector<char> read_whole_file(const std::string& path) {
+  ReadFile file(path);
   std::vector<char> bytes(static_cast<size_t>(file.size()));
   if (!bytes.empty()) file.read(0, bytes.data(), bytes.size());
   return bytes;
 }
 
-ReadFile::ReadFile(const std::string& path, const char* api) : path_(path), api_(api) {
+ReadFile::ReadFile(const std::string& path) : path_(path) {
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd_ >= 0, api, ": cannot open ", path, ": ", errno_text());
+  FSDP_MUON_CHECK(fd_ >= 0, "cannot open ", path, ": ", errno_text());
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {
     const std::string err = errno_text();
     ::close(fd_);
     fd_ = -1;
-    TORCH_CHECK(false, api, ": cannot stat ", path, ": ", err);
+    FSDP_MUON_CHECK(false, "cannot stat ", path, ": ", err);
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd_);
     fd_ = -1;
-    TORCH_CHECK(false, api, ": ", path, " is ", S_ISDIR(st.st_mode) ? "a folder" : "not a file",
-                " where a checkpoint file should be");
+    FSDP_MUON_CHECK(false, path, " is ", S_ISDIR(st.st_mode) ? "a folder" : "not a file",
+                    " where a checkpoint file should be");
   }
   size_ = static_cast<int64_t>(st.st_size);
 }
@@ -203,7 +204,7 @@ ReadFile::~ReadFile() {
 }
 
 ReadFile::ReadFile(ReadFile&& other) noexcept
-    : path_(std::move(other.path_)), api_(other.api_), fd_(other.fd_), size_(other.size_) {
+    : path_(std::move(other.path_)), fd_(other.fd_), size_(other.size_) {
   other.fd_ = -1;
 }
 
@@ -211,7 +212,6 @@ ReadFile& ReadFile::operator=(ReadFile&& other) noexcept {
   if (this != &other) {
     if (fd_ >= 0) ::close(fd_);
     path_ = std::move(other.path_);
-    api_ = other.api_;
     fd_ = other.fd_;
     size_ = other.size_;
     other.fd_ = -1;
@@ -220,15 +220,15 @@ ReadFile& ReadFile::operator=(ReadFile&& other) noexcept {
 }
 
 void ReadFile::read(int64_t offset, void* out, size_t size) const {
-  TORCH_CHECK(offset >= 0 && offset + static_cast<int64_t>(size) <= size_, api_, ": ", path_,
-              " is truncated: reading bytes [", offset, ", ", offset + static_cast<int64_t>(size),
-              ") but the file has ", size_, " bytes");
+  FSDP_MUON_CHECK(offset >= 0 && offset + static_cast<int64_t>(size) <= size_, path_,
+                  " is truncated: reading bytes [", offset, ", ",
+                  offset + static_cast<int64_t>(size), ") but the file has ", size_, " bytes");
   char* dst = static_cast<char*>(out);
   while (size > 0) {
     const ssize_t n = ::pread(fd_, dst, size, static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n >= 0, api_, ": reading ", path_, " failed: ", errno_text());
-    TORCH_CHECK(n > 0, api_, ": ", path_, " is truncated: it ends at byte ", offset);
+    FSDP_MUON_CHECK(n >= 0, "reading ", path_, " failed: ", errno_text());
+    FSDP_MUON_CHECK(n > 0, path_, " is truncated: it ends at byte ", offset);
     dst += n;
     offset += n;
     size -= static_cast<size_t>(n);

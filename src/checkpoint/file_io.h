@@ -20,11 +20,11 @@ struct Chunk {
 
 // Writes `chunks` to `path` atomically: either the old file (if any) stays or the whole new one
 // is there. Throws naming the path and errno on failure.
-void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks, const char* api);
+void write_file_atomic(const std::string& path, const std::vector<Chunk>& chunks);
 
 // fsync of a folder, so that the names created, renamed or removed in it are durable; throws
 // naming the folder and errno when it fails (EINVAL, a file system that cannot, is accepted).
-void sync_folder(const std::string& dir, const char* api);
+void sync_folder(const std::string& dir);
 
 // torch::pickle_save without the type tags (torch.jit._pickle.restore_type_tag) it wraps
 // dicts and lists in: Python's torch.load refuses those under weights_only=True (its default
@@ -37,9 +37,9 @@ std::string join_path(const std::string& dir, const std::string& name);
 bool path_exists(const std::string& path);
 bool is_directory(const std::string& path);
 // mkdir -p; throws naming the path on failure.
-void make_directories(const std::string& path, const char* api);
+void make_directories(const std::string& path);
 // mkdir; false when it already exists, throws on other failures.
-bool make_directory(const std::string& path, const char* api);
+bool make_directory(const std::string& path);
 // Names in `path` (no "." or ".."); empty when it cannot be read.
 std::vector<std::string> list_directory(const std::string& path);
 // rm -rf, best effort.
@@ -47,14 +47,14 @@ void remove_tree(const std::string& path);
 
 uint32_t crc32(const void* data, size_t size, uint32_t crc = 0);
 
-std::vector<char> read_whole_file(const std::string& path, const char* api);
+std::vector<char> read_whole_file(const std::string& path);
 
 // A file opened for positional reads.
 class ReadFile {
  public:
   ReadFile() = default;
   // Throws when it cannot be opened.
-  ReadFile(const std::string& path, const char* api);
+  ReadFile(const std::string& path);
   ~ReadFile();
   ReadFile(ReadFile&& other) noexcept;
   ReadFile& operator=(ReadFile&& other) noexcept;
@@ -69,7 +69,6 @@ class ReadFile {
 
  private:
   std::string path_;
-  const char* api_ = "";
   int fd_ = -1;
   int64_t size_ = 0;
 };

@@ -23,6 +23,7 @@
 #include "checkpoint/framing.h"
 #include "checkpoint/rank_file.h"
 #include "comm/agreement.h"
+#include "common/check.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
@@ -45,8 +46,8 @@ int64_t folder_sequence(const std::string& name) {
 std::vector<char> encode_manifest(int64_t sequence, const std::string& save_id,
                                   const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
                                   const std::vector<int64_t>& rank_file_bytes,
-                                  const CheckpointUserState& user_state, const std::string& run_id,
-                                  const char* api) {
+                                  const CheckpointUserState& user_state,
+                                  const std::string& run_id) {
   c10::impl::GenericList files(c10::AnyType::get());
   c10::impl::GenericList file_bytes(c10::AnyType::get());
   const int world = model.comm->size();
@@ -57,8 +58,8 @@ std::vector<char> encode_manifest(int64_t sequence, const std::string& save_id,
   c10::impl::GenericDict user(c10::StringType::get(), c10::AnyType::get());
   for (const auto& [key, value] : user_state.ints) user.insert(key, value);
   for (const auto& [key, value] : user_state.strings) {
-    TORCH_CHECK(!user.contains(key), api, ": user_state key '", key,
-                "' is both an integer and a string; use one");
+    FSDP_MUON_CHECK(!user.contains(key), "user_state key '", key,
+                    "' is both an integer and a string; use one");
     user.insert(key, value);
   }
   c10::impl::GenericDict manifest = describe(model, opts);
@@ -76,8 +77,8 @@ std::vector<char> encode_manifest(int64_t sequence, const std::string& save_id,
   return bytes;
 }
 
-void write_text_atomic(const std::string& path, const std::string& text, const char* api) {
-  write_file_atomic(path, {{text.data(), text.size()}}, api);
+void write_text_atomic(const std::string& path, const std::string& text) {
+  write_file_atomic(path, {{text.data(), text.size()}});
 }
 
 bool is_latest_temporary(const std::string& name) {
@@ -91,10 +92,10 @@ struct LatestLine {
 };
 
 // `latest` must be exactly one line "<name>[ <save id>]\n"; anything else is an error naming it.
-LatestLine read_latest(const std::string& path, const char* api) {
-  const std::vector<char> bytes = read_whole_file(path, api);
+LatestLine read_latest(const std::string& path) {
+  const std::vector<char> bytes = read_whole_file(path);
   const std::string text(bytes.begin(), bytes.end());
-  TORCH_CHECK(!text.empty(), api, ": ", path, " is empty; it should name the newest checkpoint");
+  FSDP_MUON_CHECK(!text.empty(), path, " is empty; it should name the newest checkpoint");
   const bool one_line = text.back() == '\n' && text.find('\n') == text.size() - 1;
   const std::string line = text.substr(0, text.size() - 1);
   const size_t space = line.find(' ');
@@ -104,8 +105,8 @@ LatestLine read_latest(const std::string& path, const char* api) {
   bool ok = one_line && folder_sequence(latest.name) >= 0 &&
             (space == std::string::npos || !latest.save_id.empty());
   for (char ch : latest.save_id) ok = ok && std::isxdigit(static_cast<unsigned char>(ch)) != 0;
-  TORCH_CHECK(ok, api, ": ", path, " is corrupt: it should be one line 'ckpt-<number> <save id>'",
-              " but holds ", bytes.size(), " bytes that are not");
+  FSDP_MUON_CHECK(ok, path, " is corrupt: it should be one line 'ckpt-<number> <save id>'",
+                  " but holds ", bytes.size(), " bytes that are not");
   return latest;
 }
 
@@ -140,7 +141,7 @@ void remove_leftovers(const std::string& dir) {
 // The manifest of a complete checkpoint, or nullopt when it does not read.
 std::optional<SavedMeta> try_read_manifest(const std::string& folder) {
   try {
-    return read_manifest(folder, "");
+    return read_manifest(folder);
   } catch (const std::exception&) {
     return std::nullopt;
   }
@@ -168,10 +169,10 @@ void prune(const std::string& dir, int64_t current, int64_t keep_last, const Mod
 }
 
 // Why `dir` holds no checkpoint (find_checkpoint found none).
-[[noreturn]] void explain_no_checkpoint(const std::string& dir, const char* api) {
-  TORCH_CHECK(path_exists(dir), api, ": ", dir, " does not exist");
-  TORCH_CHECK(false, api, ": no checkpoint in ", dir, ": it has neither a ", kManifestName,
-              ", nor a '", kLatestName, "' file, nor a complete checkpoint folder");
+[[noreturn]] void explain_no_checkpoint(const std::string& dir) {
+  FSDP_MUON_CHECK(path_exists(dir), dir, " does not exist");
+  FSDP_MUON_CHECK(false, "no checkpoint in ", dir, ": it has neither a ", kManifestName,
+                  ", nor a '", kLatestName, "' file, nor a complete checkpoint folder");
 }
 
 }  // namespace
@@ -198,13 +199,13 @@ bool is_complete(const std::string& folder) {
 }
 
 int64_t create_checkpoint_folder(const std::string& dir, const ModelIndex& model,
-                                 const std::vector<OptimizerEntry>& opts, const std::string& run_id,
-                                 const char* api) {
+                                 const std::vector<OptimizerEntry>& opts,
+                                 const std::string& run_id) {
   // A checkpoint nested in a checkpoint folder is one no load of that folder would see.
-  TORCH_CHECK(!is_complete(dir), api, ": ", dir, " is a checkpoint folder (it holds ",
-              kManifestName, "); save into the folder that holds it instead: resuming from a ",
-              "root and saving into the same root continues its sequence");
-  make_directories(dir, api);
+  FSDP_MUON_CHECK(!is_complete(dir), dir, " is a checkpoint folder (it holds ", kManifestName,
+                  "); save into the folder that holds it instead: resuming from a ",
+                  "root and saving into the same root continues its sequence");
+  make_directories(dir);
   int64_t last = 0;
   for (const std::string& name : list_directory(dir)) {
     last = std::max(last, folder_sequence(name));
@@ -218,9 +219,10 @@ int64_t create_checkpoint_folder(const std::string& dir, const ModelIndex& model
     if (!is_complete(folder)) continue;
     if (const std::optional<SavedMeta> saved = try_read_manifest(folder)) {
       const std::string reason = other_job_reason(*saved, model, opts, run_id);
-      TORCH_CHECK(reason.empty(), api, ": ", folder, " is a checkpoint of another job (", reason,
-                  "); one folder holds the checkpoints of one job: save into another folder, or,",
-                  " if this job is that one resuming, pass its run_id, model and optimizers");
+      FSDP_MUON_CHECK(
+          reason.empty(), folder, " is a checkpoint of another job (", reason,
+          "); one folder holds the checkpoints of one job: save into another folder, or,",
+          " if this job is that one resuming, pass its run_id, model and optimizers");
     }
     break;
   }
@@ -228,8 +230,8 @@ int64_t create_checkpoint_folder(const std::string& dir, const ModelIndex& model
   remove_leftovers(dir);
   const int64_t sequence = last + 1;
   const std::string folder = join_path(dir, folder_name(sequence));
-  TORCH_CHECK(make_directory(folder, api), api, ": cannot create ", folder, " (it exists)");
-  sync_folder(dir, api);
+  FSDP_MUON_CHECK(make_directory(folder), "cannot create ", folder, " (it exists)");
+  sync_folder(dir);
   return sequence;
 }
 
@@ -237,120 +239,119 @@ void publish_checkpoint(const std::string& dir, int64_t sequence, const std::str
                         const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
                         const std::vector<int64_t>& rank_file_bytes,
                         const CheckpointUserState& user_state, const std::string& run_id,
-                        int64_t keep_last, const char* api) {
+                        int64_t keep_last) {
   const std::string folder = join_path(dir, folder_name(sequence));
   const std::vector<char> manifest =
-      encode_manifest(sequence, save_id, model, opts, rank_file_bytes, user_state, run_id, api);
+      encode_manifest(sequence, save_id, model, opts, rank_file_bytes, user_state, run_id);
   const std::string manifest_path = join_path(folder, kManifestName);
   try {
-    write_file_atomic(manifest_path, {{manifest.data(), manifest.size()}}, api);
+    write_file_atomic(manifest_path, {{manifest.data(), manifest.size()}});
     // What a load checks first: a checkpoint that fails it must not become `latest`, nor let
     // pruning remove the previous one.
-    const SavedMeta back = read_manifest(folder, api);
-    check_same_model(back, model, api);
-    check_same_optimizers(back, model, opts, api);
+    const SavedMeta back = read_manifest(folder);
+    check_same_model(back, model);
+    check_same_optimizers(back, model, opts);
   } catch (...) {
     // A failed save leaves no complete checkpoint (the folder is removed by the next save).
     ::unlink(manifest_path.c_str());
     throw;
   }
-  write_text_atomic(join_path(dir, kLatestName), folder_name(sequence) + " " + save_id + "\n", api);
+  write_text_atomic(join_path(dir, kLatestName), folder_name(sequence) + " " + save_id + "\n");
   prune(dir, sequence, keep_last, model, opts, run_id);
 }
 
-std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir, const char* api) {
-  if (is_complete(dir)) return FoundCheckpoint{dir, "", read_manifest(dir, api)};
+std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir) {
+  if (is_complete(dir)) return FoundCheckpoint{dir, "", read_manifest(dir)};
   const std::string latest_path = join_path(dir, kLatestName);
   if (path_exists(latest_path)) {
     run_latest_read_hook(false);
-    const LatestLine latest = read_latest(latest_path, api);
+    const LatestLine latest = read_latest(latest_path);
     run_latest_read_hook(true);
     const std::string folder = join_path(dir, latest.name);
-    TORCH_CHECK(is_directory(folder), api, ": ", latest_path, " names '", latest.name, "', but ",
-                folder, " does not exist");
-    TORCH_CHECK(is_complete(folder), api, ": ", latest_path, " names '", latest.name, "', but ",
-                join_path(folder, kManifestName),
-                " does not exist: that checkpoint is incomplete or damaged");
-    SavedMeta manifest = read_manifest(folder, api);
+    FSDP_MUON_CHECK(is_directory(folder), latest_path, " names '", latest.name, "', but ", folder,
+                    " does not exist");
+    FSDP_MUON_CHECK(is_complete(folder), latest_path, " names '", latest.name, "', but ",
+                    join_path(folder, kManifestName),
+                    " does not exist: that checkpoint is incomplete or damaged");
+    SavedMeta manifest = read_manifest(folder);
     if (latest.save_id.empty()) {
-      TORCH_CHECK(manifest.version == 1, api, ": ", latest_path, " names '", latest.name,
-                  "' without a save id, but its manifest (format version ", manifest.version,
-                  ") has one: ", latest_path, " is corrupt");
+      FSDP_MUON_CHECK(manifest.version == 1, latest_path, " names '", latest.name,
+                      "' without a save id, but its manifest (format version ", manifest.version,
+                      ") has one: ", latest_path, " is corrupt");
     } else {
-      TORCH_CHECK(manifest.save_id == latest.save_id, api, ": ", latest_path, " names '",
-                  latest.name, "' of save ", latest.save_id, ", but ", manifest.path,
-                  " is of save ", manifest.save_id.empty() ? "(none: version 1)" : manifest.save_id,
-                  ": ", latest_path, " is corrupt or the folder was replaced");
+      FSDP_MUON_CHECK(manifest.save_id == latest.save_id, latest_path, " names '", latest.name,
+                      "' of save ", latest.save_id, ", but ", manifest.path, " is of save ",
+                      manifest.save_id.empty() ? "(none: version 1)" : manifest.save_id, ": ",
+                      latest_path, " is corrupt or the folder was replaced");
     }
     return FoundCheckpoint{folder, latest.name, std::move(manifest)};
   }
   if (!path_exists(dir)) return std::nullopt;
-  TORCH_CHECK(is_directory(dir), api, ": ", dir, " is a file, not a checkpoint folder");
+  FSDP_MUON_CHECK(is_directory(dir), dir, " is a file, not a checkpoint folder");
   for (const std::string& name : list_directory(dir)) {
-    TORCH_CHECK(name.rfind("rank-", 0) != 0, api, ": ", dir,
-                " is an incomplete checkpoint: it has rank files but no ", kManifestName,
-                " (the save that wrote it did not finish)");
+    FSDP_MUON_CHECK(name.rfind("rank-", 0) != 0, dir,
+                    " is an incomplete checkpoint: it has rank files but no ", kManifestName,
+                    " (the save that wrote it did not finish)");
   }
   // No `latest` yet: the first save stopped after its manifest. That checkpoint is complete.
   const auto folders = checkpoint_folders(dir);
   for (auto it = folders.rbegin(); it != folders.rend(); ++it) {
     const std::string folder = join_path(dir, it->second);
-    if (is_complete(folder)) return FoundCheckpoint{folder, it->second, read_manifest(folder, api)};
+    if (is_complete(folder)) return FoundCheckpoint{folder, it->second, read_manifest(folder)};
   }
   return std::nullopt;
 }
 
-FoundCheckpoint resolve_checkpoint(const std::string& dir, const char* api) {
-  std::optional<FoundCheckpoint> found = find_checkpoint(dir, api);
-  if (!found) explain_no_checkpoint(dir, api);
+FoundCheckpoint resolve_checkpoint(const std::string& dir) {
+  std::optional<FoundCheckpoint> found = find_checkpoint(dir);
+  if (!found) explain_no_checkpoint(dir);
   return std::move(*found);
 }
 
-SavedMeta read_manifest(const std::string& folder, const char* api) {
+SavedMeta read_manifest(const std::string& folder) {
   const std::string path = join_path(folder, kManifestName);
-  const ReadFile file(path, api);
+  const ReadFile file(path);
   char prefix[kFramePrefixBytes] = {};
   if (file.size() >= kFramePrefixBytes) file.read(0, prefix, sizeof(prefix));
   const char* magic = prefix;
   if (has_frame_magic(prefix, sizeof(prefix))) {
     const uint64_t framed = kFramePrefixBytes + get_u64(prefix + 8);
-    TORCH_CHECK(framed == static_cast<uint64_t>(file.size()), api, ": ", path,
-                " is truncated or corrupt (", file.size(), " bytes, its frame says ", framed, ")");
-    const Frame frame = read_frame(file, api);
-    if (frame.version < 2) corrupt(path, "a framed manifest of format version 1", api);
-    const Fields top(frame.header, path, api);
-    if (top.str("type") != "manifest") corrupt(path, "it is not a manifest", api);
-    SavedMeta meta = parse_meta(frame.header, path, /*manifest=*/true, api);
+    FSDP_MUON_CHECK(framed == static_cast<uint64_t>(file.size()), path,
+                    " is truncated or corrupt (", file.size(), " bytes, its frame says ", framed,
+                    ")");
+    const Frame frame = read_frame(file);
+    if (frame.version < 2) corrupt(path, "a framed manifest of format version 1");
+    const Fields top(frame.header, path);
+    if (top.str("type") != "manifest") corrupt(path, "it is not a manifest");
+    SavedMeta meta = parse_meta(frame.header, path, /*manifest=*/true);
     if (meta.version != frame.version) {
-      corrupt(path, "its frame and its header disagree on the format version", api);
+      corrupt(path, "its frame and its header disagree on the format version");
     }
     return meta;
   }
   // Version 1: the pickle alone, without a checksum.
-  TORCH_CHECK(file.size() >= kFramePrefixBytes && magic[0] == 'P' && magic[1] == 'K', api, ": ",
-              path,
-              " is corrupt or not an fsdp_muon manifest: it starts with neither the fsdp_muon ",
-              "magic bytes nor a version 1 pickle archive (", file.size(), " bytes)");
+  FSDP_MUON_CHECK(file.size() >= kFramePrefixBytes && magic[0] == 'P' && magic[1] == 'K', path,
+                  " is corrupt or not an fsdp_muon manifest: it starts with neither the fsdp_muon ",
+                  "magic bytes nor a version 1 pickle archive (", file.size(), " bytes)");
   std::vector<char> bytes(static_cast<size_t>(file.size()));
   file.read(0, bytes.data(), bytes.size());
   c10::IValue value;
   try {
     value = torch::pickle_load(bytes);
   } catch (...) {
-    TORCH_CHECK(false, api, ": ", path, " is truncated or corrupt (", bytes.size(),
-                " bytes): ", detail::current_exception_message());
+    FSDP_MUON_CHECK(false, path, " is truncated or corrupt (", bytes.size(),
+                    " bytes): ", detail::current_exception_message());
   }
   SavedMeta meta;
   try {
-    meta = parse_meta(value, path, /*manifest=*/true, api);
+    meta = parse_meta(value, path, /*manifest=*/true);
   } catch (const c10::Error& e) {
     // Version 1 manifests have no checksum: whatever a damaged one fails with names it.
     const std::string msg = e.what_without_backtrace();
     if (msg.find(path) != std::string::npos) throw;
-    corrupt(path, msg, api);
+    corrupt(path, msg);
   }
-  if (meta.version != 1)
-    corrupt(path, "a manifest of format version 2 or later needs a frame", api);
+  if (meta.version != 1) corrupt(path, "a manifest of format version 2 or later needs a frame");
   return meta;
 }
 
@@ -359,7 +360,8 @@ SavedMeta read_manifest(const std::string& folder, const char* api) {
 namespace fsdp_muon {
 
 std::optional<std::string> latest_checkpoint(const std::string& dir) {
-  auto found = checkpoint::find_checkpoint(dir, "fsdp_muon::latest_checkpoint");
+  FSDP_MUON_API_SCOPE("latest_checkpoint");
+  auto found = checkpoint::find_checkpoint(dir);
   if (!found) return std::nullopt;
   return found->folder;
 }

@@ -41,8 +41,8 @@ std::string new_save_id();
 // that follows the highest sequence number present, durably (the root is fsynced); returns its
 // sequence number.
 int64_t create_checkpoint_folder(const std::string& dir, const ModelIndex& model,
-                                 const std::vector<OptimizerEntry>& opts, const std::string& run_id,
-                                 const char* api);
+                                 const std::vector<OptimizerEntry>& opts,
+                                 const std::string& run_id);
 
 // Rank 0, once every rank's file of checkpoint `sequence` is in place (`rank_file_bytes` are
 // their sizes): writes its manifest, which makes it complete, reads it back and checks it as a
@@ -53,7 +53,7 @@ void publish_checkpoint(const std::string& dir, int64_t sequence, const std::str
                         const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
                         const std::vector<int64_t>& rank_file_bytes,
                         const CheckpointUserState& user_state, const std::string& run_id,
-                        int64_t keep_last, const char* api);
+                        int64_t keep_last);
 
 struct FoundCheckpoint {
   std::string folder;
@@ -63,13 +63,13 @@ struct FoundCheckpoint {
 
 // latest_checkpoint's rule (checkpoint.h): the checkpoint to load from `dir`, nullopt when there
 // is none, an error naming the file when one is there but unusable.
-std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir, const char* api);
+std::optional<FoundCheckpoint> find_checkpoint(const std::string& dir);
 
 // find_checkpoint, where nullopt is an error that says what `dir` is (missing, incomplete, no
 // checkpoint).
-FoundCheckpoint resolve_checkpoint(const std::string& dir, const char* api);
+FoundCheckpoint resolve_checkpoint(const std::string& dir);
 
 // The parsed and checked manifest of the checkpoint in `folder`.
-SavedMeta read_manifest(const std::string& folder, const char* api);
+SavedMeta read_manifest(const std::string& folder);
 
 }  // namespace fsdp_muon::checkpoint

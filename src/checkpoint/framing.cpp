@@ -7,6 +7,7 @@
 
 #include "checkpoint/metadata.h"
 #include "comm/agreement.h"
+#include "common/check.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
@@ -46,32 +47,32 @@ std::array<char, kFramePrefixBytes> encode_frame_prefix(const std::vector<char>&
   return prefix;
 }
 
-Frame read_frame(const ReadFile& file, const char* api) {
+Frame read_frame(const ReadFile& file) {
   char bytes[kFramePrefixBytes];
   file.read(0, bytes, sizeof(bytes));
-  if (!has_frame_magic(bytes, sizeof(bytes))) corrupt(file.path(), "bad magic bytes", api);
+  if (!has_frame_magic(bytes, sizeof(bytes))) corrupt(file.path(), "bad magic bytes");
   Frame frame;
   frame.version = get_u32(bytes + 20);
-  if (frame.version < 1) corrupt(file.path(), "format version 0", api);
-  TORCH_CHECK(frame.version <= kFormatVersion, api, ": ", file.path(), " has format version ",
-              frame.version, "; this fsdp_muon reads up to ", kFormatVersion,
-              " (a newer fsdp_muon wrote it, or the file is corrupt)");
+  if (frame.version < 1) corrupt(file.path(), "format version 0");
+  FSDP_MUON_CHECK(frame.version <= kFormatVersion, file.path(), " has format version ",
+                  frame.version, "; this fsdp_muon reads up to ", kFormatVersion,
+                  " (a newer fsdp_muon wrote it, or the file is corrupt)");
   const uint64_t header_bytes = get_u64(bytes + 8);
   if (header_bytes > static_cast<uint64_t>(file.size() - kFramePrefixBytes)) {
-    corrupt(file.path(), "its header length runs past the end of the file", api);
+    corrupt(file.path(), "its header length runs past the end of the file");
   }
   frame.header_bytes = static_cast<int64_t>(header_bytes);
   std::vector<char> header(header_bytes);
   file.read(kFramePrefixBytes, header.data(), header.size());
   if (crc32(header.data(), header.size()) != get_u32(bytes + 16)) {
-    corrupt(file.path(), "header checksum mismatch", api);
+    corrupt(file.path(), "header checksum mismatch");
   }
   try {
     frame.header = torch::pickle_load(header);
   } catch (...) {
-    corrupt(file.path(), "unreadable header: " + detail::current_exception_message(), api);
+    corrupt(file.path(), "unreadable header: " + detail::current_exception_message());
   }
-  if (!frame.header.isGenericDict()) corrupt(file.path(), "its header is not a dict", api);
+  if (!frame.header.isGenericDict()) corrupt(file.path(), "its header is not a dict");
   return frame;
 }
 

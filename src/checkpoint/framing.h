@@ -37,7 +37,7 @@ struct Frame {
 
 // Reads and checks the frame of `file`: magic, a version this build reads, a header length
 // inside the file, the header's CRC, then unpickles it; every error names the file.
-Frame read_frame(const ReadFile& file, const char* api);
+Frame read_frame(const ReadFile& file);
 
 // Little-endian integers.
 void put_u64(char* p, uint64_t v);

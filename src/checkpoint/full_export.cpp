@@ -18,12 +18,11 @@
 #include "checkpoint/model_index.h"
 #include "checkpoint/optimizer_state.h"
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "muon/row_state.h"
 
 namespace fsdp_muon {
 namespace {
-
-constexpr const char* kExportApi = "fsdp_muon::export_full_checkpoint";
 
 using checkpoint::ModelIndex;
 using checkpoint::OptimizerEntry;
@@ -127,9 +126,8 @@ void gather_state_key(const ModelIndex& model, size_t g, const std::vector<Param
       if (state_key != key || t.numel() == 0) continue;
       const auto [first, last] = held_rows(*group, refs[k].index, comm.rank());
       const int64_t expected = rows ? last - first : model.shard(refs[k]).numel();
-      TORCH_CHECK(t.numel() == expected, kExportApi, ": state '", key, "' of '",
-                  model.slot(refs[k]).name, "' has ", t.numel(), " elements on this rank, not ",
-                  expected);
+      FSDP_MUON_CHECK(t.numel() == expected, "state '", key, "' of '", model.slot(refs[k]).name,
+                      "' has ", t.numel(), " elements on this rank, not ", expected);
       buffer.narrow(0, group->shard_offset(refs[k].index, comm.rank()), t.numel())
           .copy_(t.reshape({-1}));
     }
@@ -183,8 +181,8 @@ void gather_full_state(const ModelIndex& model, const OptimizerEntry& opt, Commu
 
 void insert_unique(c10::Dict<std::string, at::Tensor>& out, const std::string& key,
                    const at::Tensor& t) {
-  TORCH_CHECK(!out.contains(key), kExportApi, ": two tensors would be named '", key,
-              "'; rename the parameter that clashes");
+  FSDP_MUON_CHECK(!out.contains(key), "two tensors would be named '", key,
+                  "'; rename the parameter that clashes");
   out.insert(key, t);
 }
 
@@ -203,10 +201,9 @@ void write_export(const std::string& path, const ModelIndex& model,
     }
   }
   const auto slash = path.rfind('/');
-  if (slash != std::string::npos && slash > 0)
-    checkpoint::make_directories(path.substr(0, slash), kExportApi);
+  if (slash != std::string::npos && slash > 0) checkpoint::make_directories(path.substr(0, slash));
   const std::vector<char> bytes = checkpoint::pickle_save_plain(c10::IValue(out));
-  checkpoint::write_file_atomic(path, {{bytes.data(), bytes.size()}}, kExportApi);
+  checkpoint::write_file_atomic(path, {{bytes.data(), bytes.size()}});
 }
 
 }  // namespace
@@ -214,18 +211,19 @@ void write_export(const std::string& path, const ModelIndex& model,
 void export_full_checkpoint(const std::string& path,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers) {
-  Communicator& world = checkpoint::communicator_of(groups, kExportApi);
+  FSDP_MUON_API_SCOPE("export_full_checkpoint");
+  Communicator& world = checkpoint::communicator_of(groups);
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
   // Rank 0 writes what every rank gathers in the order of its own arguments: a rank that passed
   // the groups or optimizers in another order would put its shards under other names.
   detail::agree_on_arguments(
-      world, kExportApi, "what to export",
+      world, "what to export",
       "Every rank must pass the same path, groups and optimizers, in the same order; nothing was "
       "written",
       [&] {
-        model = checkpoint::index_model(groups, kExportApi);
-        opts = checkpoint::index_optimizers(optimizers, model, kExportApi);
+        model = checkpoint::index_model(groups);
+        opts = checkpoint::index_optimizers(optimizers, model);
         std::vector<std::string> lines = checkpoint::describe_for_save(model, opts);
         lines.insert(lines.begin(), "path = " + path);
         return lines;
@@ -239,7 +237,7 @@ void export_full_checkpoint(const std::string& path,
     weights = gather_full_weights(model, comm);
     for (const OptimizerEntry& opt : opts) gather_full_state(model, opt, comm, state);
   }
-  detail::run_agreed(world, kExportApi, [&] {
+  detail::run_agreed(world, [&] {
     if (world.rank() == 0) write_export(path, model, weights, state);
   });
 }

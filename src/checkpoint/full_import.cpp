@@ -23,12 +23,11 @@
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/staged_restore.h"
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "muon/row_state.h"
 
 namespace fsdp_muon {
 namespace {
-
-constexpr const char* kImportApi = "fsdp_muon::import_full_checkpoint";
 
 using checkpoint::ModelIndex;
 using checkpoint::OptimizerEntry;
@@ -57,18 +56,17 @@ TensorsByName read_tensor_dict(const std::vector<char>& bytes, const std::string
   try {
     value = torch::pickle_load(bytes);
   } catch (...) {
-    TORCH_CHECK(false, kImportApi, ": ", path, " is not a readable torch.save / pickle file (",
-                bytes.size(),
-                " bytes; truncated or corrupt?): ", detail::current_exception_message());
+    FSDP_MUON_CHECK(false, path, " is not a readable torch.save / pickle file (", bytes.size(),
+                    " bytes; truncated or corrupt?): ", detail::current_exception_message());
   }
-  TORCH_CHECK(value.isGenericDict(), kImportApi, ": ", path, " holds a ", value.tagKind(),
-              ", not a dict of tensors by parameter name");
+  FSDP_MUON_CHECK(value.isGenericDict(), path, " holds a ", value.tagKind(),
+                  ", not a dict of tensors by parameter name");
   TensorsByName tensors;
   for (const auto& item : value.toGenericDict()) {
-    TORCH_CHECK(item.key().isString(), kImportApi, ": ", path, " has a key that is not a string");
+    FSDP_MUON_CHECK(item.key().isString(), path, " has a key that is not a string");
     if (!item.value().isTensor()) {
-      TORCH_CHECK(!strict, kImportApi, ": ", path, " entry '", item.key().toStringRef(), "' is a ",
-                  item.value().tagKind(), ", not a tensor (pass strict(false) to ignore it)");
+      FSDP_MUON_CHECK(!strict, path, " entry '", item.key().toStringRef(), "' is a ",
+                      item.value().tagKind(), ", not a tensor (pass strict(false) to ignore it)");
       continue;
     }
     // On the host from here on: a file saved from CUDA tensors loads onto the GPU, and reading
@@ -89,12 +87,12 @@ std::vector<std::vector<at::Tensor>> slice_weights(const TensorsByName& tensors,
     for (size_t i = 0; i < group->num_parameters(); ++i) {
       const ParameterSlot& slot = group->slot(i);
       auto it = tensors.find(slot.name);
-      TORCH_CHECK(it != tensors.end(), kImportApi, ": ", path, " has no tensor '", slot.name,
-                  "' (parameter ", i, " of group '", group->name(), "', shape ",
-                  c10::str(c10::IntArrayRef(slot.shape)), ")");
-      TORCH_CHECK(it->second.sizes().vec() == slot.shape, kImportApi, ": ", path, " tensor '",
-                  slot.name, "' has shape ", c10::str(c10::IntArrayRef(it->second.sizes())),
-                  " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)));
+      FSDP_MUON_CHECK(it != tensors.end(), path, " has no tensor '", slot.name, "' (parameter ", i,
+                      " of group '", group->name(), "', shape ",
+                      c10::str(c10::IntArrayRef(slot.shape)), ")");
+      FSDP_MUON_CHECK(it->second.sizes().vec() == slot.shape, path, " tensor '", slot.name,
+                      "' has shape ", c10::str(c10::IntArrayRef(it->second.sizes())),
+                      " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)));
       used.insert(slot.name);
       const auto [a, b] = group->held_range(i);
       per_param.push_back(held_slice(it->second, a, b));
@@ -114,10 +112,10 @@ void check_state_complete(const TensorsByName& tensors, const OptimizerEntry& op
     if (!tensors.count(name + "." + key)) missing.push_back(name + "." + key);
   }
   if (checkpoint::has_step(opt.kind) && !has_step_tensor) missing.push_back(name + ".step");
-  TORCH_CHECK(missing.empty(), kImportApi, ": ", path, " has optimizer state of '", name,
-              "' for a ", checkpoint::kind_name(opt.kind), " optimizer but lacks ",
-              quoted_names(missing, missing.size()),
-              " (pass optimizer_state(false) to import weights only)");
+  FSDP_MUON_CHECK(missing.empty(), path, " has optimizer state of '", name, "' for a ",
+                  checkpoint::kind_name(opt.kind), " optimizer but lacks ",
+                  quoted_names(missing, missing.size()),
+                  " (pass optimizer_state(false) to import weights only)");
 }
 
 // The state to install for one parameter, or nullopt to keep the live one (the file has none
@@ -144,8 +142,8 @@ std::optional<ParamState> import_param_state(const TensorsByName& tensors, const
   state.present = true;
   if (has_step_tensor) {
     const at::Tensor& s = tensors.at(step_name);
-    TORCH_CHECK(s.numel() == 1, kImportApi, ": ", path, " tensor '", step_name, "' has ", s.numel(),
-                " elements, expected 1");
+    FSDP_MUON_CHECK(s.numel() == 1, path, " tensor '", step_name, "' has ", s.numel(),
+                    " elements, expected 1");
     state.step = static_cast<int64_t>(s.item<double>());
   }
   const auto [a, b] = model.groups[ref.group]->held_range(ref.index);
@@ -155,19 +153,19 @@ std::optional<ParamState> import_param_state(const TensorsByName& tensors, const
       // One value per row; this rank keeps the rows whose first element it holds.
       const bool matrix = slot.shape.size() >= 2;
       const int64_t rows = detail::row_state_rows(slot.shape);
-      TORCH_CHECK(matrix && t.dim() == 1 && t.size(0) == rows, kImportApi, ": ", path, " tensor '",
-                  slot.name, ".", key, "' has shape ", c10::str(c10::IntArrayRef(t.sizes())),
-                  " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)),
-                  matrix ? " (one value per row expected: " + std::to_string(rows) + ")"
-                         : std::string(" (not a matrix)"));
+      FSDP_MUON_CHECK(matrix && t.dim() == 1 && t.size(0) == rows, path, " tensor '", slot.name,
+                      ".", key, "' has shape ", c10::str(c10::IntArrayRef(t.sizes())),
+                      " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)),
+                      matrix ? " (one value per row expected: " + std::to_string(rows) + ")"
+                             : std::string(" (not a matrix)"));
       const auto [first, last] =
           detail::rows_starting_in({a, b}, detail::row_state_cols(slot.shape));
       state.tensors.emplace_back(key, held_slice(t, first, last));
       continue;
     }
-    TORCH_CHECK(t.sizes().vec() == slot.shape, kImportApi, ": ", path, " tensor '", slot.name, ".",
-                key, "' has shape ", c10::str(c10::IntArrayRef(t.sizes())),
-                " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)));
+    FSDP_MUON_CHECK(t.sizes().vec() == slot.shape, path, " tensor '", slot.name, ".", key,
+                    "' has shape ", c10::str(c10::IntArrayRef(t.sizes())),
+                    " but the parameter has shape ", c10::str(c10::IntArrayRef(slot.shape)));
     state.tensors.emplace_back(key, held_slice(t, a, b));
   }
   return state;
@@ -200,10 +198,10 @@ void check_all_used(const TensorsByName& tensors, const std::set<std::string>& u
   }
   if (extra.empty()) return;
   std::sort(extra.begin(), extra.end());
-  TORCH_CHECK(false, kImportApi, ": ", path, " has ", extra.size(),
-              " tensor(s) that name no parameter of this model or state of its optimizers: ",
-              quoted_names(extra, 8), extra.size() > 8 ? ", ..." : "",
-              " (pass strict(false) to ignore them)");
+  FSDP_MUON_CHECK(false, path, " has ", extra.size(),
+                  " tensor(s) that name no parameter of this model or state of its optimizers: ",
+                  quoted_names(extra, 8), extra.size() > 8 ? ", ..." : "",
+                  " (pass strict(false) to ignore them)");
 }
 
 }  // namespace
@@ -212,7 +210,8 @@ void import_full_checkpoint(const std::string& path,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers,
                             const ImportCheckpointOptions& options) {
-  Communicator& comm = checkpoint::communicator_of(groups, kImportApi);
+  FSDP_MUON_API_SCOPE("import_full_checkpoint");
+  Communicator& comm = checkpoint::communicator_of(groups);
   ModelIndex model;
   std::vector<OptimizerEntry> opts;
   checkpoint::StagedRestore staged;
@@ -220,13 +219,13 @@ void import_full_checkpoint(const std::string& path,
   // its size and CRC-32, and a rank that read other bytes fails the import everywhere before
   // anything changes, instead of building a model mixed from two files.
   detail::agree_on_arguments(
-      comm, kImportApi, "what to import",
+      comm, "what to import",
       "Every rank must read the same file (its path may differ) into the same groups and "
       "optimizers, in the same order, with the same options; nothing was changed",
       [&] {
-        model = checkpoint::index_model(groups, kImportApi);
-        opts = checkpoint::index_optimizers(optimizers, model, kImportApi);
-        const std::vector<char> bytes = checkpoint::read_whole_file(path, kImportApi);
+        model = checkpoint::index_model(groups);
+        opts = checkpoint::index_optimizers(optimizers, model);
+        const std::vector<char> bytes = checkpoint::read_whole_file(path);
         const TensorsByName tensors = read_tensor_dict(bytes, path, options.strict());
         std::set<std::string> used;
         staged.weights = slice_weights(tensors, model, path, used);

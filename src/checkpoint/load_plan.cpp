@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "checkpoint/rank_file.h"
+#include "common/check.h"
 #include "muon/row_state.h"
 
 namespace fsdp_muon::checkpoint {
@@ -74,8 +75,7 @@ std::vector<std::vector<at::Tensor>> plan_weights(const SavedMeta& saved, const 
 std::vector<std::optional<ParamState>> plan_optimizer_state(const SavedMeta& saved,
                                                             const ModelIndex& model,
                                                             const std::vector<OptimizerEntry>& opts,
-                                                            size_t o, ReadsBySavedRank& reads,
-                                                            const char* api) {
+                                                            size_t o, ReadsBySavedRank& reads) {
   const SavedOptimizer& saved_opt = saved.optimizers[o];
   const auto& known = state_keys(opts[o].kind);
   std::vector<std::optional<ParamState>> states;
@@ -89,13 +89,13 @@ std::vector<std::optional<ParamState>> plan_optimizer_state(const SavedMeta& sav
         state.present = true;
         state.step = it->second.step;
         for (const std::string& key : it->second.keys) {
-          TORCH_CHECK(std::find(known.begin(), known.end(), key) != known.end(), api, ": ",
-                      saved.path, " has optimizer state '", key, "' for '", name, "', which a ",
-                      saved_opt.kind, " optimizer does not keep");
+          FSDP_MUON_CHECK(std::find(known.begin(), known.end(), key) != known.end(), saved.path,
+                          " has optimizer state '", key, "' for '", name, "', which a ",
+                          saved_opt.kind, " optimizer does not keep");
           if (is_row_state(opts[o].kind, key)) {
             const ParameterSlot& slot = group->slot(ref.index);
-            TORCH_CHECK(slot.shape.size() >= 2, api, ": ", saved.path, " has row state '", key,
-                        "' for '", name, "', which is not a matrix");
+            FSDP_MUON_CHECK(slot.shape.size() >= 2, saved.path, " has row state '", key, "' for '",
+                            name, "', which is not a matrix");
             const int64_t cols = detail::row_state_cols(slot.shape);
             const auto [first, last] = detail::rows_starting_in(group->held_range(ref.index), cols);
             at::Tensor dst =
@@ -119,22 +119,20 @@ std::vector<std::optional<ParamState>> plan_optimizer_state(const SavedMeta& sav
 }  // namespace
 
 LoadPlan plan_load(const SavedMeta& saved, const ModelIndex& model,
-                   const std::vector<OptimizerEntry>& opts, const char* api) {
+                   const std::vector<OptimizerEntry>& opts) {
   LoadPlan plan;
   plan.weights = plan_weights(saved, model, plan.reads_by_saved_rank);
   for (size_t o = 0; o < opts.size(); ++o) {
-    plan.states.push_back(
-        plan_optimizer_state(saved, model, opts, o, plan.reads_by_saved_rank, api));
+    plan.states.push_back(plan_optimizer_state(saved, model, opts, o, plan.reads_by_saved_rank));
   }
   return plan;
 }
 
-void read_planned(const LoadPlan& plan, const SavedMeta& saved, const std::string& folder,
-                  const char* api) {
+void read_planned(const LoadPlan& plan, const SavedMeta& saved, const std::string& folder) {
   for (const auto& [rank, reads] : plan.reads_by_saved_rank) {
-    const RankFile file = open_rank_file(saved, folder, rank, api);
+    const RankFile file = open_rank_file(saved, folder, rank);
     for (const RangeRead& read : reads) {
-      read_entry_range(file, read.key, read.first, read.count, read.dst, api);
+      read_entry_range(file, read.key, read.first, read.count, read.dst);
     }
   }
 }

@@ -42,11 +42,10 @@ struct LoadPlan {
 // Plans the reads of the checkpoint `saved` describes into buffers for the live layout. `saved`
 // must have passed check_same_model and check_same_optimizers.
 LoadPlan plan_load(const SavedMeta& saved, const ModelIndex& model,
-                   const std::vector<OptimizerEntry>& opts, const char* api);
+                   const std::vector<OptimizerEntry>& opts);
 
 // Opens the saved rank files in `folder` that the plan reads from, only those, and performs
 // its reads.
-void read_planned(const LoadPlan& plan, const SavedMeta& saved, const std::string& folder,
-                  const char* api);
+void read_planned(const LoadPlan& plan, const SavedMeta& saved, const std::string& folder);
 
 }  // namespace fsdp_muon::checkpoint

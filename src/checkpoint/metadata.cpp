@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "checkpoint/optimizer_state.h"
+#include "common/check.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
@@ -30,8 +31,8 @@ c10::IValue bytes_tensor(const std::vector<char>& bytes) {
 
 }  // namespace
 
-void corrupt(const std::string& path, const std::string& detail, const char* api) {
-  TORCH_CHECK(false, api, ": ", path, " is corrupt or not an fsdp_muon checkpoint file: ", detail);
+void corrupt(const std::string& path, const std::string& detail) {
+  FSDP_MUON_CHECK(false, path, " is corrupt or not an fsdp_muon checkpoint file: ", detail);
 }
 
 c10::impl::GenericDict describe(const ModelIndex& model, const std::vector<OptimizerEntry>& opts) {
@@ -96,9 +97,9 @@ c10::impl::GenericDict describe(const ModelIndex& model, const std::vector<Optim
   return meta;
 }
 
-Fields::Fields(const c10::IValue& value, std::string path, const char* api, std::string where)
-    : dict_(new_dict()), path_(std::move(path)), api_(api), where_(std::move(where)) {
-  if (!value.isGenericDict()) corrupt(path_, "expected a dict" + where_, api_);
+Fields::Fields(const c10::IValue& value, std::string path, std::string where)
+    : dict_(new_dict()), path_(std::move(path)), where_(std::move(where)) {
+  if (!value.isGenericDict()) corrupt(path_, "expected a dict" + where_);
   dict_ = value.toGenericDict();
 }
 
@@ -106,28 +107,25 @@ bool Fields::has(const char* key) const { return dict_.contains(c10::IValue(std:
 
 const c10::IValue& Fields::at(const char* key) const {
   auto it = dict_.find(c10::IValue(std::string(key)));
-  if (it == dict_.end())
-    corrupt(path_, std::string("field '") + key + "' is missing" + where_, api_);
+  if (it == dict_.end()) corrupt(path_, std::string("field '") + key + "' is missing" + where_);
   return it->value();
 }
 
 int64_t Fields::integer(const char* key) const {
   const c10::IValue& v = at(key);
-  if (!v.isInt())
-    corrupt(path_, std::string("field '") + key + "' is not an integer" + where_, api_);
+  if (!v.isInt()) corrupt(path_, std::string("field '") + key + "' is not an integer" + where_);
   return v.toInt();
 }
 
 std::string Fields::str(const char* key) const {
   const c10::IValue& v = at(key);
-  if (!v.isString())
-    corrupt(path_, std::string("field '") + key + "' is not a string" + where_, api_);
+  if (!v.isString()) corrupt(path_, std::string("field '") + key + "' is not a string" + where_);
   return v.toStringRef();
 }
 
 std::vector<c10::IValue> Fields::list(const char* key) const {
   const c10::IValue& v = at(key);
-  if (!v.isList()) corrupt(path_, std::string("field '") + key + "' is not a list" + where_, api_);
+  if (!v.isList()) corrupt(path_, std::string("field '") + key + "' is not a list" + where_);
   const auto ref = v.toListRef();
   return std::vector<c10::IValue>(ref.begin(), ref.end());
 }
@@ -135,54 +133,52 @@ std::vector<c10::IValue> Fields::list(const char* key) const {
 std::vector<int64_t> Fields::ints(const char* key) const {
   std::vector<int64_t> out;
   for (const c10::IValue& v : list(key)) {
-    if (!v.isInt())
-      corrupt(path_, std::string("field '") + key + "' holds a non-integer" + where_, api_);
+    if (!v.isInt()) corrupt(path_, std::string("field '") + key + "' holds a non-integer" + where_);
     out.push_back(v.toInt());
   }
   return out;
 }
 
 Fields Fields::dict(const char* key) const {
-  return Fields(at(key), path_, api_, std::string(" (in '") + key + "'" + where_ + ")");
+  return Fields(at(key), path_, std::string(" (in '") + key + "'" + where_ + ")");
 }
 
-SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest,
-                     const char* api) {
+SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest) {
   SavedMeta meta;
   meta.path = path;
-  const Fields top(value, path, api);
+  const Fields top(value, path);
   if (!top.has("format") || !top.at("format").isString() || top.str("format") != kFormatName) {
-    corrupt(path, std::string("it does not say format '") + kFormatName + "'", api);
+    corrupt(path, std::string("it does not say format '") + kFormatName + "'");
   }
   const int64_t version = top.integer("format_version");
-  if (version < 1) corrupt(path, "format_version < 1", api);
-  TORCH_CHECK(version <= kFormatVersion, api, ": ", path, " has format version ", version,
-              ", written by a newer fsdp_muon; this one reads versions up to ", kFormatVersion);
+  if (version < 1) corrupt(path, "format_version < 1");
+  FSDP_MUON_CHECK(version <= kFormatVersion, path, " has format version ", version,
+                  ", written by a newer fsdp_muon; this one reads versions up to ", kFormatVersion);
   meta.version = version;
   if (version >= 2) {
     meta.save_id = top.str("save_id");
-    if (meta.save_id.empty()) corrupt(path, "empty save_id", api);
+    if (meta.save_id.empty()) corrupt(path, "empty save_id");
   }
   meta.world_size = static_cast<int>(top.integer("world_size"));
-  if (meta.world_size < 1) corrupt(path, "world_size < 1", api);
+  if (meta.world_size < 1) corrupt(path, "world_size < 1");
   for (const c10::IValue& gv : top.list("groups")) {
-    const Fields g(gv, path, api, " (a group)");
+    const Fields g(gv, path, " (a group)");
     SavedGroup group;
     group.name = g.str("name");
     group.padded_numel = g.integer("padded_numel");
     group.shard_numel = g.integer("shard_numel");
     if (group.shard_numel * meta.world_size != group.padded_numel) {
-      corrupt(path, "group '" + group.name + "': shard_numel x world_size != padded_numel", api);
+      corrupt(path, "group '" + group.name + "': shard_numel x world_size != padded_numel");
     }
     for (const c10::IValue& pv : g.list("params")) {
-      const Fields p(pv, path, api, " (a parameter of group '" + group.name + "')");
+      const Fields p(pv, path, " (a parameter of group '" + group.name + "')");
       SavedParam param;
       param.name = p.str("name");
       param.shape = p.ints("shape");
       param.numel = p.integer("numel");
       param.offset = p.integer("offset");
       if (param.offset < 0 || param.numel < 0 || param.offset + param.numel > group.padded_numel) {
-        corrupt(path, "parameter '" + param.name + "' lies outside its group's buffer", api);
+        corrupt(path, "parameter '" + param.name + "' lies outside its group's buffer");
       }
       meta.by_name[param.name] = {meta.groups.size(), group.params.size()};
       group.params.push_back(std::move(param));
@@ -190,19 +186,19 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
     meta.groups.push_back(std::move(group));
   }
   for (const c10::IValue& ov : top.list("optimizers")) {
-    const Fields o(ov, path, api, " (an optimizer)");
+    const Fields o(ov, path, " (an optimizer)");
     SavedOptimizer opt;
     opt.kind = o.str("kind");
     for (const c10::IValue& pgv : o.list("param_groups")) {
-      const Fields pg(pgv, path, api, " (a param group of an optimizer)");
+      const Fields pg(pgv, path, " (a param group of an optimizer)");
       std::vector<std::string> names;
       for (const c10::IValue& n : pg.list("params")) {
-        if (!n.isString()) corrupt(path, "a parameter name is not a string", api);
+        if (!n.isString()) corrupt(path, "a parameter name is not a string");
         names.push_back(n.toStringRef());
       }
       const c10::IValue& ov2 = pg.at("options");
       if (!ov2.isTensor() || ov2.toTensor().scalar_type() != at::kByte) {
-        corrupt(path, "param group options are not a byte tensor", api);
+        corrupt(path, "param group options are not a byte tensor");
       }
       const at::Tensor bytes = ov2.toTensor().contiguous();
       const char* data = reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>());
@@ -211,12 +207,12 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
     }
     const Fields state = o.dict("state");
     for (const auto& item : state.raw()) {
-      if (!item.key().isString()) corrupt(path, "optimizer state key is not a string", api);
-      const Fields s(item.value(), path, api, " (state of '" + item.key().toStringRef() + "')");
+      if (!item.key().isString()) corrupt(path, "optimizer state key is not a string");
+      const Fields s(item.value(), path, " (state of '" + item.key().toStringRef() + "')");
       SavedState saved;
       saved.step = s.integer("step");
       for (const c10::IValue& k : s.list("keys")) {
-        if (!k.isString()) corrupt(path, "a state key is not a string", api);
+        if (!k.isString()) corrupt(path, "a state key is not a string");
         saved.keys.push_back(k.toStringRef());
       }
       opt.state.emplace(item.key().toStringRef(), std::move(saved));
@@ -226,27 +222,27 @@ SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool man
   if (manifest) {
     meta.sequence = top.integer("sequence");
     for (const c10::IValue& f : top.list("rank_files")) {
-      if (!f.isString()) corrupt(path, "a rank file name is not a string", api);
+      if (!f.isString()) corrupt(path, "a rank file name is not a string");
       meta.rank_files.push_back(f.toStringRef());
     }
     meta.rank_file_bytes = top.ints("rank_file_bytes");
     if (static_cast<int>(meta.rank_files.size()) != meta.world_size ||
         static_cast<int>(meta.rank_file_bytes.size()) != meta.world_size) {
-      corrupt(path, "it does not list one rank file per saved rank", api);
+      corrupt(path, "it does not list one rank file per saved rank");
     }
     if (version >= 2) {
       // Written since the job identity (docs/DESIGN.md §6); older version 2 manifests lack it.
       if (top.has("run_id")) meta.run_id = top.str("run_id");
       const Fields user = top.dict("user_state");
       for (const auto& item : user.raw()) {
-        if (!item.key().isString()) corrupt(path, "a user_state key is not a string", api);
+        if (!item.key().isString()) corrupt(path, "a user_state key is not a string");
         const std::string& key = item.key().toStringRef();
         if (item.value().isInt()) {
           meta.user_state.ints[key] = item.value().toInt();
         } else if (item.value().isString()) {
           meta.user_state.strings[key] = item.value().toStringRef();
         } else {
-          corrupt(path, "user_state '" + key + "' is neither an integer nor a string", api);
+          corrupt(path, "user_state '" + key + "' is neither an integer nor a string");
         }
       }
     }

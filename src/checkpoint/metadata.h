@@ -72,14 +72,13 @@ struct SavedMeta {
 };
 
 // Parses the fields describe() writes; `manifest` also requires the manifest-only ones.
-SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest,
-                     const char* api);
+SavedMeta parse_meta(const c10::IValue& value, const std::string& path, bool manifest);
 
 // The fields of one dict in a checkpoint file (`path`), with accessors that throw
 // "<api>: <path> is corrupt ..." naming the missing or mistyped field and `where` it is.
 class Fields {
  public:
-  Fields(const c10::IValue& value, std::string path, const char* api, std::string where = "");
+  Fields(const c10::IValue& value, std::string path, std::string where = "");
   const c10::IValue& at(const char* key) const;
   bool has(const char* key) const;
   int64_t integer(const char* key) const;
@@ -89,16 +88,14 @@ class Fields {
   Fields dict(const char* key) const;
   const c10::impl::GenericDict& raw() const { return dict_; }
   const std::string& path() const { return path_; }
-  const char* api() const { return api_; }
 
  private:
   c10::impl::GenericDict dict_;
   std::string path_;
-  const char* api_;
   std::string where_;
 };
 
 // Throws "<api>: <path> is corrupt or not an fsdp_muon checkpoint file: <detail>".
-[[noreturn]] void corrupt(const std::string& path, const std::string& detail, const char* api);
+[[noreturn]] void corrupt(const std::string& path, const std::string& detail);
 
 }  // namespace fsdp_muon::checkpoint

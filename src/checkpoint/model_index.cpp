@@ -1,6 +1,5 @@
 #include "checkpoint/model_index.h"
 
-
 #include <c10/util/Exception.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -9,6 +8,7 @@
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
+#include "common/check.h"
 #include "common/enum_names.h"
 
 namespace fsdp_muon::checkpoint {
@@ -50,19 +50,17 @@ bool is_row_state(OptimizerKind kind, const std::string& key) {
 
 bool has_step(OptimizerKind kind) { return kind != OptimizerKind::kSgd; }
 
-Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                              const char* api) {
-  TORCH_CHECK(!groups.empty() && groups[0], api, ": no parameter groups given");
+Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  FSDP_MUON_CHECK(!groups.empty() && groups[0], "no parameter groups given");
   return *groups[0]->mesh().world;
 }
 
-ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                       const char* api) {
-  TORCH_CHECK(!groups.empty(), api, ": no parameter groups given");
+ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  FSDP_MUON_CHECK(!groups.empty(), "no parameter groups given");
   ModelIndex model;
   model.groups = groups;
   for (size_t g = 0; g < groups.size(); ++g) {
-    TORCH_CHECK(groups[g] != nullptr, api, ": parameter group ", g, " is null");
+    FSDP_MUON_CHECK(groups[g] != nullptr, "parameter group ", g, " is null");
     const DeviceMesh& mesh = groups[g]->mesh();
     if (!model.comm) {
       model.comm = groups[g]->communicator();
@@ -75,17 +73,17 @@ ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& g
                std::to_string(m.world->size()) + " (mesh " + m.shape() + ", shard rank " +
                std::to_string(m.shard->rank()) + ")";
       };
-      TORCH_CHECK(where(mesh) == where(model.mesh), api, ": parameter group ", g, " ('",
-                  groups[g]->name(), "') is on ", where(mesh), " but group 0 on ",
-                  where(model.mesh),
-                  "; all groups must share one data-parallel world and one mesh shape");
+      FSDP_MUON_CHECK(where(mesh) == where(model.mesh), "parameter group ", g, " ('",
+                      groups[g]->name(), "') is on ", where(mesh), " but group 0 on ",
+                      where(model.mesh),
+                      "; all groups must share one data-parallel world and one mesh shape");
     }
     for (size_t i = 0; i < groups[g]->num_parameters(); ++i) {
       const std::string& name = groups[g]->slot(i).name;
       auto [it, inserted] = model.by_name.emplace(name, ParamRef{g, i});
-      TORCH_CHECK(inserted, api, ": parameter name '", name, "' appears twice (group ",
-                  it->second.group, " and group ", g,
-                  "); checkpoints key parameters by name, so names must be unique");
+      FSDP_MUON_CHECK(inserted, "parameter name '", name, "' appears twice (group ",
+                      it->second.group, " and group ", g,
+                      "); checkpoints key parameters by name, so names must be unique");
       model.by_impl.emplace(groups[g]->sharded_parameter(i).unsafeGetTensorImpl(), ParamRef{g, i});
     }
   }
@@ -93,13 +91,12 @@ ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& g
 }
 
 std::vector<OptimizerEntry> index_optimizers(
-    const std::vector<torch::optim::Optimizer*>& optimizers, const ModelIndex& model,
-    const char* api) {
+    const std::vector<torch::optim::Optimizer*>& optimizers, const ModelIndex& model) {
   std::vector<OptimizerEntry> out;
   std::unordered_map<const void*, size_t> owner;
   for (size_t o = 0; o < optimizers.size(); ++o) {
     torch::optim::Optimizer* opt = optimizers[o];
-    TORCH_CHECK(opt != nullptr, api, ": optimizer ", o, " is null");
+    FSDP_MUON_CHECK(opt != nullptr, "optimizer ", o, " is null");
     OptimizerEntry entry;
     entry.optimizer = opt;
     if (dynamic_cast<FsdpMuon*>(opt) != nullptr) {
@@ -111,13 +108,13 @@ std::vector<OptimizerEntry> index_optimizers(
     } else if (dynamic_cast<torch::optim::SGD*>(opt) != nullptr) {
       entry.kind = OptimizerKind::kSgd;
     } else if (dynamic_cast<Muon*>(opt) != nullptr) {
-      TORCH_CHECK(false, api, ": optimizer ", o,
-                  " is a single-device fsdp_muon::Muon, which works on full tensors, not on "
-                  "the sharded parameters of FsdpParameterGroups; use FsdpMuon");
+      FSDP_MUON_CHECK(false, "optimizer ", o,
+                      " is a single-device fsdp_muon::Muon, which works on full tensors, not on "
+                      "the sharded parameters of FsdpParameterGroups; use FsdpMuon");
     } else {
-      TORCH_CHECK(false, api, ": optimizer ", o,
-                  " is of an unsupported type; checkpoints support fsdp_muon::FsdpMuon, "
-                  "torch::optim::AdamW, torch::optim::Adam and torch::optim::SGD");
+      FSDP_MUON_CHECK(false, "optimizer ", o,
+                      " is of an unsupported type; checkpoints support fsdp_muon::FsdpMuon, "
+                      "torch::optim::AdamW, torch::optim::Adam and torch::optim::SGD");
     }
     const auto& param_groups = opt->param_groups();
     for (size_t j = 0; j < param_groups.size(); ++j) {
@@ -126,14 +123,13 @@ std::vector<OptimizerEntry> index_optimizers(
       for (size_t k = 0; k < params.size(); ++k) {
         const void* impl = params[k].unsafeGetTensorImpl();
         auto it = model.by_impl.find(impl);
-        TORCH_CHECK(it != model.by_impl.end(), api, ": optimizer ", o, " (", kind_name(entry.kind),
-                    "), param group ", j, ", parameter ", k, " (shape ",
-                    c10::str(c10::IntArrayRef(params[k].sizes())),
-                    ") is not a sharded parameter of the given FsdpParameterGroups");
+        FSDP_MUON_CHECK(it != model.by_impl.end(), "optimizer ", o, " (", kind_name(entry.kind),
+                        "), param group ", j, ", parameter ", k, " (shape ",
+                        c10::str(c10::IntArrayRef(params[k].sizes())),
+                        ") is not a sharded parameter of the given FsdpParameterGroups");
         auto [prev, inserted] = owner.emplace(impl, o);
-        TORCH_CHECK(inserted || prev->second == o, api, ": parameter '",
-                    model.slot(it->second).name, "' is in optimizer ", prev->second,
-                    " and optimizer ", o);
+        FSDP_MUON_CHECK(inserted || prev->second == o, "parameter '", model.slot(it->second).name,
+                        "' is in optimizer ", prev->second, " and optimizer ", o);
         refs.push_back(it->second);
       }
       entry.param_groups.push_back(std::move(refs));

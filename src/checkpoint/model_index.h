@@ -59,14 +59,12 @@ struct ModelIndex {
 // The communicator of the groups' data-parallel world (their mesh's world: every rank of every
 // replica), which every step of a checkpoint call agrees over; throws (locally: there is no
 // world to agree in) when no groups are given.
-Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                              const char* api);
+Communicator& communicator_of(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
 // Checks the groups (non-empty, one mesh shape with this rank at one place in it, unique
 // parameter names) and indexes them. `api`
 // names the public function in errors.
-ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
-                       const char* api);
+ModelIndex index_model(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups);
 
 struct OptimizerEntry {
   OptimizerKind kind = OptimizerKind::kAdamW;
@@ -79,7 +77,6 @@ struct OptimizerEntry {
 // to the model's (a clear error for a tensor that is not a sharded parameter of `model`, or
 // one that two optimizers share).
 std::vector<OptimizerEntry> index_optimizers(
-    const std::vector<torch::optim::Optimizer*>& optimizers, const ModelIndex& model,
-    const char* api);
+    const std::vector<torch::optim::Optimizer*>& optimizers, const ModelIndex& model);
 
 }  // namespace fsdp_muon::checkpoint

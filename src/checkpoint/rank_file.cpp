@@ -15,6 +15,7 @@
 #include "checkpoint/framing.h"
 #include "checkpoint/optimizer_state.h"
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "muon/row_state.h"
 
 namespace fsdp_muon::checkpoint {
@@ -70,7 +71,7 @@ int64_t held_rows(const ModelIndex& model, const ParamRef& ref) {
 
 // This rank's slice of every optimizer state tensor, in optimizer and param-group order.
 void append_state_entries(const ModelIndex& model, const std::vector<OptimizerEntry>& opts,
-                          const char* api, std::vector<OutEntry>& entries) {
+                          std::vector<OutEntry>& entries) {
   for (size_t o = 0; o < opts.size(); ++o) {
     for (const auto& refs : opts[o].param_groups) {
       for (const ParamRef& ref : refs) {
@@ -80,11 +81,11 @@ void append_state_entries(const ModelIndex& model, const std::vector<OptimizerEn
         for (const auto& [key, t] : state.tensors) {
           const bool rows = is_row_state(opts[o].kind, key);
           const int64_t expected = rows ? held_rows(model, ref) : shard.numel();
-          TORCH_CHECK(t.numel() == expected, api, ": optimizer ", o, " (", kind_name(opts[o].kind),
-                      ") state '", key, "' of '", name, "' has ", t.numel(),
-                      " elements but this rank keeps ", expected,
-                      rows ? " rows of it" : " (its shard)",
-                      "; only elementwise and row state can be sharded");
+          FSDP_MUON_CHECK(t.numel() == expected, "optimizer ", o, " (", kind_name(opts[o].kind),
+                          ") state '", key, "' of '", name, "' has ", t.numel(),
+                          " elements but this rank keeps ", expected,
+                          rows ? " rows of it" : " (its shard)",
+                          "; only elementwise and row state can be sharded");
           if (t.numel() > 0) {
             entries.push_back(
                 {state_entry_key(o, name, key), t.detach().cpu().contiguous().view({-1})});
@@ -230,7 +231,7 @@ EntryLocation parse_entry(const Fields& e, int64_t version, int64_t data_bytes,
   EntryLocation h;
   const int64_t dtype = e.integer("dtype");
   if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) {
-    corrupt(path, "an entry has an unknown dtype", e.api());
+    corrupt(path, "an entry has an unknown dtype");
   }
   h.dtype = static_cast<c10::ScalarType>(dtype);
   h.numel = e.integer("numel");
@@ -240,7 +241,7 @@ EntryLocation parse_entry(const Fields& e, int64_t version, int64_t data_bytes,
   if (h.numel < 0 || h.offset < 0 ||
       h.nbytes != h.numel * static_cast<int64_t>(c10::elementSize(h.dtype)) ||
       h.offset + h.nbytes > data_bytes) {
-    corrupt(path, "entry '" + e.str("key") + "' lies outside the data", e.api());
+    corrupt(path, "entry '" + e.str("key") + "' lies outside the data");
   }
   return h;
 }
@@ -249,10 +250,10 @@ std::unordered_map<std::string, std::pair<int64_t, int64_t>> parse_held(const Fi
   std::unordered_map<std::string, std::pair<int64_t, int64_t>> out;
   for (const auto& item : held.raw()) {
     if (!item.key().isString() || !item.value().isList() || item.value().toListRef().size() != 2) {
-      corrupt(held.path(), "bad 'held' table", held.api());
+      corrupt(held.path(), "bad 'held' table");
     }
     const auto r = item.value().toListRef();
-    if (!r[0].isInt() || !r[1].isInt()) corrupt(held.path(), "bad 'held' table", held.api());
+    if (!r[0].isInt() || !r[1].isInt()) corrupt(held.path(), "bad 'held' table");
     out[item.key().toStringRef()] = {r[0].toInt(), r[1].toInt()};
   }
   return out;
@@ -273,99 +274,93 @@ std::string state_entry_key(size_t optimizer, const std::string& param, const st
 }
 
 int64_t write_rank_file(const std::string& folder, const ModelIndex& model,
-                        const std::vector<OptimizerEntry>& opts, const std::string& save_id,
-                        const char* api) {
+                        const std::vector<OptimizerEntry>& opts, const std::string& save_id) {
   std::vector<OutEntry> entries = weight_entries(model);
-  append_state_entries(model, opts, api, entries);
+  append_state_entries(model, opts, entries);
   const int64_t data_bytes = lay_out(entries);
   const std::vector<char> header = encode_header(model, opts, entries, data_bytes, save_id);
   const std::array<char, kPrefixBytes> prefix = encode_frame_prefix(header, kFormatVersion);
   const std::string path =
       join_path(folder, rank_file_name(model.comm->rank(), model.comm->size()));
-  write_file_atomic(path, file_chunks(prefix, header, entries), api);
+  write_file_atomic(path, file_chunks(prefix, header, entries));
   return data_start_after(static_cast<int64_t>(header.size())) + data_bytes;
 }
 
-RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, int rank,
-                        const char* api) {
+RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, int rank) {
   const std::string p = join_path(folder, manifest.rank_files[rank]);
-  TORCH_CHECK(path_exists(p), api, ": missing rank file ", p, " (saved rank ", rank, " of ",
-              manifest.world_size, "); this rank needs its shards");
+  FSDP_MUON_CHECK(path_exists(p), "missing rank file ", p, " (saved rank ", rank, " of ",
+                  manifest.world_size, "); this rank needs its shards");
   RankFile rf;
-  rf.file = ReadFile(p, api);
+  rf.file = ReadFile(p);
   const int64_t expected = manifest.rank_file_bytes[rank];
   if (rf.file.size() != expected) {
     // Another rank's intact file (swapped or renamed) has another size too: say so, rather than
     // "truncated", when its own header says whose it is.
     std::optional<std::pair<int64_t, int64_t>> writer;
     try {
-      const Frame frame = read_frame(rf.file, api);
-      const Fields top(frame.header, p, api);
+      const Frame frame = read_frame(rf.file);
+      const Fields top(frame.header, p);
       writer.emplace(top.integer("rank"), top.integer("world_size"));
     } catch (const c10::Error&) {
       // Not a readable rank file: the size checks below say what it is.
     }
-    TORCH_CHECK(!writer || (writer->first == rank && writer->second == manifest.world_size), api,
-                ": ", p, " was written by rank ", writer->first, " of ", writer->second,
-                ", not rank ", rank, " of ", manifest.world_size,
-                ": the rank files were swapped or renamed");
+    FSDP_MUON_CHECK(!writer || (writer->first == rank && writer->second == manifest.world_size), p,
+                    " was written by rank ", writer->first, " of ", writer->second, ", not rank ",
+                    rank, " of ", manifest.world_size, ": the rank files were swapped or renamed");
   }
-  TORCH_CHECK(rf.file.size() >= expected, api, ": ", p, " is truncated: it has ", rf.file.size(),
-              " bytes, the manifest says ", expected);
-  TORCH_CHECK(rf.file.size() == expected, api, ": ", p, " has ", rf.file.size(),
-              " bytes but the manifest says ", expected, "; it was changed after the save");
-  const Frame frame = read_frame(rf.file, api);
+  FSDP_MUON_CHECK(rf.file.size() >= expected, p, " is truncated: it has ", rf.file.size(),
+                  " bytes, the manifest says ", expected);
+  FSDP_MUON_CHECK(rf.file.size() == expected, p, " has ", rf.file.size(),
+                  " bytes but the manifest says ", expected, "; it was changed after the save");
+  const Frame frame = read_frame(rf.file);
   rf.version = frame.version;
-  const Fields top(frame.header, p, api);
+  const Fields top(frame.header, p);
   // A header that passed its checksum but does not parse is still this file's problem: every
   // message names it.
   try {
-    TORCH_CHECK(top.integer("format_version") == frame.version, api, ": ", p,
-                " is corrupt: its frame says format version ", frame.version, ", its header ",
-                top.integer("format_version"));
-    TORCH_CHECK(frame.version == manifest.version, api, ": ", p, " has format version ",
-                frame.version, " but ", manifest.path, " has ", manifest.version,
-                ": the files are of different saves");
+    FSDP_MUON_CHECK(top.integer("format_version") == frame.version, p,
+                    " is corrupt: its frame says format version ", frame.version, ", its header ",
+                    top.integer("format_version"));
+    FSDP_MUON_CHECK(frame.version == manifest.version, p, " has format version ", frame.version,
+                    " but ", manifest.path, " has ", manifest.version,
+                    ": the files are of different saves");
     if (frame.version >= 2) {
-      TORCH_CHECK(top.str("type") == "rank", api, ": ", p, " is not a rank file (type '",
-                  top.str("type"), "')");
+      FSDP_MUON_CHECK(top.str("type") == "rank", p, " is not a rank file (type '", top.str("type"),
+                      "')");
       const std::string id = top.str("save_id");
-      TORCH_CHECK(id == manifest.save_id, api, ": ", p, " belongs to another save (save id ", id,
-                  ") than ", manifest.path, " (save id ", manifest.save_id,
-                  "); rank files of different saves cannot be mixed");
+      FSDP_MUON_CHECK(id == manifest.save_id, p, " belongs to another save (save id ", id,
+                      ") than ", manifest.path, " (save id ", manifest.save_id,
+                      "); rank files of different saves cannot be mixed");
     }
-    TORCH_CHECK(top.integer("rank") == rank && top.integer("world_size") == manifest.world_size,
-                api, ": ", p, " was written by rank ", top.integer("rank"), " of ",
-                top.integer("world_size"), ", not rank ", rank, " of ", manifest.world_size,
-                ": the rank files were swapped or renamed");
+    FSDP_MUON_CHECK(top.integer("rank") == rank && top.integer("world_size") == manifest.world_size,
+                    p, " was written by rank ", top.integer("rank"), " of ",
+                    top.integer("world_size"), ", not rank ", rank, " of ", manifest.world_size,
+                    ": the rank files were swapped or renamed");
     rf.data_start = data_start_after(frame.header_bytes);
     rf.data_bytes = top.integer("data_bytes");
-    if (rf.data_bytes < 0) corrupt(p, "negative data_bytes", api);
-    TORCH_CHECK(rf.file.size() >= rf.data_start + rf.data_bytes, api, ": ", p,
-                " is truncated: it has ", rf.file.size(), " bytes, its header says ",
-                rf.data_start + rf.data_bytes);
+    if (rf.data_bytes < 0) corrupt(p, "negative data_bytes");
+    FSDP_MUON_CHECK(rf.file.size() >= rf.data_start + rf.data_bytes, p, " is truncated: it has ",
+                    rf.file.size(), " bytes, its header says ", rf.data_start + rf.data_bytes);
     if (frame.version >= 2) {
       // The zeros between the header and the data are the only bytes no checksum covers.
       const int64_t gap = rf.data_start - (kPrefixBytes + frame.header_bytes);
       std::array<char, kAlign> zeros{};
       rf.file.read(kPrefixBytes + frame.header_bytes, zeros.data(), static_cast<size_t>(gap));
       for (int64_t k = 0; k < gap; ++k) {
-        if (zeros[k] != 0) corrupt(p, "non-zero padding after the header", api);
+        if (zeros[k] != 0) corrupt(p, "non-zero padding after the header");
       }
       rf.chunk_bytes = top.integer("chunk_bytes");
-      if (rf.chunk_bytes <= 0) corrupt(p, "chunk_bytes <= 0", api);
+      if (rf.chunk_bytes <= 0) corrupt(p, "chunk_bytes <= 0");
       for (int64_t crc : top.ints("chunk_crc32"))
         rf.chunk_crcs.push_back(static_cast<uint32_t>(crc));
       const int64_t chunks = (rf.data_bytes + rf.chunk_bytes - 1) / rf.chunk_bytes;
       if (static_cast<int64_t>(rf.chunk_crcs.size()) != chunks) {
-        corrupt(p,
-                "it lists " + std::to_string(rf.chunk_crcs.size()) + " chunk checksums for " +
-                    std::to_string(chunks) + " chunks",
-                api);
+        corrupt(p, "it lists " + std::to_string(rf.chunk_crcs.size()) + " chunk checksums for " +
+                       std::to_string(chunks) + " chunks");
       }
     }
     for (const c10::IValue& ev : top.list("entries")) {
-      const Fields e(ev, p, api, " (an entry)");
+      const Fields e(ev, p, " (an entry)");
       const EntryLocation location = parse_entry(e, frame.version, rf.data_bytes, p);
       rf.entries.emplace(e.str("key"), location);
     }
@@ -373,7 +368,7 @@ RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, in
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
     if (msg.find(p) != std::string::npos) throw;
-    corrupt(p, "unreadable header: " + msg, api);
+    corrupt(p, "unreadable header: " + msg);
   }
   return rf;
 }
@@ -382,7 +377,7 @@ namespace {
 
 // Version 2: copies data bytes [begin, begin + size) into `out`, verifying every chunk they
 // touch.
-void read_checked(const RankFile& file, int64_t begin, int64_t size, char* out, const char* api) {
+void read_checked(const RankFile& file, int64_t begin, int64_t size, char* out) {
   const int64_t c = file.chunk_bytes;
   std::vector<char> chunk;
   for (int64_t k = begin / c; k * c < begin + size; ++k) {
@@ -391,10 +386,9 @@ void read_checked(const RankFile& file, int64_t begin, int64_t size, char* out, 
     chunk.resize(static_cast<size_t>(chunk_end - chunk_begin));
     file.file.read(file.data_start + chunk_begin, chunk.data(), chunk.size());
     if (crc32(chunk.data(), chunk.size()) != file.chunk_crcs[static_cast<size_t>(k)]) {
-      corrupt(file.file.path(),
-              "checksum mismatch in data bytes [" + std::to_string(chunk_begin) + ", " +
-                  std::to_string(chunk_end) + ") (chunk " + std::to_string(k) + ")",
-              api);
+      corrupt(file.file.path(), "checksum mismatch in data bytes [" + std::to_string(chunk_begin) +
+                                    ", " + std::to_string(chunk_end) + ") (chunk " +
+                                    std::to_string(k) + ")");
     }
     const int64_t a = std::max(begin, chunk_begin);
     const int64_t b = std::min(begin + size, chunk_end);
@@ -405,15 +399,14 @@ void read_checked(const RankFile& file, int64_t begin, int64_t size, char* out, 
 }  // namespace
 
 void read_entry_range(const RankFile& file, const std::string& key, int64_t first, int64_t count,
-                      const at::Tensor& dst, const char* api) {
+                      const at::Tensor& dst) {
   auto it = file.entries.find(key);
   if (it == file.entries.end()) {
-    corrupt(file.file.path(), "it has no entry '" + key + "' although the manifest says it should",
-            api);
+    corrupt(file.file.path(), "it has no entry '" + key + "' although the manifest says it should");
   }
   const EntryLocation& h = it->second;
   if (first < 0 || count < 0 || first + count > h.numel) {
-    corrupt(file.file.path(), "entry '" + key + "' holds fewer elements than its held range", api);
+    corrupt(file.file.path(), "entry '" + key + "' holds fewer elements than its held range");
   }
   if (count == 0) return;
   const int64_t elsize = static_cast<int64_t>(c10::elementSize(h.dtype));
@@ -421,13 +414,13 @@ void read_entry_range(const RankFile& file, const std::string& key, int64_t firs
       dst.scalar_type() == h.dtype ? dst : at::empty({count}, dst.options().dtype(h.dtype));
   char* out = static_cast<char*>(buf.data_ptr());
   if (file.version >= 2) {
-    read_checked(file, h.offset + first * elsize, count * elsize, out, api);
+    read_checked(file, h.offset + first * elsize, count * elsize, out);
   } else {
     file.file.read(file.data_start + h.offset + first * elsize, out,
                    static_cast<size_t>(count * elsize));
     if (first == 0 && count == h.numel &&
         crc32(out, static_cast<size_t>(count * elsize)) != h.crc) {
-      corrupt(file.file.path(), "checksum mismatch in entry '" + key + "'", api);
+      corrupt(file.file.path(), "checksum mismatch in entry '" + key + "'");
     }
   }
   if (!buf.is_same(dst)) dst.copy_(buf);

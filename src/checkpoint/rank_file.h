@@ -45,8 +45,7 @@ std::string state_entry_key(size_t optimizer, const std::string& param, const st
 // manifest records so that a loader can tell a truncated or replaced file.
 // `save_id` marks the file as this save's, so that a loader refuses files of other saves.
 int64_t write_rank_file(const std::string& folder, const ModelIndex& model,
-                        const std::vector<OptimizerEntry>& opts, const std::string& save_id,
-                        const char* api);
+                        const std::vector<OptimizerEntry>& opts, const std::string& save_id);
 
 // Where one entry lies in the file.
 struct EntryLocation {
@@ -72,13 +71,12 @@ struct RankFile {
 };
 
 // Opens saved rank `rank`'s file of the checkpoint in `folder` that `manifest` describes.
-RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, int rank,
-                        const char* api);
+RankFile open_rank_file(const SavedMeta& manifest, const std::string& folder, int rank);
 
 // Copies elements [first, first + count) of entry `key` into `dst` (1-D, count elements,
 // converting the dtype when it differs). Version 2: every chunk the read touches is checked;
 // version 1: an entry read whole has its CRC checked.
 void read_entry_range(const RankFile& file, const std::string& key, int64_t first, int64_t count,
-                      const at::Tensor& dst, const char* api);
+                      const at::Tensor& dst);
 
 }  // namespace fsdp_muon::checkpoint

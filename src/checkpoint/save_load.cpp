@@ -25,20 +25,17 @@
 #include "checkpoint/rank_file.h"
 #include "checkpoint/staged_restore.h"
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "fsdp/group_agreement.h"
 
 namespace fsdp_muon {
 namespace {
 
-constexpr const char* kSaveApi = "fsdp_muon::save_checkpoint";
-constexpr const char* kLoadApi = "fsdp_muon::load_checkpoint";
-
 // The saved options of every param group ([optimizer][param group]), each parsed once into a
 // copy of the live options, so that a bad archive fails the load here and not half-way through
 // installing.
 std::vector<std::vector<std::vector<char>>> checked_saved_options(
-    const checkpoint::SavedMeta& saved, const std::vector<checkpoint::OptimizerEntry>& opts,
-    const char* api) {
+    const checkpoint::SavedMeta& saved, const std::vector<checkpoint::OptimizerEntry>& opts) {
   std::vector<std::vector<std::vector<char>>> options;
   for (size_t o = 0; o < opts.size(); ++o) {
     options.push_back(saved.optimizers[o].options);
@@ -48,23 +45,21 @@ std::vector<std::vector<std::vector<char>>> checked_saved_options(
       try {
         checkpoint::options_from_bytes(*copy, saved.optimizers[o].options[j]);
       } catch (...) {
-        checkpoint::corrupt(saved.path,
-                            "the options of optimizer " + std::to_string(o) + ", param group " +
-                                std::to_string(j) +
-                                " do not load: " + detail::current_exception_message(),
-                            api);
+        checkpoint::corrupt(saved.path, "the options of optimizer " + std::to_string(o) +
+                                            ", param group " + std::to_string(j) +
+                                            " do not load: " + detail::current_exception_message());
       }
       // The layout decides which matrices exist: FsdpMuon planned its owners for the live one,
       // and single-device Muon would silently switch, so a different saved one is refused.
       const auto* saved_muon = dynamic_cast<const MuonOptions*>(copy.get());
       const auto* live_muon = dynamic_cast<const MuonOptions*>(&live[j].options());
-      TORCH_CHECK(saved_muon == nullptr || live_muon == nullptr ||
-                      saved_muon->matrix_layout() == live_muon->matrix_layout(),
-                  api, ": optimizer ", o, ", param group ", j, " was saved with matrix_layout ",
-                  saved_muon ? saved_muon->matrix_layout().to_string() : "",
-                  " but is now constructed with ",
-                  live_muon ? live_muon->matrix_layout().to_string() : "", " in ", saved.path,
-                  "; construct the optimizer with the saved layout to resume");
+      FSDP_MUON_CHECK(saved_muon == nullptr || live_muon == nullptr ||
+                          saved_muon->matrix_layout() == live_muon->matrix_layout(),
+                      "optimizer ", o, ", param group ", j, " was saved with matrix_layout ",
+                      saved_muon ? saved_muon->matrix_layout().to_string() : "",
+                      " but is now constructed with ",
+                      live_muon ? live_muon->matrix_layout().to_string() : "", " in ", saved.path,
+                      "; construct the optimizer with the saved layout to resume");
     }
   }
   return options;
@@ -82,8 +77,8 @@ std::pair<int64_t, int64_t> save_id_halves(const checkpoint::SavedMeta& saved) {
     lo = std::stoull(saved.save_id.substr(16), nullptr, 16);
   }
   if (!ok || hi >> 63 || lo >> 63) {
-    checkpoint::corrupt(
-        saved.path, "its save id '" + saved.save_id + "' is not one fsdp_muon writes", kLoadApi);
+    checkpoint::corrupt(saved.path,
+                        "its save id '" + saved.save_id + "' is not one fsdp_muon writes");
   }
   return {static_cast<int64_t>(hi), static_cast<int64_t>(lo)};
 }
@@ -112,9 +107,9 @@ std::string folder_name_with_digits(int64_t sequence, int64_t digits) {
 checkpoint::FoundCheckpoint resolve_on_rank0(Communicator& comm, const std::string& dir) {
   checkpoint::FoundCheckpoint found;
   const std::vector<int64_t> agreed =
-      detail::agree_on_sum(comm, kLoadApi, 5, [&](std::vector<int64_t>& mine) {
+      detail::agree_on_sum(comm, 5, [&](std::vector<int64_t>& mine) {
         if (comm.rank() != 0) return;
-        found = checkpoint::resolve_checkpoint(dir, kLoadApi);
+        found = checkpoint::resolve_checkpoint(dir);
         const auto [hi, lo] = save_id_halves(found.manifest);
         mine[0] = found.name.empty() ? 1 : 2;
         if (!found.name.empty()) {  // "ckpt-<digits>", as find_checkpoint checked
@@ -125,7 +120,7 @@ checkpoint::FoundCheckpoint resolve_on_rank0(Communicator& comm, const std::stri
         mine[4] = lo;
       });
   const std::string id = save_id_text(agreed[3], agreed[4]);
-  detail::run_agreed(comm, kLoadApi, [&] {
+  detail::run_agreed(comm, [&] {
     if (comm.rank() == 0) return;
     const bool itself = agreed[0] == 1;
     found.name = itself ? "" : folder_name_with_digits(agreed[1], agreed[2]);
@@ -135,12 +130,12 @@ checkpoint::FoundCheckpoint resolve_on_rank0(Communicator& comm, const std::stri
     const std::string how =
         "every rank must load the same checkpoint (pass the same root to load_checkpoint on every "
         "rank, which resolves it once, rather than each rank's latest_checkpoint())";
-    TORCH_CHECK(checkpoint::is_complete(found.folder), kLoadApi, ": ", rank0, " (save ",
-                id.empty() ? "of format version 1" : id, "), but here ", found.folder,
-                " is not a complete checkpoint: ", how);
-    found.manifest = checkpoint::read_manifest(found.folder, kLoadApi);
-    TORCH_CHECK(
-        found.manifest.save_id == id, kLoadApi, ": ", rank0, " of save ",
+    FSDP_MUON_CHECK(checkpoint::is_complete(found.folder), rank0, " (save ",
+                    id.empty() ? "of format version 1" : id, "), but here ", found.folder,
+                    " is not a complete checkpoint: ", how);
+    found.manifest = checkpoint::read_manifest(found.folder);
+    FSDP_MUON_CHECK(
+        found.manifest.save_id == id, rank0, " of save ",
         id.empty() ? "(none: format version 1)" : id, ", but here ", found.folder, " is of save ",
         found.manifest.save_id.empty() ? "(none: format version 1)" : found.manifest.save_id, ": ",
         how);
@@ -154,28 +149,28 @@ std::string save_checkpoint(const std::string& dir,
                             const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                             const std::vector<torch::optim::Optimizer*>& optimizers,
                             const SaveCheckpointOptions& options) {
+  FSDP_MUON_API_SCOPE("save_checkpoint");
   // Every step agrees over the world: every rank of every replica (docs/DESIGN.md §6, Meshes).
-  Communicator& comm = checkpoint::communicator_of(groups, kSaveApi);
+  Communicator& comm = checkpoint::communicator_of(groups);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;
   // Every rank describes what it is about to save; a rank that differs from rank 0 would make
   // rank 0's manifest describe its file wrongly, and the checkpoint would not load.
   detail::agree_on_arguments(
-      comm, kSaveApi, "what to save",
+      comm, "what to save",
       "Every rank must pass the same groups and optimizers, in the same order; nothing was "
       "written",
       [&] {
-        model = checkpoint::index_model(groups, kSaveApi);
-        opts = checkpoint::index_optimizers(optimizers, model, kSaveApi);
+        model = checkpoint::index_model(groups);
+        opts = checkpoint::index_optimizers(optimizers, model);
         return checkpoint::describe_for_save(model, opts);
       });
   // Rank 0 creates the folder and draws the save id; the agreed sum tells every rank both (the
   // id as two 63-bit halves, so the sum of rank 0's value and zeros cannot overflow).
   const std::vector<int64_t> agreed =
-      detail::agree_on_sum(comm, kSaveApi, 3, [&](std::vector<int64_t>& mine) {
+      detail::agree_on_sum(comm, 3, [&](std::vector<int64_t>& mine) {
         if (comm.rank() != 0) return;
-        mine[0] =
-            checkpoint::create_checkpoint_folder(dir, model, opts, options.run_id(), kSaveApi);
+        mine[0] = checkpoint::create_checkpoint_folder(dir, model, opts, options.run_id());
         const std::string id = checkpoint::new_save_id();
         mine[1] = static_cast<int64_t>(std::stoull(id.substr(0, 16), nullptr, 16) >> 1);
         mine[2] = static_cast<int64_t>(std::stoull(id.substr(16), nullptr, 16) >> 1);
@@ -194,16 +189,15 @@ std::string save_checkpoint(const std::string& dir,
   const int shard_rank = model.comm->rank();
   const bool writer = shard_rank % model.mesh.replicas() == model.mesh.replica();
   const std::vector<int64_t> rank_file_bytes =
-      detail::agree_on_sum(comm, kSaveApi, model.comm->size(), [&](std::vector<int64_t>& mine) {
+      detail::agree_on_sum(comm, model.comm->size(), [&](std::vector<int64_t>& mine) {
         if (!writer) return;
-        mine[shard_rank] = checkpoint::write_rank_file(folder, model, opts, save_id, kSaveApi);
+        mine[shard_rank] = checkpoint::write_rank_file(folder, model, opts, save_id);
       });
   // Only now that every rank file is in place may the manifest make the checkpoint complete.
-  detail::run_agreed(comm, kSaveApi, [&] {
+  detail::run_agreed(comm, [&] {
     if (comm.rank() != 0) return;
     checkpoint::publish_checkpoint(dir, sequence, save_id, model, opts, rank_file_bytes,
-                                   options.user_state(), options.run_id(), options.keep_last(),
-                                   kSaveApi);
+                                   options.user_state(), options.run_id(), options.keep_last());
   });
   return folder;
 }
@@ -211,30 +205,31 @@ std::string save_checkpoint(const std::string& dir,
 CheckpointUserState load_checkpoint(const std::string& dir,
                                     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                                     const std::vector<torch::optim::Optimizer*>& optimizers) {
+  FSDP_MUON_API_SCOPE("load_checkpoint");
   // Agreed over the world; every rank reads the saved bytes of what its shard rank holds, so the
   // replicas read the same bytes and install the same bits (docs/DESIGN.md §6, Meshes).
-  Communicator& comm = checkpoint::communicator_of(groups, kLoadApi);
+  Communicator& comm = checkpoint::communicator_of(groups);
   checkpoint::ModelIndex model;
   std::vector<checkpoint::OptimizerEntry> opts;
   checkpoint::StagedRestore staged;
   CheckpointUserState user_state;
   detail::agree_on_arguments(
-      comm, kLoadApi, "what to load into",
+      comm, "what to load into",
       "Every rank must pass the same groups and optimizers, in the same order; nothing was read",
       [&] {
-        model = checkpoint::index_model(groups, kLoadApi);
-        opts = checkpoint::index_optimizers(optimizers, model, kLoadApi);
+        model = checkpoint::index_model(groups);
+        opts = checkpoint::index_optimizers(optimizers, model);
         return checkpoint::describe_for_save(model, opts, /*with_state=*/false);
       });
   const checkpoint::FoundCheckpoint found = resolve_on_rank0(comm, dir);
-  detail::run_agreed(comm, kLoadApi, [&] {
+  detail::run_agreed(comm, [&] {
     const std::string& folder = found.folder;
     const checkpoint::SavedMeta& saved = found.manifest;
-    checkpoint::check_same_model(saved, model, kLoadApi);
-    checkpoint::check_same_optimizers(saved, model, opts, kLoadApi);
-    staged.options = checked_saved_options(saved, opts, kLoadApi);
-    checkpoint::LoadPlan plan = checkpoint::plan_load(saved, model, opts, kLoadApi);
-    checkpoint::read_planned(plan, saved, folder, kLoadApi);
+    checkpoint::check_same_model(saved, model);
+    checkpoint::check_same_optimizers(saved, model, opts);
+    staged.options = checked_saved_options(saved, opts);
+    checkpoint::LoadPlan plan = checkpoint::plan_load(saved, model, opts);
+    checkpoint::read_planned(plan, saved, folder);
     staged.weights = std::move(plan.weights);
     staged.states = std::move(plan.states);
     user_state = saved.user_state;

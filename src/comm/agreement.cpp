@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon::detail {
 
 std::string current_exception_message() {
@@ -60,18 +62,17 @@ constexpr int64_t kMessageSlot = 1024;
 
 }  // namespace
 
-std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
-                                  size_t contribution_size,
+std::vector<int64_t> agree_on_sum(Communicator& comm, size_t contribution_size,
                                   const std::function<void(std::vector<int64_t>&)>& local) {
-  return agree_on_sum(comm, what, contribution_size, 0, [&](std::vector<int64_t>& mine) {
+  return agree_on_sum(comm, contribution_size, 0, [&](std::vector<int64_t>& mine) {
     local(mine);
     return at::Tensor();
   });
 }
 
-std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, size_t host_size,
-                                  size_t device_size,
+std::vector<int64_t> agree_on_sum(Communicator& comm, size_t host_size, size_t device_size,
                                   const std::function<at::Tensor(std::vector<int64_t>&)>& local) {
+  const std::string what = api_name();
   std::vector<int64_t> contribution(host_size, 0);
   at::Tensor on_device;
   std::string error;
@@ -122,8 +123,8 @@ std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, s
   return std::vector<int64_t>(sums + 1, sums + 1 + host_size + device_size);
 }
 
-void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn) {
-  agree_on_sum(comm, what, 0, [&](std::vector<int64_t>&) { fn(); });
+void run_agreed(Communicator& comm, const std::function<void()>& fn) {
+  agree_on_sum(comm, 0, [&](std::vector<int64_t>&) { fn(); });
 }
 
 int64_t mix40(uint64_t x) {
@@ -207,9 +208,9 @@ std::string first_different_entry(const std::vector<std::string>& zero,
   return "the descriptions differ only in their hash";
 }
 
-void agree_on_arguments(Communicator& comm, const std::string& what, const std::string& subject,
-                        const std::string& rule,
+void agree_on_arguments(Communicator& comm, const std::string& subject, const std::string& rule,
                         const std::function<std::vector<std::string>()>& describe) {
+  const std::string what = api_name();
   std::vector<std::string> lines;
   std::string error;
   bool failed = false;

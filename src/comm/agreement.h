@@ -18,28 +18,27 @@ namespace fsdp_muon::detail {
 // std::exception's what(), or "unknown exception". Call it only inside a catch block.
 std::string current_exception_message();
 
-// Every rank of `comm` calls this with the same `what` and the same `contribution_size`.
+// Every rank of `comm` calls this, in the same public call (its ApiScope, common/check.h, names
+// it in errors as "<api>" below), with the same `contribution_size`.
 // `local` runs here and fills this rank's `contribution` (zeros on entry); any exception it
 // throws is caught. One all-reduce then sums [failed, contribution...] over the ranks. When no
 // rank failed it returns the summed contributions. Otherwise a second collective (only then)
 // fetches the messages, and every rank throws: a rank that failed with its own message (noting
-// how many others failed too), the others with "<what> failed on rank R of W: <message>" for
+// how many others failed too), the others with "<api> failed on rank R of W: <message>" for
 // the lowest failing rank R. With one rank there is no collective at all.
-std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what,
-                                  size_t contribution_size,
+std::vector<int64_t> agree_on_sum(Communicator& comm, size_t contribution_size,
                                   const std::function<void(std::vector<int64_t>&)>& local);
 
 // agree_on_sum with a part already on comm.device(): `local` fills the host part as above and
 // returns `device_size` int64 values on the device (undefined: zeros), summed after the host part
 // by the same all-reduce and brought to the host by the same wait, so that a result computed on
 // the device (FsdpMuon's non-finite flags) costs no wait of its own (docs/DESIGN.md §5).
-std::vector<int64_t> agree_on_sum(Communicator& comm, const std::string& what, size_t host_size,
-                                  size_t device_size,
+std::vector<int64_t> agree_on_sum(Communicator& comm, size_t host_size, size_t device_size,
                                   const std::function<at::Tensor(std::vector<int64_t>&)>& local);
 
 // agree_on_sum with nothing to sum: runs `fn` everywhere and fails everywhere if it failed
 // anywhere.
-void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& fn);
+void run_agreed(Communicator& comm, const std::function<void()>& fn);
 
 // 40 well-mixed bits of a value (splitmix64's finalizer): summed over up to 2^23 ranks they stay
 // below 2^63, so an agreement's int64 sum of them never overflows.
@@ -67,11 +66,10 @@ std::string first_different_entry(const std::vector<std::string>& zero,
 // message that names the bad one) and returns them as "<name> = <value>" lines. One all-gather
 // of [failed, hash of the lines] follows. When some rank failed, every rank throws as
 // agree_on_sum does; when some rank's lines differ from rank 0's, every rank throws
-// "<what>: the ranks disagree on <subject> (rank(s) R differ from rank 0; this is rank r of W);
+// "<api>: the ranks disagree on <subject> (rank(s) R differ from rank 0; this is rank r of W);
 // first difference, <name>: rank 0 has <a>, rank R has <b>. <rule>" (the lines themselves
 // travel only then). With one rank there is no collective at all.
-void agree_on_arguments(Communicator& comm, const std::string& what, const std::string& subject,
-                        const std::string& rule,
+void agree_on_arguments(Communicator& comm, const std::string& subject, const std::string& rule,
                         const std::function<std::vector<std::string>()>& describe);
 
 // A double as the shortest text that reads back to the same bits ("%.17g"), for descriptions:

@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 namespace fsdp {
 namespace {
@@ -46,6 +48,8 @@ struct NotifyInBackward : public torch::autograd::Function<NotifyInBackward<Hook
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    // Autograd calls in, not the user: name the group's API in its errors.
+    FSDP_MUON_API_SCOPE("FsdpParameterGroup");
     if (BackwardParticipant* p = find_participant(ctx->saved_data["participant"].toInt())) {
       (p->*Hook)();
     }
@@ -79,6 +83,7 @@ std::vector<at::Tensor> differentiable_of(const std::vector<at::Tensor>& tensors
 struct AccumulatedHook : public torch::autograd::PostAccumulateGradHook {
   AccumulatedHook(int64_t id, size_t index) : id(id), index(index) {}
   void operator()(const torch::autograd::Variable& /*param*/) override {
+    FSDP_MUON_API_SCOPE("FsdpParameterGroup");
     if (BackwardParticipant* p = find_participant(id)) p->gradient_accumulated(index);
   }
   int64_t id;

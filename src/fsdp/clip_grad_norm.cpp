@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "common/enum_names.h"
 
 namespace fsdp_muon {
@@ -27,35 +28,35 @@ const char* to_string(NonFiniteGradients mode) { return detail::name_of(kNonFini
 
 double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                       double max_norm, double norm_type, NonFiniteGradients non_finite) {
-  const char* api = "fsdp_muon::clip_grad_norm: ";
-  TORCH_CHECK(!groups.empty() && groups[0] != nullptr, api,
-              groups.empty() ? "no groups given" : "group 0 is null");
+  FSDP_MUON_API_SCOPE("clip_grad_norm");
+  FSDP_MUON_CHECK(!groups.empty() && groups[0] != nullptr,
+                  groups.empty() ? "no groups given" : "group 0 is null");
   const bool inf_norm = std::isinf(norm_type) && norm_type > 0;
   // Every replica must clip by the same factor or the replicas drift apart: the arguments are
   // checked and agreed over the world (docs/DESIGN.md, "Agreement") before the norm's all-reduce.
   detail::agree_on_arguments(
-      *groups[0]->mesh().world, "fsdp_muon::clip_grad_norm", "its arguments",
+      *groups[0]->mesh().world, "its arguments",
       "Every rank must call clip_grad_norm with the same groups, in the same order, the same "
       "max_norm, norm_type and non_finite",
       [&] {
-        TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, api,
-                    "max_norm must be a positive number, got ", max_norm);
-        TORCH_CHECK(inf_norm || (std::isfinite(norm_type) && norm_type > 0), api,
-                    "norm_type must be positive (2.0 for the Euclidean norm, "
-                    "std::numeric_limits<double>::infinity() for the largest element), got ",
-                    norm_type);
+        FSDP_MUON_CHECK(std::isfinite(max_norm) && max_norm > 0,
+                        "max_norm must be a positive number, got ", max_norm);
+        FSDP_MUON_CHECK(inf_norm || (std::isfinite(norm_type) && norm_type > 0),
+                        "norm_type must be positive (2.0 for the Euclidean norm, "
+                        "std::numeric_limits<double>::infinity() for the largest element), got ",
+                        norm_type);
         std::unordered_set<const FsdpParameterGroup*> seen;
         std::string names;
         for (size_t i = 0; i < groups.size(); ++i) {
-          TORCH_CHECK(groups[i] != nullptr, api, "group ", i, " is null");
-          TORCH_CHECK(seen.insert(groups[i].get()).second, api, "group '", groups[i]->name(),
-                      "' is given twice; its gradient would count twice in the norm");
-          TORCH_CHECK(groups[i]->communicator() == groups[0]->communicator() &&
-                          groups[i]->mesh().same_as(groups[0]->mesh()),
-                      api, "group '", groups[i]->name(),
-                      "' is on another communicator than group '", groups[0]->name(), "' (mesh ",
-                      groups[i]->mesh().shape(), " against ", groups[0]->mesh().shape(),
-                      "); clip the groups of each communicator or mesh in a call of their own");
+          FSDP_MUON_CHECK(groups[i] != nullptr, "group ", i, " is null");
+          FSDP_MUON_CHECK(seen.insert(groups[i].get()).second, "group '", groups[i]->name(),
+                          "' is given twice; its gradient would count twice in the norm");
+          FSDP_MUON_CHECK(groups[i]->communicator() == groups[0]->communicator() &&
+                              groups[i]->mesh().same_as(groups[0]->mesh()),
+                          "group '", groups[i]->name(), "' is on another communicator than group '",
+                          groups[0]->name(), "' (mesh ", groups[i]->mesh().shape(), " against ",
+                          groups[0]->mesh().shape(),
+                          "); clip the groups of each communicator or mesh in a call of their own");
           names += (i ? ", '" : "'") + groups[i]->name() + "' (" +
                    std::to_string(groups[i]->padded_numel()) + " elements)";
         }
@@ -100,10 +101,10 @@ double clip_grad_norm(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gr
                : (norm_type == 2.0 ? std::sqrt(first) : std::pow(first, 1.0 / norm_type));
 
   if (!std::isfinite(total)) {
-    TORCH_CHECK(non_finite != NonFiniteGradients::kThrow, api, "the gradients' total norm is ",
-                total,
-                " (a NaN or Inf gradient on some rank); nothing was clipped. Find the parameter "
-                "with FsdpMuon's non_finite_gradients(kThrow), or pass kSkipStep to skip the step");
+    FSDP_MUON_CHECK(
+        non_finite != NonFiniteGradients::kThrow, "the gradients' total norm is ", total,
+        " (a NaN or Inf gradient on some rank); nothing was clipped. Find the parameter "
+        "with FsdpMuon's non_finite_gradients(kThrow), or pass kSkipStep to skip the step");
     if (non_finite == NonFiniteGradients::kSkipStep) return total;
   }
   // torch's rule: scale by max_norm / (norm + 1e-6), never up.

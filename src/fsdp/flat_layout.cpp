@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 namespace fsdp {
 namespace {
@@ -17,11 +19,8 @@ int64_t round_up(int64_t value, int64_t multiple) {
 FlatLayout compute_flat_layout(
     const std::vector<std::pair<std::string, std::vector<int64_t>>>& named_shapes,
     int64_t alignment, int world_size) {
-  TORCH_CHECK(world_size >= 1, "fsdp_muon::FsdpParameterGroup: world size must be at least 1, got ",
-              world_size);
-  TORCH_CHECK(alignment >= 1,
-              "fsdp_muon::FsdpParameterGroup: alignment must be at least 1 element, got ",
-              alignment);
+  FSDP_MUON_CHECK(world_size >= 1, "world size must be at least 1, got ", world_size);
+  FSDP_MUON_CHECK(alignment >= 1, "alignment must be at least 1 element, got ", alignment);
   FlatLayout layout;
   layout.world_size = world_size;
   layout.alignment = alignment;
@@ -33,8 +32,7 @@ FlatLayout compute_flat_layout(
     slot.shape = shape;
     slot.numel = 1;
     for (int64_t d : shape) {
-      TORCH_CHECK(d >= 0, "fsdp_muon::FsdpParameterGroup: parameter '", name,
-                  "' has a negative size");
+      FSDP_MUON_CHECK(d >= 0, "parameter '", name, "' has a negative size");
       slot.numel *= d;
     }
     slot.offset = round_up(cursor, alignment);
@@ -48,10 +46,9 @@ FlatLayout compute_flat_layout(
 }
 
 std::pair<int64_t, int64_t> FlatLayout::held_range(size_t index, int rank) const {
-  TORCH_CHECK(index < slots.size(), "fsdp_muon::FsdpParameterGroup: parameter index ", index,
-              " out of range (", slots.size(), " parameters)");
-  TORCH_CHECK(rank >= 0 && rank < world_size, "fsdp_muon::FsdpParameterGroup: rank ", rank,
-              " outside [0, ", world_size, ")");
+  FSDP_MUON_CHECK(index < slots.size(), "parameter index ", index, " out of range (", slots.size(),
+                  " parameters)");
+  FSDP_MUON_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " outside [0, ", world_size, ")");
   const ParameterSlot& slot = slots[index];
   const int64_t begin = static_cast<int64_t>(rank) * shard_numel - slot.offset;
   const int64_t end = begin + shard_numel;

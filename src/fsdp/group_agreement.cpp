@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 
 namespace fsdp_muon::fsdp {
 
@@ -78,13 +79,13 @@ void agree_on_group(Communicator& comm, const std::vector<std::string>& descript
     std::string ranks;
     for (const int r : differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
     const int r = differ.front();
-    TORCH_CHECK(false, who, "the ranks built different groups (rank",
-                differ.size() > 1 ? "s " : " ", ranks, " differ", differ.size() > 1 ? "" : "s",
-                " from rank 0; this is rank ", comm.rank(), " of ", comm.size(),
-                "); first difference, ",
-                first_difference(detail::split_lines(texts[0]), detail::split_lines(texts[r]), r),
-                ". Every rank must build the same group: the same parameters, names, shapes and "
-                "dtypes in the same order, and the same options");
+    FSDP_MUON_CHECK(
+        false, who, "the ranks built different groups (rank", differ.size() > 1 ? "s " : " ", ranks,
+        " differ", differ.size() > 1 ? "" : "s", " from rank 0; this is rank ", comm.rank(), " of ",
+        comm.size(), "); first difference, ",
+        first_difference(detail::split_lines(texts[0]), detail::split_lines(texts[r]), r),
+        ". Every rank must build the same group: the same parameters, names, shapes and "
+        "dtypes in the same order, and the same options");
   }
   // Every rank failed alike (or this is a world of one): the local message is the error.
   TORCH_CHECK(description[0] == "ok", description[1]);

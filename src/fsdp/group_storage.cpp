@@ -8,6 +8,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon::fsdp {
 namespace {
 
@@ -23,8 +25,7 @@ at::Tensor alias(const at::Tensor& buffer, int64_t offset, at::IntArrayRef shape
 }  // namespace
 
 std::string group_label(const std::string& name) {
-  const std::string api = "fsdp_muon::FsdpParameterGroup: ";
-  return name.empty() ? api : api + "group '" + name + "': ";
+  return name.empty() ? std::string() : "group '" + name + "': ";
 }
 
 int64_t GroupStorage::full_bytes() const {
@@ -32,8 +33,8 @@ int64_t GroupStorage::full_bytes() const {
 }
 
 void GroupStorage::check_index(size_t index) const {
-  TORCH_CHECK(index < params.size(), label(), "parameter index ", index, " out of range (",
-              params.size(), " parameters)");
+  FSDP_MUON_CHECK(index < params.size(), label(), "parameter index ", index, " out of range (",
+                  params.size(), " parameters)");
 }
 
 void GroupStorage::zero_grad() {
@@ -97,9 +98,10 @@ void GroupStorage::install_grads(bool keep_foreign) {
     if (!grad.defined() || !grad.is_same(grad_views[i])) {
       if (keep_foreign) {
         if (grad.defined()) {
-          TORCH_CHECK(grad.sizes() == grad_views[i].sizes() && !grad.is_sparse(), label(),
-                      "the .grad() of parameter '", layout.slots[i].name, "' has shape ",
-                      grad.sizes(), " (or is sparse); expected a dense ", grad_views[i].sizes());
+          FSDP_MUON_CHECK(grad.sizes() == grad_views[i].sizes() && !grad.is_sparse(), label(),
+                          "the .grad() of parameter '", layout.slots[i].name, "' has shape ",
+                          grad.sizes(), " (or is sparse); expected a dense ",
+                          grad_views[i].sizes());
           grad_views[i].copy_(grad);
         } else {
           grad_views[i].zero_();
@@ -125,13 +127,13 @@ void GroupStorage::check_parameters_alias() const {
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
     const at::Tensor& v = weight_views[i];
-    TORCH_CHECK(p.is_alias_of(v) && p.storage_offset() == v.storage_offset() &&
-                    p.sizes() == v.sizes() && p.strides() == v.strides() &&
-                    p.scalar_type() == v.scalar_type(),
-                label(), "parameter '", layout.slots[i].name,
-                "' no longer points into the group's model-weight buffer (was the module "
-                "moved or cast, e.g. with Module::to(), after sharding?). Move or cast the "
-                "module before sharding it.");
+    FSDP_MUON_CHECK(p.is_alias_of(v) && p.storage_offset() == v.storage_offset() &&
+                        p.sizes() == v.sizes() && p.strides() == v.strides() &&
+                        p.scalar_type() == v.scalar_type(),
+                    label(), "parameter '", layout.slots[i].name,
+                    "' no longer points into the group's model-weight buffer (was the module "
+                    "moved or cast, e.g. with Module::to(), after sharding?). Move or cast the "
+                    "module before sharding it.");
   }
 }
 
@@ -139,7 +141,7 @@ ValidatedParameters validate_parameters(
     GroupStorage& s, const std::vector<std::pair<std::string, at::Tensor>>& named_params) {
   const std::string who = s.label();
   const c10::Device device = s.comm->device();
-  TORCH_CHECK(!named_params.empty(), who, "no parameters given; a group needs at least one");
+  FSDP_MUON_CHECK(!named_params.empty(), who, "no parameters given; a group needs at least one");
   ValidatedParameters v;
   v.param_dtype = named_params.front().second.defined() ? named_params.front().second.scalar_type()
                                                         : at::kFloat;
@@ -147,45 +149,47 @@ ValidatedParameters validate_parameters(
   std::unordered_set<const c10::TensorImpl*> impls;
   v.named_shapes.reserve(named_params.size());
   for (const auto& [name, t] : named_params) {
-    TORCH_CHECK(!name.empty(), who,
-                "a parameter has an empty name; every parameter needs a "
-                "unique non-empty name (they key checkpoints and error messages)");
-    TORCH_CHECK(names.insert(name).second, who, "parameter name '", name,
-                "' appears twice; names must be unique within a group");
-    TORCH_CHECK(t.defined(), who, "parameter '", name, "' is an undefined tensor");
-    TORCH_CHECK(impls.insert(t.unsafeGetTensorImpl()).second, who, "parameter '", name,
-                "' is the same tensor as an earlier parameter (tied weights); pass it once");
-    TORCH_CHECK(t.layout() == at::kStrided && !t.is_mkldnn() && !t.is_quantized() && !t.is_nested(),
-                who, "parameter '", name, "' is not a dense strided tensor (layout ", t.layout(),
-                "); only dense parameters can be sharded");
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()), who, "parameter '", name, "' has dtype ",
-                t.scalar_type(), "; only floating-point parameters can be sharded");
-    TORCH_CHECK(t.scalar_type() == v.param_dtype, who, "parameter '", name, "' has dtype ",
-                t.scalar_type(), " but '", named_params.front().first, "' has ", v.param_dtype,
-                "; all parameters of a group must share one dtype (put them in separate groups, "
-                "e.g. with a ShardModuleOptions::policy)");
-    TORCH_CHECK(t.device() == device, who, "parameter '", name, "' is on ", t.device(),
-                " but the communicator (", s.comm->backend_name(), ") moves tensors on ", device,
-                "; move the module to ", device, " before sharding");
-    TORCH_CHECK(t.is_leaf(), who, "parameter '", name,
-                "' is not a leaf tensor (it has a grad_fn); shard the module's parameters, not "
-                "results of computations");
+    FSDP_MUON_CHECK(!name.empty(), who,
+                    "a parameter has an empty name; every parameter needs a "
+                    "unique non-empty name (they key checkpoints and error messages)");
+    FSDP_MUON_CHECK(names.insert(name).second, who, "parameter name '", name,
+                    "' appears twice; names must be unique within a group");
+    FSDP_MUON_CHECK(t.defined(), who, "parameter '", name, "' is an undefined tensor");
+    FSDP_MUON_CHECK(impls.insert(t.unsafeGetTensorImpl()).second, who, "parameter '", name,
+                    "' is the same tensor as an earlier parameter (tied weights); pass it once");
+    FSDP_MUON_CHECK(
+        t.layout() == at::kStrided && !t.is_mkldnn() && !t.is_quantized() && !t.is_nested(), who,
+        "parameter '", name, "' is not a dense strided tensor (layout ", t.layout(),
+        "); only dense parameters can be sharded");
+    FSDP_MUON_CHECK(at::isFloatingType(t.scalar_type()), who, "parameter '", name, "' has dtype ",
+                    t.scalar_type(), "; only floating-point parameters can be sharded");
+    FSDP_MUON_CHECK(
+        t.scalar_type() == v.param_dtype, who, "parameter '", name, "' has dtype ", t.scalar_type(),
+        " but '", named_params.front().first, "' has ", v.param_dtype,
+        "; all parameters of a group must share one dtype (put them in separate groups, "
+        "e.g. with a ShardModuleOptions::policy)");
+    FSDP_MUON_CHECK(t.device() == device, who, "parameter '", name, "' is on ", t.device(),
+                    " but the communicator (", s.comm->backend_name(), ") moves tensors on ",
+                    device, "; move the module to ", device, " before sharding");
+    FSDP_MUON_CHECK(t.is_leaf(), who, "parameter '", name,
+                    "' is not a leaf tensor (it has a grad_fn); shard the module's parameters, not "
+                    "results of computations");
     v.named_shapes.emplace_back(name, t.sizes().vec());
   }
   s.compute_dtype = s.options.compute_dtype().value_or(v.param_dtype);
   s.reduce_dtype = s.options.reduce_dtype().value_or(s.compute_dtype);
-  TORCH_CHECK(at::isFloatingType(s.compute_dtype), who, "compute dtype ", s.compute_dtype,
-              " is not a floating-point type");
-  TORCH_CHECK(at::isFloatingType(s.options.main_dtype()), who, "main dtype ",
-              s.options.main_dtype(), " is not a floating-point type");
-  TORCH_CHECK(at::isFloatingType(s.reduce_dtype), who, "reduce dtype ", s.reduce_dtype,
-              " is not a floating-point type");
+  FSDP_MUON_CHECK(at::isFloatingType(s.compute_dtype), who, "compute dtype ", s.compute_dtype,
+                  " is not a floating-point type");
+  FSDP_MUON_CHECK(at::isFloatingType(s.options.main_dtype()), who, "main dtype ",
+                  s.options.main_dtype(), " is not a floating-point type");
+  FSDP_MUON_CHECK(at::isFloatingType(s.reduce_dtype), who, "reduce dtype ", s.reduce_dtype,
+                  " is not a floating-point type");
   const auto element_size = static_cast<int64_t>(c10::elementSize(s.compute_dtype));
   const int64_t alignment_bytes = s.options.alignment_bytes();
-  TORCH_CHECK(alignment_bytes >= 1 &&
-                  (alignment_bytes <= element_size || alignment_bytes % element_size == 0),
-              who, "alignment_bytes ", alignment_bytes, " must be positive and a multiple of ",
-              "the compute dtype's element size (", element_size, " bytes)");
+  FSDP_MUON_CHECK(alignment_bytes >= 1 &&
+                      (alignment_bytes <= element_size || alignment_bytes % element_size == 0),
+                  who, "alignment_bytes ", alignment_bytes, " must be positive and a multiple of ",
+                  "the compute dtype's element size (", element_size, " bytes)");
   v.alignment = std::max<int64_t>(1, alignment_bytes / element_size);
   return v;
 }

@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "fsdp/group_agreement.h"
 #include "fsdp/group_storage.h"
 #include "fsdp/sharded_parameter_registry.h"
@@ -30,7 +31,8 @@ namespace {
 
 // The 1-D mesh of a communicator, after the null check the communicator constructor always made.
 DeviceMesh mesh_of(std::shared_ptr<Communicator> comm, const FsdpParameterGroupOptions& options) {
-  TORCH_CHECK(comm != nullptr, fsdp::group_label(options.name()), "the communicator is null");
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");  // runs before the constructor's body opens it
+  FSDP_MUON_CHECK(comm != nullptr, fsdp::group_label(options.name()), "the communicator is null");
   return one_dimensional_mesh(std::move(comm));
 }
 
@@ -39,18 +41,18 @@ DeviceMesh mesh_of(std::shared_ptr<Communicator> comm, const FsdpParameterGroupO
 void check_mesh(const DeviceMesh& mesh, const std::string& who) {
   const int replicas = mesh.replicas();
   const int shard_size = mesh.shard_size();
-  TORCH_CHECK(mesh.world->size() == replicas * shard_size &&
-                  mesh.world->rank() == mesh.world_rank(mesh.replica(), mesh.shard->rank()),
-              who, "the mesh is inconsistent: world rank ", mesh.world->rank(), " of ",
-              mesh.world->size(), ", shard rank ", mesh.shard->rank(), " of ", shard_size,
-              ", replica ", mesh.replica(), " of ", replicas,
-              " (a mesh needs world size = replicas x shard size and world rank = replica x "
-              "shard size + shard rank); build it with make_device_mesh()");
-  TORCH_CHECK(mesh.shard->device() == mesh.world->device() &&
-                  mesh.replicate->device() == mesh.world->device(),
-              who, "the mesh's communicators move tensors on different devices (world ",
-              mesh.world->device(), ", shard ", mesh.shard->device(), ", replicate ",
-              mesh.replicate->device(), "); build the mesh with make_device_mesh()");
+  FSDP_MUON_CHECK(mesh.world->size() == replicas * shard_size &&
+                      mesh.world->rank() == mesh.world_rank(mesh.replica(), mesh.shard->rank()),
+                  who, "the mesh is inconsistent: world rank ", mesh.world->rank(), " of ",
+                  mesh.world->size(), ", shard rank ", mesh.shard->rank(), " of ", shard_size,
+                  ", replica ", mesh.replica(), " of ", replicas,
+                  " (a mesh needs world size = replicas x shard size and world rank = replica x "
+                  "shard size + shard rank); build it with make_device_mesh()");
+  FSDP_MUON_CHECK(mesh.shard->device() == mesh.world->device() &&
+                      mesh.replicate->device() == mesh.world->device(),
+                  who, "the mesh's communicators move tensors on different devices (world ",
+                  mesh.world->device(), ", shard ", mesh.shard->device(), ", replicate ",
+                  mesh.replicate->device(), "); build the mesh with make_device_mesh()");
 }
 
 }  // namespace
@@ -64,12 +66,13 @@ FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Te
 FsdpParameterGroup::FsdpParameterGroup(std::vector<std::pair<std::string, at::Tensor>> named_params,
                                        const DeviceMesh& mesh, FsdpParameterGroupOptions options)
     : impl_(std::make_unique<Impl>()) {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   fsdp::GroupStorage& s = impl_->storage;
   s.options = std::move(options);
   const std::string who = s.label();
-  TORCH_CHECK(mesh.world != nullptr && mesh.shard != nullptr && mesh.replicate != nullptr, who,
-              "the mesh has a null communicator (world, shard or replicate); build it with "
-              "make_device_mesh(world, shard_size) or one_dimensional_mesh(comm)");
+  FSDP_MUON_CHECK(mesh.world != nullptr && mesh.shard != nullptr && mesh.replicate != nullptr, who,
+                  "the mesh has a null communicator (world, shard or replicate); build it with "
+                  "make_device_mesh(world, shard_size) or one_dimensional_mesh(comm)");
   s.mesh = mesh;
   s.comm = mesh.shard;
 
@@ -110,6 +113,7 @@ const std::string& FsdpParameterGroup::name() const { return impl_->storage.opti
 size_t FsdpParameterGroup::num_parameters() const { return impl_->storage.params.size(); }
 
 const ParameterSlot& FsdpParameterGroup::slot(size_t index) const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   impl_->storage.check_index(index);
   return impl_->storage.layout.slots[index];
 }
@@ -118,20 +122,24 @@ int64_t FsdpParameterGroup::padded_numel() const { return impl_->storage.layout.
 int64_t FsdpParameterGroup::shard_numel() const { return impl_->storage.layout.shard_numel; }
 
 std::pair<int64_t, int64_t> FsdpParameterGroup::held_range(size_t index, int rank) const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   impl_->storage.check_index(index);
   return impl_->storage.layout.held_range(index, rank);
 }
 
 std::pair<int64_t, int64_t> FsdpParameterGroup::held_range(size_t index) const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   return held_range(index, impl_->storage.comm->rank());
 }
 
 int64_t FsdpParameterGroup::shard_offset(size_t index, int rank) const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   impl_->storage.check_index(index);
   return impl_->storage.layout.shard_offset(index, rank);
 }
 
 std::optional<size_t> FsdpParameterGroup::index_of(const std::string& name) const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   const std::vector<ParameterSlot>& slots = impl_->storage.layout.slots;
   for (size_t i = 0; i < slots.size(); ++i) {
     if (slots[i].name == name) return i;
@@ -141,60 +149,70 @@ std::optional<size_t> FsdpParameterGroup::index_of(const std::string& name) cons
 
 c10::ScalarType FsdpParameterGroup::compute_dtype() const { return impl_->storage.compute_dtype; }
 c10::ScalarType FsdpParameterGroup::main_dtype() const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   return impl_->storage.options.main_dtype();
 }
 
 const std::shared_ptr<Communicator>& FsdpParameterGroup::communicator() const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   return impl_->storage.comm;
 }
 
 const DeviceMesh& FsdpParameterGroup::mesh() const { return impl_->storage.mesh; }
 
 const FsdpParameterGroupOptions& FsdpParameterGroup::options() const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   return impl_->storage.options;
 }
 
 std::vector<at::Tensor> FsdpParameterGroup::sharded_parameters() const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   return impl_->storage.sharded;
 }
 
 const at::Tensor& FsdpParameterGroup::sharded_parameter(size_t index) const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   impl_->storage.check_index(index);
   return impl_->storage.sharded[index];
 }
 
 const at::Tensor& FsdpParameterGroup::model_weights() const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   const fsdp::GroupStorage& s = impl_->storage;
   const fsdp::ShardingStateMachine& m = impl_->machine;
   // The buffer of a resharded group has no bytes; a kernel reading it would read a null
   // pointer, so the accessor refuses instead (docs/DESIGN.md §2).
-  TORCH_CHECK(m.weights() == fsdp::ShardingStateMachine::Weights::kLive, s.label(),
-              "model_weights(): the model weights are resharded (sharding strategy ",
-              to_string(m.strategy()), "); call unshard() first, and reshard() when done");
+  FSDP_MUON_CHECK(m.weights() == fsdp::ShardingStateMachine::Weights::kLive, s.label(),
+                  "model_weights(): the model weights are resharded (sharding strategy ",
+                  to_string(m.strategy()), "); call unshard() first, and reshard() when done");
   return s.model_weights;
 }
 
 const at::Tensor& FsdpParameterGroup::full_grad_buffer() const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   const fsdp::GroupStorage& s = impl_->storage;
   const fsdp::ShardingStateMachine& m = impl_->machine;
-  TORCH_CHECK(!m.shards_grads() || fsdp::storage_bytes(s.full_grad) > 0, s.label(),
-              "full_grad_buffer(): under sharding strategy ", to_string(m.strategy()),
-              " the full gradients exist only during the group's backward and are "
-              "reduce-scattered into grad_shard() as soon as they are complete; read "
-              "grad_shard() instead");
+  FSDP_MUON_CHECK(!m.shards_grads() || fsdp::storage_bytes(s.full_grad) > 0, s.label(),
+                  "full_grad_buffer(): under sharding strategy ", to_string(m.strategy()),
+                  " the full gradients exist only during the group's backward and are "
+                  "reduce-scattered into grad_shard() as soon as they are complete; read "
+                  "grad_shard() instead");
   return s.full_grad;
 }
 const at::Tensor& FsdpParameterGroup::main_weight_shard() const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   return impl_->storage.main_shard;
 }
 const at::Tensor& FsdpParameterGroup::grad_shard() const { return impl_->storage.grad_shard; }
 std::vector<at::Tensor> FsdpParameterGroup::model_parameters() const {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   return impl_->storage.params;
 }
 
 // Each of the three calls of a training step: kOptim's in the storage, full sharding's in the
 // state machine.
 void FsdpParameterGroup::zero_grad() {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   at::NoGradGuard no_grad;
   if (impl_->machine.shards_grads()) {
     impl_->machine.zero_grad();
@@ -205,6 +223,7 @@ void FsdpParameterGroup::zero_grad() {
 }
 
 void FsdpParameterGroup::reduce_scatter_grads() {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   at::NoGradGuard no_grad;
   if (impl_->machine.shards_grads()) {
     impl_->machine.collect_grads();
@@ -226,6 +245,7 @@ void FsdpParameterGroup::reduce_scatter_grads() {
 bool FsdpParameterGroup::has_unreduced_gradients() const { return impl_->machine.unreduced(); }
 
 void FsdpParameterGroup::refresh_model_weights() {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   at::NoGradGuard no_grad;
   impl_->machine.check_parameters_alias();
   if (impl_->machine.shards_weights()) {
@@ -239,7 +259,8 @@ ShardingStrategy FsdpParameterGroup::sharding_strategy() const { return impl_->m
 
 at::Tensor FsdpParameterGroup::forward(const std::function<at::Tensor(const at::Tensor&)>& fn,
                                        const at::Tensor& input) {
-  TORCH_CHECK(fn, impl_->storage.label(), "forward(): the function is empty");
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
+  FSDP_MUON_CHECK(fn, impl_->storage.label(), "forward(): the function is empty");
   const std::vector<at::Tensor> outputs =
       forward([&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
               std::vector<at::Tensor>{input});
@@ -249,8 +270,9 @@ at::Tensor FsdpParameterGroup::forward(const std::function<at::Tensor(const at::
 std::vector<at::Tensor> FsdpParameterGroup::forward(
     const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>& fn,
     const std::vector<at::Tensor>& inputs) {
+  FSDP_MUON_API_SCOPE("FsdpParameterGroup");
   fsdp::ShardingStateMachine& m = impl_->machine;
-  TORCH_CHECK(fn, impl_->storage.label(), "forward(): the function is empty");
+  FSDP_MUON_CHECK(fn, impl_->storage.label(), "forward(): the function is empty");
   const std::vector<at::Tensor> hooked_inputs = m.before_forward(inputs);
   std::vector<at::Tensor> outputs;
   try {
@@ -270,9 +292,10 @@ int64_t FsdpParameterGroup::peak_unsharded_bytes() const { return impl_->machine
 void FsdpParameterGroup::reset_peak_unsharded_bytes() { impl_->machine.reset_peak_bytes(); }
 
 void share_forward_order(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  FSDP_MUON_API_SCOPE("share_forward_order");
   auto order = std::make_shared<fsdp::ForwardOrder>();
   for (const auto& g : groups) {
-    TORCH_CHECK(g != nullptr, "fsdp_muon::share_forward_order: a group is null");
+    FSDP_MUON_CHECK(g != nullptr, "a group is null");
     g->impl_->machine.set_forward_order(order);
   }
 }
@@ -287,26 +310,28 @@ int64_t total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGro
 
 namespace {
 fsdp::ShardingSchedule& shared_schedule(
-    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups, const char* api) {
-  TORCH_CHECK(!groups.empty() && groups.front(), "fsdp_muon::", api,
-              ": no groups given; pass the groups shard_module() returned");
+    const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
+  FSDP_MUON_CHECK(!groups.empty() && groups.front(),
+                  "no groups given; pass the groups shard_module() returned");
   const Communicator* comm = groups.front()->communicator().get();
   for (const auto& g : groups) {
-    TORCH_CHECK(g && g->communicator().get() == comm, "fsdp_muon::", api,
-                ": the groups do not share one communicator; the peak is kept per communicator, "
-                "so pass the groups of one communicator");
+    FSDP_MUON_CHECK(g && g->communicator().get() == comm,
+                    "the groups do not share one communicator; the peak is kept per communicator, "
+                    "so pass the groups of one communicator");
   }
   return *fsdp::ShardingSchedule::of(*comm);
 }
 }  // namespace
 
 int64_t peak_total_unsharded_bytes(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
-  return shared_schedule(groups, "peak_total_unsharded_bytes").peak_unsharded_bytes();
+  FSDP_MUON_API_SCOPE("peak_total_unsharded_bytes");
+  return shared_schedule(groups).peak_unsharded_bytes();
 }
 
 void reset_peak_total_unsharded_bytes(
     const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups) {
-  shared_schedule(groups, "reset_peak_total_unsharded_bytes").reset_peak_unsharded_bytes();
+  FSDP_MUON_API_SCOPE("reset_peak_total_unsharded_bytes");
+  shared_schedule(groups).reset_peak_unsharded_bytes();
 }
 
 }  // namespace fsdp_muon

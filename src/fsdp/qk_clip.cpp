@@ -9,11 +9,10 @@
 #include <c10/util/Exception.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 
 namespace fsdp_muon {
 namespace {
-
-constexpr const char* kApi = "fsdp_muon::qk_clip: ";
 
 struct Located {
   FsdpParameterGroup* group = nullptr;
@@ -25,14 +24,14 @@ Located locate(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
   for (const auto& g : groups) {
     for (size_t i = 0; i < g->num_parameters(); ++i) {
       if (g->slot(i).name != name) continue;
-      TORCH_CHECK(g->slot(i).shape.size() == dims, kApi, "layer ", layer, "'s ", role, " '", name,
-                  "' has ", g->slot(i).shape.size(), " dimensions; a ", role, " has ", dims);
+      FSDP_MUON_CHECK(g->slot(i).shape.size() == dims, "layer ", layer, "'s ", role, " '", name,
+                      "' has ", g->slot(i).shape.size(), " dimensions; a ", role, " has ", dims);
       return {g.get(), i};
     }
   }
-  TORCH_CHECK(false, kApi, "layer ", layer, "'s ", role, " '", name,
-              "' is in none of the groups given; pass the groups that hold it, by the name "
-              "shard_module gives it (its path in the module)");
+  FSDP_MUON_CHECK(false, "layer ", layer, "'s ", role, " '", name,
+                  "' is in none of the groups given; pass the groups that hold it, by the name "
+                  "shard_module gives it (its path in the module)");
   return {};
 }
 
@@ -62,13 +61,14 @@ void scale_rows(const Located& where, int64_t first_row, const std::vector<doubl
 QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& groups,
                      const std::vector<QkClipLayer>& layers, double threshold,
                      const at::Tensor& max_logits) {
+  FSDP_MUON_API_SCOPE("qk_clip");
   at::NoGradGuard no_grad;
-  TORCH_CHECK(!groups.empty(), kApi, "no groups given");
+  FSDP_MUON_CHECK(!groups.empty(), "no groups given");
   for (const auto& g : groups) {
-    TORCH_CHECK(g != nullptr, kApi, "a group is null");
-    TORCH_CHECK(g->mesh().same_as(groups[0]->mesh()), kApi, "group '", g->name(),
-                "' is on another mesh than group '", groups[0]->name(),
-                "'; give qk_clip the groups of one model");
+    FSDP_MUON_CHECK(g != nullptr, "a group is null");
+    FSDP_MUON_CHECK(g->mesh().same_as(groups[0]->mesh()), "group '", g->name(),
+                    "' is on another mesh than group '", groups[0]->name(),
+                    "'; give qk_clip the groups of one model");
   }
   // Every data-parallel rank saw other logits: the maxima are reduced over the world, every
   // replica included (docs/DESIGN.md §2, Clipping); every replica then scales its rows alike.
@@ -84,34 +84,34 @@ QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gro
   // passed other layers or τ would clip the replicas apart or mismatch in the maximum's
   // all-reduce.
   detail::agree_on_arguments(
-      comm, "fsdp_muon::qk_clip", "its arguments",
+      comm, "its arguments",
       "Every rank must call qk_clip with the same groups, layers (in the same order) and "
       "threshold; only max_logits' values differ between ranks",
       [&] {
-        TORCH_CHECK(std::isfinite(threshold) && threshold > 0, kApi,
-                    "threshold must be a positive number, got ", threshold);
-        TORCH_CHECK(!layers.empty(), kApi, "no layers given");
+        FSDP_MUON_CHECK(std::isfinite(threshold) && threshold > 0,
+                        "threshold must be a positive number, got ", threshold);
+        FSDP_MUON_CHECK(!layers.empty(), "no layers given");
         heads = layers[0].num_heads();
         for (size_t l = 0; l < layers.size(); ++l) {
           const QkClipLayer& layer = layers[l];
-          TORCH_CHECK(layer.num_heads() > 0 && layer.head_dim() > 0, kApi, "layer ", l,
-                      ": num_heads and head_dim must be positive, got ", layer.num_heads(), " and ",
-                      layer.head_dim());
-          TORCH_CHECK(layer.num_heads() == heads, kApi, "layer ", l, " has ", layer.num_heads(),
-                      " heads and layer 0 has ", heads,
-                      "; max_logits is [layers, heads], one count");
+          FSDP_MUON_CHECK(layer.num_heads() > 0 && layer.head_dim() > 0, "layer ", l,
+                          ": num_heads and head_dim must be positive, got ", layer.num_heads(),
+                          " and ", layer.head_dim());
+          FSDP_MUON_CHECK(layer.num_heads() == heads, "layer ", l, " has ", layer.num_heads(),
+                          " heads and layer 0 has ", heads,
+                          "; max_logits is [layers, heads], one count");
           const int64_t kv = layer.num_kv_heads() == 0 ? layer.num_heads() : layer.num_kv_heads();
-          TORCH_CHECK(kv > 0 && layer.num_heads() % kv == 0, kApi, "layer ", l, ": num_kv_heads (",
-                      kv, ") must divide num_heads (", layer.num_heads(), ")");
+          FSDP_MUON_CHECK(kv > 0 && layer.num_heads() % kv == 0, "layer ", l, ": num_kv_heads (",
+                          kv, ") must divide num_heads (", layer.num_heads(), ")");
           Resolved& r = resolved[l];
           r.query = locate(groups, layer.query_weight(), l, "query weight", 2);
           r.key = locate(groups, layer.key_weight(), l, "key weight", 2);
           const auto check_rows = [&](const Located& w, int64_t offset, int64_t count,
                                       const std::string& name, const char* role) {
             const int64_t rows = w.group->slot(w.index).shape[0];
-            TORCH_CHECK(offset >= 0 && offset + count <= rows, kApi, "layer ", l, "'s ", role,
-                        " rows [", offset, ", ", offset + count, ") do not fit '", name, "' with ",
-                        rows, " rows; check the row offset, num_heads and head_dim");
+            FSDP_MUON_CHECK(offset >= 0 && offset + count <= rows, "layer ", l, "'s ", role,
+                            " rows [", offset, ", ", offset + count, ") do not fit '", name,
+                            "' with ", rows, " rows; check the row offset, num_heads and head_dim");
           };
           check_rows(r.query, layer.query_row_offset(), layer.num_heads() * layer.head_dim(),
                      layer.query_weight(), "query");
@@ -128,11 +128,11 @@ QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gro
                        "key bias");
           }
         }
-        TORCH_CHECK(max_logits.defined() && max_logits.dim() == 2 &&
-                        max_logits.size(0) == static_cast<int64_t>(layers.size()) &&
-                        max_logits.size(1) == heads,
-                    kApi, "max_logits must be [layers, heads] = [", layers.size(), ", ", heads,
-                    "], got ", max_logits.defined() ? max_logits.sizes() : at::IntArrayRef{});
+        FSDP_MUON_CHECK(max_logits.defined() && max_logits.dim() == 2 &&
+                            max_logits.size(0) == static_cast<int64_t>(layers.size()) &&
+                            max_logits.size(1) == heads,
+                        "max_logits must be [layers, heads] = [", layers.size(), ", ", heads,
+                        "], got ", max_logits.defined() ? max_logits.sizes() : at::IntArrayRef{});
         std::vector<std::string> lines{"threshold = " + detail::exact_text(threshold)};
         std::string names;
         for (const auto& g : groups) names += (names.empty() ? "'" : ", '") + g->name() + "'";
@@ -158,8 +158,8 @@ QkClipResult qk_clip(const std::vector<std::shared_ptr<FsdpParameterGroup>>& gro
   reduced = comm.to_host(reduced);
   const bool some_nan = reduced[-1].item<double>() > 0;
   reduced = reduced.narrow(0, 0, mine.numel()).reshape(max_logits.sizes());
-  TORCH_CHECK(!some_nan && at::isfinite(reduced).all().item<bool>(), kApi,
-              "a maximum logit is NaN or Inf on some rank; nothing was clipped");
+  FSDP_MUON_CHECK(!some_nan && at::isfinite(reduced).all().item<bool>(),
+                  "a maximum logit is NaN or Inf on some rank; nothing was clipped");
 
   QkClipResult result;
   result.max_logits = reduced;

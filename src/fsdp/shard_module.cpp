@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 namespace {
 
@@ -22,16 +24,18 @@ std::string direct_child_key(const std::string& name) {
 std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module& module,
                                                               std::shared_ptr<Communicator> comm,
                                                               const ShardModuleOptions& options) {
-  TORCH_CHECK(comm != nullptr, "fsdp_muon::shard_module: the communicator is null");
+  FSDP_MUON_API_SCOPE("shard_module");
+  FSDP_MUON_CHECK(comm != nullptr, "the communicator is null");
   return shard_module(module, one_dimensional_mesh(std::move(comm)), options);
 }
 
 std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module& module,
                                                               const DeviceMesh& mesh,
                                                               const ShardModuleOptions& options) {
-  TORCH_CHECK(mesh.world != nullptr && mesh.shard != nullptr && mesh.replicate != nullptr,
-              "fsdp_muon::shard_module: the mesh has a null communicator (world, shard or "
-              "replicate); build it with make_device_mesh(world, shard_size)");
+  FSDP_MUON_API_SCOPE("shard_module");
+  FSDP_MUON_CHECK(mesh.world != nullptr && mesh.shard != nullptr && mesh.replicate != nullptr,
+                  "the mesh has a null communicator (world, shard or "
+                  "replicate); build it with make_device_mesh(world, shard_size)");
   std::vector<std::string> keys;  // in order of first appearance
   std::unordered_map<std::string, std::vector<std::pair<std::string, at::Tensor>>> members;
   std::unordered_map<const c10::TensorImpl*, std::string> seen;
@@ -39,10 +43,10 @@ std::vector<std::shared_ptr<FsdpParameterGroup>> shard_module(torch::nn::Module&
     const std::string& name = item.key();
     const at::Tensor& param = item.value();
     auto [it, inserted] = seen.emplace(param.unsafeGetTensorImpl(), name);
-    TORCH_CHECK(inserted, "fsdp_muon::shard_module: parameters '", it->second, "' and '", name,
-                "' are the same tensor (tied weights); sharding would re-point it twice. Untie "
-                "them, or share the weight by reference in forward() instead of registering it "
-                "twice.");
+    FSDP_MUON_CHECK(inserted, "parameters '", it->second, "' and '", name,
+                    "' are the same tensor (tied weights); sharding would re-point it twice. Untie "
+                    "them, or share the weight by reference in forward() instead of registering it "
+                    "twice.");
     std::string key = options.policy() ? options.policy()(name, param) : direct_child_key(name);
     auto found = members.find(key);
     if (found == members.end()) {

@@ -10,6 +10,8 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 
 // The state the autograd hooks reach: shared with them through weak pointers, so a hook that
@@ -51,7 +53,8 @@ ShardedModel::ShardedModel(torch::nn::Module& module, std::shared_ptr<Communicat
     : ShardedModel(
           module,
           [&] {
-            TORCH_CHECK(comm != nullptr, "fsdp_muon::shard: the communicator is null");
+            FSDP_MUON_API_SCOPE("shard");
+            FSDP_MUON_CHECK(comm != nullptr, "the communicator is null");
             return one_dimensional_mesh(std::move(comm));
           }(),
           options) {}
@@ -59,6 +62,7 @@ ShardedModel::ShardedModel(torch::nn::Module& module, std::shared_ptr<Communicat
 ShardedModel::ShardedModel(torch::nn::Module& module, const DeviceMesh& mesh,
                            const ShardModuleOptions& options)
     : impl_(std::make_shared<Impl>()) {
+  FSDP_MUON_API_SCOPE("shard");
   Impl& s = *impl_;
   s.mesh = mesh;
 
@@ -94,8 +98,8 @@ ShardedModel::ShardedModel(torch::nn::Module& module, const DeviceMesh& mesh,
   }
   for (const auto& [name, tensor] : named) {
     auto it = described.find(name);
-    TORCH_CHECK(it != described.end() && slot_of.count(name) == 1, "fsdp_muon::shard: parameter '",
-                name, "' is not where named_modules() and the groups put it");
+    FSDP_MUON_CHECK(it != described.end() && slot_of.count(name) == 1, "parameter '", name,
+                    "' is not where named_modules() and the groups put it");
     ShardedModelParameter p = it->second;
     const auto [g, i] = slot_of.at(name);
     p.group = s.groups[g];
@@ -135,15 +139,17 @@ void ShardedModel::zero_grad() {
 }
 
 void ShardedModel::set_requires_gradient_sync(bool sync) {
+  FSDP_MUON_API_SCOPE("ShardedModel::set_requires_gradient_sync");
   if (!sync) {
     for (const auto& g : impl_->groups) {
-      TORCH_CHECK(g->sharding_strategy() == ShardingStrategy::kOptim,
-                  "fsdp_muon::ShardedModel::set_requires_gradient_sync(false): group '", g->name(),
-                  "' uses sharding strategy ", to_string(g->sharding_strategy()),
-                  ", which frees the full gradients after each backward, so there is nothing to "
-                  "accumulate them in: leave the sync on (each backward's reduce-scattered "
-                  "gradients add up in the gradient shards), or shard with "
-                  "ShardingStrategy::kOptim");
+      FSDP_MUON_CHECK(
+          g->sharding_strategy() == ShardingStrategy::kOptim,
+          "cannot turn the sync off (set_requires_gradient_sync(false)): group '", g->name(),
+          "' uses sharding strategy ", to_string(g->sharding_strategy()),
+          ", which frees the full gradients after each backward, so there is nothing to "
+          "accumulate them in: leave the sync on (each backward's reduce-scattered "
+          "gradients add up in the gradient shards), or shard with "
+          "ShardingStrategy::kOptim");
     }
   }
   impl_->sync = sync;
@@ -160,21 +166,22 @@ void ShardedModel::refresh_model_weights() {
 }
 
 FsdpParameterGroup& ShardedModel::group_of(const torch::nn::Module& child) const {
+  FSDP_MUON_API_SCOPE("ShardedModel::group_of");
   std::optional<size_t> group;
   for (const auto& p : child.parameters(/*recurse=*/true)) {
     auto it = impl_->group_of_param.find(p.unsafeGetTensorImpl());
-    TORCH_CHECK(it != impl_->group_of_param.end(), "fsdp_muon::ShardedModel::group_of: module '",
-                child.name(), "' has a parameter (shape ", p.sizes(),
-                ") that is not one of this model's: pass a submodule of the sharded module");
-    TORCH_CHECK(!group || *group == it->second, "fsdp_muon::ShardedModel::group_of: module '",
-                child.name(), "' has parameters in groups '", impl_->groups[*group]->name(),
-                "' and '", impl_->groups[it->second]->name(),
-                "'; run a module whose parameters are in one group (ShardModuleOptions::policy "
-                "decides the groups), or each group's part through FsdpParameterGroup::forward");
+    FSDP_MUON_CHECK(it != impl_->group_of_param.end(), "module '", child.name(),
+                    "' has a parameter (shape ", p.sizes(),
+                    ") that is not one of this model's: pass a submodule of the sharded module");
+    FSDP_MUON_CHECK(
+        !group || *group == it->second, "module '", child.name(), "' has parameters in groups '",
+        impl_->groups[*group]->name(), "' and '", impl_->groups[it->second]->name(),
+        "'; run a module whose parameters are in one group (ShardModuleOptions::policy "
+        "decides the groups), or each group's part through FsdpParameterGroup::forward");
     group = it->second;
   }
-  TORCH_CHECK(group.has_value(), "fsdp_muon::ShardedModel::group_of: module '", child.name(),
-              "' has no parameters, so it belongs to no group; call it directly");
+  FSDP_MUON_CHECK(group.has_value(), "module '", child.name(),
+                  "' has no parameters, so it belongs to no group; call it directly");
   return *impl_->groups[*group];
 }
 

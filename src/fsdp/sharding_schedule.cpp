@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "fsdp/group_agreement.h"
 
 namespace fsdp_muon {
@@ -83,6 +84,7 @@ void ShardingSchedule::began_backward(ScheduledGroup* group) {
   // Runs once the whole backward pass has finished, on the thread that ran it.
   std::weak_ptr<ShardingSchedule> self = weak_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    FSDP_MUON_API_SCOPE("FsdpParameterGroup");
     if (auto schedule = self.lock()) schedule->end_backward();
   });
   callback_queued_ = true;
@@ -124,16 +126,16 @@ void ShardingSchedule::check_forward_agreement(Communicator& comm) {
   if (differ.empty()) return;
   const std::vector<std::string> texts = detail::gather_descriptions(comm, text);
   const int r = differ.front();
-  TORCH_CHECK(false,
-              "fsdp_muon::FsdpParameterGroup: the ranks ran different groups' forward() before "
-              "this backward: rank 0 ran ",
-              name_list(detail::split_lines(texts[0])), ", rank ", r, " ran ",
-              name_list(detail::split_lines(texts[r])), " (this is rank ", comm.rank(), " of ",
-              comm.size(),
-              "). Under sharding strategies optim_grads and optim_grads_params every rank must "
-              "run the same groups' forward(), in the same order, before each backward (a rank "
-              "without work for a group calls its forward() with an empty input); this "
-              "backward reduced nothing: call zero_grad() and run the step again");
+  FSDP_MUON_CHECK(false,
+                  "the ranks ran different groups' forward() before "
+                  "this backward: rank 0 ran ",
+                  name_list(detail::split_lines(texts[0])), ", rank ", r, " ran ",
+                  name_list(detail::split_lines(texts[r])), " (this is rank ", comm.rank(), " of ",
+                  comm.size(),
+                  "). Under sharding strategies optim_grads and optim_grads_params every rank must "
+                  "run the same groups' forward(), in the same order, before each backward (a rank "
+                  "without work for a group calls its forward() with an empty input); this "
+                  "backward reduced nothing: call zero_grad() and run the step again");
 }
 
 void ShardingSchedule::end_backward() {

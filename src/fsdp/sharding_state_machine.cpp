@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "fsdp/storage_bytes.h"
 
 namespace fsdp_muon::fsdp {
@@ -87,9 +88,9 @@ void ShardingStateMachine::wait_gather() {
     // communicator stays broken).
     weights_ = Weights::kResharded;
     account(set_storage_bytes(s_.model_weights, 0));
-    TORCH_CHECK(false, s_.label(),
-                "gathering the weights failed: ", detail::current_exception_message(),
-                ". The group is resharded again; the communicator may be unusable now");
+    FSDP_MUON_CHECK(false, s_.label(),
+                    "gathering the weights failed: ", detail::current_exception_message(),
+                    ". The group is resharded again; the communicator may be unusable now");
   }
   weights_ = Weights::kLive;
   // set_data keeps each parameter's identity, version counter and autograd metadata (and so
@@ -109,7 +110,7 @@ void ShardingStateMachine::free_weights() {
   // and never a read of freed memory (docs/DESIGN.md §2).
   for (size_t i = 0; i < s_.params.size(); ++i) {
     s_.params[i].unsafeGetTensorImpl()->release_storage_and_set_meta_custom_data_ptr_error_msg_(
-        s_.label() + "parameter '" + s_.layout.slots[i].name +
+        c10::str(detail::ApiPrefix{}) + s_.label() + "parameter '" + s_.layout.slots[i].name +
         "' is resharded (sharding strategy optim_grads_params): its weights exist only "
         "inside the group's forward() and the backward of what forward() computed, or "
         "between unshard() and reshard(). Call the module through group->forward(fn, "
@@ -189,23 +190,24 @@ void ShardingStateMachine::gradient_accumulated(size_t index) {
     return;
   }
   at::NoGradGuard no_grad;
-  TORCH_CHECK(pass_ != Pass::kIdle, s_.label(), "parameter '", s_.layout.slots[index].name,
-              "' received a gradient outside the group's forward(): under sharding strategy ",
-              to_string(strategy_),
-              " a group collects gradients only for what its forward() computed. Call the "
-              "module through group->forward(fn, input), or use ShardingStrategy::kOptim");
-  TORCH_CHECK(pass_ == Pass::kAccumulating, s_.label(), "parameter '", s_.layout.slots[index].name,
-              "' received a gradient after the group's reduce-scatter started, i.e. after the "
-              "backward of its forward() had reached that forward()'s inputs: every use of the "
-              "group's parameters must be inside its forward(fn, input) and computed from its "
-              "inputs' graph, or pass the inputs of the uses outside as detached tensors");
+  FSDP_MUON_CHECK(pass_ != Pass::kIdle, s_.label(), "parameter '", s_.layout.slots[index].name,
+                  "' received a gradient outside the group's forward(): under sharding strategy ",
+                  to_string(strategy_),
+                  " a group collects gradients only for what its forward() computed. Call the "
+                  "module through group->forward(fn, input), or use ShardingStrategy::kOptim");
+  FSDP_MUON_CHECK(pass_ == Pass::kAccumulating, s_.label(), "parameter '",
+                  s_.layout.slots[index].name,
+                  "' received a gradient after the group's reduce-scatter started, i.e. after the "
+                  "backward of its forward() had reached that forward()'s inputs: every use of the "
+                  "group's parameters must be inside its forward(fn, input) and computed from its "
+                  "inputs' graph, or pass the inputs of the uses outside as detached tensors");
   at::Tensor& param = s_.params[index];
   if (!param.grad().is_same(s_.grad_views[index])) {
     // Autograd replaced the view (create_graph=true sums out of place): keep its sum.
     if (param.grad().defined()) s_.grad_views[index].copy_(param.grad());
     param.mutable_grad() = s_.grad_views[index];
   }
-  TORCH_CHECK(grads_pending_ > 0, s_.label(), "internal error: more gradients than parameters");
+  FSDP_MUON_CHECK(grads_pending_ > 0, s_.label(), "internal error: more gradients than parameters");
   // Not the last gradient but the post-backward hook starts the reduction: which parameters
   // get a gradient may differ between the ranks (an expert without tokens), and the
   // reduce-scatters must start in the same order on every rank (docs/DESIGN.md §2).
@@ -345,10 +347,10 @@ std::vector<at::Tensor> ShardingStateMachine::after_forward(std::vector<at::Tens
       // The weights are freed below: an output on their memory would read a null pointer.
       if (out.defined() && out.has_storage() && out.is_alias_of(s_.model_weights)) {
         settle_weights();
-        TORCH_CHECK(false, s_.label(),
-                    "forward(): fn returned a view of the group's weights, which are resharded "
-                    "when fn returns (sharding strategy optim_grads_params); return a result "
-                    "computed from them, or keep them with unshard() until you are done");
+        FSDP_MUON_CHECK(false, s_.label(),
+                        "forward(): fn returned a view of the group's weights, which are resharded "
+                        "when fn returns (sharding strategy optim_grads_params); return a result "
+                        "computed from them, or keep them with unshard() until you are done");
       }
     }
   }
@@ -392,12 +394,13 @@ void ShardingStateMachine::collect_grads() {
   finish_reduction();
   settle_weights();
   for (size_t i = 0; i < s_.params.size(); ++i) {
-    TORCH_CHECK(!s_.params[i].grad().defined(), s_.label(), "parameter '", s_.layout.slots[i].name,
-                "' has a .grad() that did not come from a backward through the group's "
-                "forward(); under sharding strategy ",
-                to_string(strategy_),
-                " gradients reach the gradient shard only that way. Call the module through "
-                "group->forward(fn, input), or use ShardingStrategy::kOptim");
+    FSDP_MUON_CHECK(!s_.params[i].grad().defined(), s_.label(), "parameter '",
+                    s_.layout.slots[i].name,
+                    "' has a .grad() that did not come from a backward through the group's "
+                    "forward(); under sharding strategy ",
+                    to_string(strategy_),
+                    " gradients reach the gradient shard only that way. Call the module through "
+                    "group->forward(fn, input), or use ShardingStrategy::kOptim");
   }
   s_.install_shard_grads();
 }

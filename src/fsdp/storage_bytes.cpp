@@ -4,6 +4,8 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 namespace fsdp {
 
@@ -16,8 +18,7 @@ int64_t set_storage_bytes(const at::Tensor& tensor, int64_t bytes) {
   const int64_t before = static_cast<int64_t>(storage->nbytes());
   if (before == bytes) return 0;
   c10::Allocator* allocator = storage->allocator();
-  TORCH_CHECK(allocator != nullptr,
-              "fsdp_muon::FsdpParameterGroup: internal error: a buffer's storage has no allocator");
+  FSDP_MUON_CHECK(allocator != nullptr, "internal error: a buffer's storage has no allocator");
   // Allocate on the storage's own device (the CUDA caching allocator uses the current one).
   c10::OptionalDeviceGuard guard(tensor.device());
   // The old memory is released when its DataPtr is replaced; with 0 bytes the allocator hands

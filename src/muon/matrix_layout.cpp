@@ -5,6 +5,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 namespace {}  // namespace
 
@@ -23,50 +25,52 @@ MatrixLayout MatrixLayout::batched() {
   return layout;
 }
 
-void MatrixLayout::validate(const std::string& api) const {
-  TORCH_CHECK(kind_ == Kind::kWhole || kind_ == Kind::kRowBlocks || kind_ == Kind::kBatched, api,
-              "matrix_layout has an unknown kind ", static_cast<int>(kind_),
-              "; use MatrixLayout::whole(), row_blocks(...) or batched()");
+void MatrixLayout::validate() const {
+  FSDP_MUON_CHECK(kind_ == Kind::kWhole || kind_ == Kind::kRowBlocks || kind_ == Kind::kBatched,
+                  "matrix_layout has an unknown kind ", static_cast<int>(kind_),
+                  "; use MatrixLayout::whole(), row_blocks(...) or batched()");
   if (kind_ != Kind::kRowBlocks) {
-    TORCH_CHECK(rows_.empty(), api, "matrix_layout ", to_string(),
-                " carries row blocks; only MatrixLayout::row_blocks has them");
+    FSDP_MUON_CHECK(rows_.empty(), "matrix_layout ", to_string(),
+                    " carries row blocks; only MatrixLayout::row_blocks has them");
     return;
   }
-  TORCH_CHECK(!rows_.empty(), api,
-              "matrix_layout row_blocks{} has no blocks; give the rows of each block, e.g. "
-              "MatrixLayout::row_blocks({q, kv, kv}) for a fused QKV weight, or use "
-              "MatrixLayout::whole()");
+  FSDP_MUON_CHECK(!rows_.empty(),
+                  "matrix_layout row_blocks{} has no blocks; give the rows of each block, e.g. "
+                  "MatrixLayout::row_blocks({q, kv, kv}) for a fused QKV weight, or use "
+                  "MatrixLayout::whole()");
   for (size_t i = 0; i < rows_.size(); ++i) {
-    TORCH_CHECK(rows_[i] > 0, api, "matrix_layout ", to_string(), " has block ", i, " of ",
-                rows_[i], " rows; every row block needs at least one row");
+    FSDP_MUON_CHECK(rows_[i] > 0, "matrix_layout ", to_string(), " has block ", i, " of ", rows_[i],
+                    " rows; every row block needs at least one row");
   }
 }
 
-std::vector<MatrixBlock> MatrixLayout::blocks(c10::IntArrayRef shape, const std::string& api,
+std::vector<MatrixBlock> MatrixLayout::blocks(c10::IntArrayRef shape,
                                               const std::string& parameter) const {
-  validate(api);
+  validate();
   std::vector<MatrixBlock> out;
   switch (kind_) {
     case Kind::kWhole:
-      TORCH_CHECK(shape.size() == 2, api, "parameter ", parameter, " has shape ", c10::str(shape),
-                  ", which is not one matrix",
-                  shape.size() == 3 ? "; a 3-D [E, m, n] parameter of E matrices needs "
-                                      ".matrix_layout(MatrixLayout::batched()) in its param group"
-                                    : "; give it to an elementwise optimizer such as AdamW");
+      FSDP_MUON_CHECK(shape.size() == 2, "parameter ", parameter, " has shape ", c10::str(shape),
+                      ", which is not one matrix",
+                      shape.size() == 3
+                          ? "; a 3-D [E, m, n] parameter of E matrices needs "
+                            ".matrix_layout(MatrixLayout::batched()) in its param group"
+                          : "; give it to an elementwise optimizer such as AdamW");
       out.push_back({0, shape[0], shape[1]});
       return out;
     case Kind::kRowBlocks: {
-      TORCH_CHECK(shape.size() == 2, api, "parameter ", parameter, " has shape ", c10::str(shape),
-                  " but its param group's matrix_layout is ", to_string(),
-                  ", which splits the rows of a 2-D parameter; put it in a param group with "
-                  "another layout");
+      FSDP_MUON_CHECK(shape.size() == 2, "parameter ", parameter, " has shape ", c10::str(shape),
+                      " but its param group's matrix_layout is ", to_string(),
+                      ", which splits the rows of a 2-D parameter; put it in a param group with "
+                      "another layout");
       int64_t sum = 0;
       for (int64_t rows : rows_) sum += rows;
-      TORCH_CHECK(sum == shape[0], api, "parameter ", parameter, " has ", shape[0], " rows (shape ",
-                  c10::str(shape), ") but its param group's matrix_layout ", to_string(),
-                  " adds up to ", sum,
-                  " rows; the row blocks must add up to the rows of every parameter of the group "
-                  "(put parameters with other splits in their own param group)");
+      FSDP_MUON_CHECK(
+          sum == shape[0], "parameter ", parameter, " has ", shape[0], " rows (shape ",
+          c10::str(shape), ") but its param group's matrix_layout ", to_string(), " adds up to ",
+          sum,
+          " rows; the row blocks must add up to the rows of every parameter of the group "
+          "(put parameters with other splits in their own param group)");
       int64_t offset = 0;
       for (int64_t rows : rows_) {
         out.push_back({offset, rows, shape[1]});
@@ -75,16 +79,16 @@ std::vector<MatrixBlock> MatrixLayout::blocks(c10::IntArrayRef shape, const std:
       return out;
     }
     case Kind::kBatched: {
-      TORCH_CHECK(shape.size() == 3, api, "parameter ", parameter, " has shape ", c10::str(shape),
-                  " but its param group's matrix_layout is batched, which "
-                  "reads a 3-D [E, m, n] parameter as E matrices; put it in a param group with "
-                  "MatrixLayout::whole() or row_blocks(...)");
+      FSDP_MUON_CHECK(shape.size() == 3, "parameter ", parameter, " has shape ", c10::str(shape),
+                      " but its param group's matrix_layout is batched, which "
+                      "reads a 3-D [E, m, n] parameter as E matrices; put it in a param group with "
+                      "MatrixLayout::whole() or row_blocks(...)");
       const int64_t numel = shape[1] * shape[2];
       for (int64_t e = 0; e < shape[0]; ++e) out.push_back({e * numel, shape[1], shape[2]});
       return out;
     }
   }
-  TORCH_CHECK(false, api, "matrix_layout has an unknown kind ", static_cast<int>(kind_));
+  FSDP_MUON_CHECK(false, "matrix_layout has an unknown kind ", static_cast<int>(kind_));
 }
 
 std::string MatrixLayout::to_string() const {

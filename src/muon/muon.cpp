@@ -12,6 +12,7 @@
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
+#include "common/check.h"
 #include "muon/muon_math.h"
 #include "newton_schulz/newton_schulz_internal.h"
 
@@ -43,8 +44,8 @@ namespace {
 
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
   auto* options = dynamic_cast<MuonOptions*>(&group.options());
-  TORCH_CHECK(options != nullptr, "fsdp_muon::Muon: parameter group ", index,
-              " has options of another optimizer; give it fsdp_muon::MuonOptions");
+  FSDP_MUON_CHECK(options != nullptr, "parameter group ", index,
+                  " has options of another optimizer; give it fsdp_muon::MuonOptions");
   return *options;
 }
 
@@ -123,6 +124,7 @@ at::Tensor blockwise_update(const at::Tensor& u, const std::vector<MatrixBlock>&
 Muon::Muon(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, MuonOptions defaults)
     : Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                 std::make_unique<MuonOptions>(defaults)) {
+  FSDP_MUON_API_SCOPE("Muon");
   defaults.validate();
   std::string skipped;
   for (const auto& group : param_groups) {
@@ -135,6 +137,7 @@ Muon::Muon(std::vector<at::Tensor> params, MuonOptions defaults)
     : Muon({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 void Muon::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  FSDP_MUON_API_SCOPE("Muon");
   std::string skipped;
   add_group(param_group, skipped);
   warn_skipped(skipped);
@@ -142,8 +145,8 @@ void Muon::add_param_group(const torch::optim::OptimizerParamGroup& param_group)
 
 void Muon::warn_skipped(const std::string& skipped) {
   if (!skipped.empty()) {
-    TORCH_WARN(
-        "fsdp_muon::Muon: skip_non_matrix is set, so these non-2-D parameters are never updated "
+    FSDP_MUON_WARN(
+        "skip_non_matrix is set, so these non-2-D parameters are never updated "
         "by ",
         "Muon (give them to torch::optim::AdamW): ", skipped);
   }
@@ -153,12 +156,11 @@ void Muon::add_group(const torch::optim::OptimizerParamGroup& param_group, std::
   const size_t index = param_groups_.size();
   for (size_t i = 0; i < param_group.params().size(); ++i) {
     const at::Tensor& p = param_group.params()[i];
-    TORCH_CHECK(p.defined(), "fsdp_muon::Muon: parameter ", i, " of group ", index,
-                " is an undefined tensor");
+    FSDP_MUON_CHECK(p.defined(), "parameter ", i, " of group ", index, " is an undefined tensor");
     for (size_t other = 0; other < param_groups_.size(); ++other) {
       for (const at::Tensor& q : param_groups_[other].params()) {
-        TORCH_CHECK(!q.is_same(p), "fsdp_muon::Muon: parameter ", i, " of group ", index,
-                    " is already in group ", other, "; give each parameter to one group only");
+        FSDP_MUON_CHECK(!q.is_same(p), "parameter ", i, " of group ", index,
+                        " is already in group ", other, "; give each parameter to one group only");
       }
     }
   }
@@ -184,28 +186,28 @@ void Muon::check_group(size_t index, std::string& skipped) {
   int64_t count = 0;
   for (size_t i = 0; i < group.params().size(); ++i) {
     const at::Tensor& p = group.params()[i];
-    TORCH_CHECK(!p.is_complex(), "fsdp_muon::Muon: parameter ", i, " of group ", index,
-                " is complex; Muon supports real matrices only");
+    FSDP_MUON_CHECK(!p.is_complex(), "parameter ", i, " of group ", index,
+                    " is complex; Muon supports real matrices only");
     if (!is_orthogonalized(p, options)) {
       non_matrix << (count++ ? ", " : "") << "group " << index << " parameter " << i << " shape "
                  << c10::str(p.sizes())
                  << (p.dim() == 3 ? " (3-D: MatrixLayout::batched() reads it as E matrices)" : "");
       continue;
     }
-    (void)options.matrix_layout().blocks(p.sizes(), "fsdp_muon::Muon: ", parameter_label(i, index));
+    (void)options.matrix_layout().blocks(p.sizes(), parameter_label(i, index));
   }
   if (count == 0) {
     return;
   }
-  TORCH_CHECK(options.skip_non_matrix(),
-              "fsdp_muon::Muon: only 2-D parameters can be orthogonalized, but ", count,
-              " are not: ", non_matrix.str(),
-              ". Give biases, norms and embeddings to torch::optim::AdamW, or set "
-              "MuonOptions().skip_non_matrix(true) to leave them untouched");
+  FSDP_MUON_CHECK(options.skip_non_matrix(), "only 2-D parameters can be orthogonalized, but ",
+                  count, " are not: ", non_matrix.str(),
+                  ". Give biases, norms and embeddings to torch::optim::AdamW, or set "
+                  "MuonOptions().skip_non_matrix(true) to leave them untouched");
   skipped += (skipped.empty() ? "" : ", ") + non_matrix.str();
 }
 
 at::Tensor Muon::step(LossClosure closure) {
+  FSDP_MUON_API_SCOPE("Muon");
   at::NoGradGuard no_grad;
   at::Tensor loss;
   if (closure) {
@@ -226,15 +228,15 @@ at::Tensor Muon::step(LossClosure closure) {
       if (!g.defined() || !is_orthogonalized(p, options)) {
         continue;
       }
-      blocks[gi][i] =
-          options.matrix_layout().blocks(p.sizes(), "fsdp_muon::Muon: ", parameter_label(i, gi));
-      TORCH_CHECK(!g.is_sparse(), "fsdp_muon::Muon: parameter ", i, " of group ", gi,
-                  " has a sparse gradient; Muon needs dense gradients (use a dense embedding or "
-                  "give it to another optimizer)");
-      TORCH_CHECK(!g.is_complex(), "fsdp_muon::Muon: parameter ", i, " of group ", gi,
-                  " has a complex gradient; Muon supports real matrices only");
-      TORCH_CHECK(g.sizes() == p.sizes(), "fsdp_muon::Muon: parameter ", i, " of group ", gi,
-                  " has shape ", p.sizes(), " but its gradient has shape ", g.sizes());
+      blocks[gi][i] = options.matrix_layout().blocks(p.sizes(), parameter_label(i, gi));
+      FSDP_MUON_CHECK(
+          !g.is_sparse(), "parameter ", i, " of group ", gi,
+          " has a sparse gradient; Muon needs dense gradients (use a dense embedding or "
+          "give it to another optimizer)");
+      FSDP_MUON_CHECK(!g.is_complex(), "parameter ", i, " of group ", gi,
+                      " has a complex gradient; Muon supports real matrices only");
+      FSDP_MUON_CHECK(g.sizes() == p.sizes(), "parameter ", i, " of group ", gi, " has shape ",
+                      p.sizes(), " but its gradient has shape ", g.sizes());
     }
   }
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
@@ -264,6 +266,7 @@ void Muon::save(torch::serialize::OutputArchive& archive) const {
 }
 
 void Muon::load(torch::serialize::InputArchive& archive) {
+  FSDP_MUON_API_SCOPE("Muon");
   torch::optim::serialize<MuonParamState, MuonOptions>(archive, *this);
 }
 

@@ -8,6 +8,7 @@
 
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
 
+#include "common/check.h"
 #include "muon/update_rule.h"
 
 // Only mul / add / sub (alpha = 1) / div below: see the bitwise contract in muon_math.h.
@@ -31,19 +32,18 @@ double decay_factor(const MuonOptions& options) {
     case WeightDecayMethod::kL2:
       return 1.0;
   }
-  TORCH_CHECK(false, "fsdp_muon::MuonOptions: weight_decay_method has an unknown value ",
-              static_cast<int>(options.weight_decay_method()));
+  FSDP_MUON_CHECK(false, "weight_decay_method has an unknown value ",
+                  static_cast<int>(options.weight_decay_method()));
 }
 
 }  // namespace
 
 at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
                                at::Tensor& momentum_buffer, const MuonOptions& options) {
-  TORCH_CHECK(momentum_buffer.defined(),
-              "fsdp_muon::Muon: the momentum buffer must be created by the caller");
-  TORCH_CHECK(param.sizes() == grad.sizes() && param.sizes() == momentum_buffer.sizes(),
-              "fsdp_muon::Muon: parameter ", param.sizes(), ", gradient ", grad.sizes(),
-              " and momentum buffer ", momentum_buffer.sizes(), " must have one shape");
+  FSDP_MUON_CHECK(momentum_buffer.defined(), "the momentum buffer must be created by the caller");
+  FSDP_MUON_CHECK(param.sizes() == grad.sizes() && param.sizes() == momentum_buffer.sizes(),
+                  "parameter ", param.sizes(), ", gradient ", grad.sizes(), " and momentum buffer ",
+                  momentum_buffer.sizes(), " must have one shape");
   const double wd = options.weight_decay();
   const double mu = options.momentum();
 
@@ -70,9 +70,9 @@ at::Tensor muon_momentum_input(const at::Tensor& param, const at::Tensor& grad,
 std::vector<at::Tensor> muon_momentum_inputs(at::TensorList params, at::TensorList grads,
                                              at::TensorList momentum_buffers,
                                              const MuonOptions& options) {
-  TORCH_CHECK(params.size() == grads.size() && params.size() == momentum_buffers.size(),
-              "fsdp_muon::Muon: ", params.size(), " parameters, ", grads.size(), " gradients and ",
-              momentum_buffers.size(), " momentum buffers");
+  FSDP_MUON_CHECK(params.size() == grads.size() && params.size() == momentum_buffers.size(),
+                  params.size(), " parameters, ", grads.size(), " gradients and ",
+                  momentum_buffers.size(), " momentum buffers");
   if (params.empty()) return {};
   const double wd = options.weight_decay();
   const double mu = options.momentum();
@@ -102,8 +102,7 @@ std::vector<at::Tensor> muon_momentum_inputs(at::TensorList params, at::TensorLi
 }
 
 double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
-  TORCH_CHECK(rows > 0 && cols > 0, "fsdp_muon::Muon: matrix shape must be positive, got ", rows,
-              " x ", cols);
+  FSDP_MUON_CHECK(rows > 0 && cols > 0, "matrix shape must be positive, got ", rows, " x ", cols);
   const double r = static_cast<double>(rows);
   const double c = static_cast<double>(cols);
   switch (mode) {
@@ -118,19 +117,18 @@ double muon_scale(int64_t rows, int64_t cols, ScaleMode mode) {
     case ScaleMode::kNone:
       return 1.0;
   }
-  TORCH_CHECK(false, "fsdp_muon::MuonOptions: scale_mode has an unknown value ",
-              static_cast<int>(mode));
+  FSDP_MUON_CHECK(false, "scale_mode has an unknown value ", static_cast<int>(mode));
 }
 
 at::Tensor muon_normuon_normalize(const at::Tensor& o, const at::Tensor& variance,
                                   const MuonOptions& options) {
   const bool batch = o.dim() == 3;
-  TORCH_CHECK((o.dim() == 2 || batch) && variance.dim() == o.dim() - 1 &&
-                  variance.sizes() == o.sizes().slice(0, o.dim() - 1),
-              "fsdp_muon::Muon: NorMuon's variance must be one entry per row: update ", o.sizes(),
-              ", variance ", variance.sizes());
-  TORCH_CHECK(variance.scalar_type() == o.scalar_type(), "fsdp_muon::Muon: NorMuon's variance is ",
-              variance.scalar_type(), " but the update is ", o.scalar_type());
+  FSDP_MUON_CHECK((o.dim() == 2 || batch) && variance.dim() == o.dim() - 1 &&
+                      variance.sizes() == o.sizes().slice(0, o.dim() - 1),
+                  "NorMuon's variance must be one entry per row: update ", o.sizes(), ", variance ",
+                  variance.sizes());
+  FSDP_MUON_CHECK(variance.scalar_type() == o.scalar_type(), "NorMuon's variance is ",
+                  variance.scalar_type(), " but the update is ", o.scalar_type());
   const double beta2 = options.normuon_beta2();
   const double eps = options.normuon_eps();
   // Per matrix: the whole matrix's norm, or each batch entry's ([batch, 1, 1]). On one CPU thread
@@ -164,17 +162,16 @@ at::Tensor muon_row_state(MuonParamState& state, const at::Tensor& like, int64_t
     state.normuon_variance(at::zeros({rows}, like.options()));
   }
   const at::Tensor& v = state.normuon_variance();
-  TORCH_CHECK(v.dim() == 1 && v.size(0) == rows, "fsdp_muon::Muon: NorMuon's state has shape ",
-              v.sizes(), " where ", rows,
-              " rows were expected; it belongs to another parameter or layout");
+  FSDP_MUON_CHECK(v.dim() == 1 && v.size(0) == rows, "NorMuon's state has shape ", v.sizes(),
+                  " where ", rows,
+                  " rows were expected; it belongs to another parameter or layout");
   return v;
 }
 
 at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOptions& options,
                                       const at::Tensor& row_state) {
-  TORCH_CHECK(full_u.dim() == 2 || full_u.dim() == 3,
-              "fsdp_muon::Muon: expected a 2-D matrix or a 3-D batch of matrices, got shape ",
-              full_u.sizes());
+  FSDP_MUON_CHECK(full_u.dim() == 2 || full_u.dim() == 3,
+                  "expected a 2-D matrix or a 3-D batch of matrices, got shape ", full_u.sizes());
   const double scale = muon_scale(full_u.size(-2), full_u.size(-1), options.scale_mode()) *
                        options.extra_scale_factor();
   at::Tensor update = newton_schulz(full_u, options.newton_schulz_options());
@@ -182,19 +179,19 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
     update = update.to(full_u.scalar_type());
   }
   const UpdateRule& rule = update_rule(options);
-  TORCH_CHECK(rule.per_row_state == row_state.defined(), "fsdp_muon::Muon: per-row state is ",
-              rule.per_row_state ? "missing" : "given", " but the update rule is '", rule.name,
-              "'");
+  FSDP_MUON_CHECK(rule.per_row_state == row_state.defined(), "per-row state is ",
+                  rule.per_row_state ? "missing" : "given", " but the update rule is '", rule.name,
+                  "'");
   if (rule.transform != nullptr) {
     if (full_u.dim() == 2 || rule.transforms_batches) {
       update = rule.transform(update, row_state, options);
     } else {
       // One matrix at a time, so each sees the reductions of the 2-D call (the bitwise contract
       // between a batched FsdpMuon owner and Muon).
-      TORCH_CHECK(
+      FSDP_MUON_CHECK(
           !row_state.defined() || (row_state.dim() == 2 && row_state.size(0) == full_u.size(0)),
-          "fsdp_muon::Muon: the per-row state of a batch must be [batch, rows], got ",
-          row_state.sizes(), " for ", full_u.sizes());
+          "the per-row state of a batch must be [batch, rows], got ", row_state.sizes(), " for ",
+          full_u.sizes());
       for (int64_t i = 0; i < full_u.size(0); ++i) {
         update[i].copy_(
             rule.transform(update[i], row_state.defined() ? row_state[i] : at::Tensor(), options));
@@ -206,14 +203,14 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
 
 void muon_apply_update(const at::Tensor& param, const at::Tensor& update,
                        const MuonOptions& options) {
-  TORCH_CHECK(param.sizes() == update.sizes(), "fsdp_muon::Muon: parameter ", param.sizes(),
-              " and update ", update.sizes(), " must have one shape");
+  FSDP_MUON_CHECK(param.sizes() == update.sizes(), "parameter ", param.sizes(), " and update ",
+                  update.sizes(), " must have one shape");
   param.sub_(update.mul(options.lr()));
 }
 
 void muon_apply_updates(at::TensorList params, at::TensorList updates, const MuonOptions& options) {
-  TORCH_CHECK(params.size() == updates.size(), "fsdp_muon::Muon: ", params.size(),
-              " parameters but ", updates.size(), " updates");
+  FSDP_MUON_CHECK(params.size() == updates.size(), params.size(), " parameters but ",
+                  updates.size(), " updates");
   if (params.empty()) return;
   at::_foreach_sub_(params, at::_foreach_mul(updates, options.lr()));
 }

@@ -9,6 +9,7 @@
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
+#include "common/check.h"
 #include "common/enum_names.h"
 #include "muon/update_rule.h"
 #include "newton_schulz/newton_schulz_internal.h"
@@ -166,6 +167,7 @@ double MuonOptions::get_lr() const { return lr(); }
 void MuonOptions::set_lr(const double lr) { this->lr(lr); }
 
 void MuonOptions::validate() const {
+  FSDP_MUON_API_SCOPE("MuonOptions");
   TORCH_CHECK(std::isfinite(lr()) && lr() >= 0, "fsdp_muon::MuonOptions: invalid lr ", lr(),
               "; use a finite learning rate >= 0, e.g. MuonOptions(0.02)");
   TORCH_CHECK(std::isfinite(weight_decay()) && weight_decay() >= 0,
@@ -193,11 +195,10 @@ void MuonOptions::validate() const {
               "fsdp_muon::MuonOptions: invalid normuon_eps ", normuon_eps(),
               "; it guards NorMuon's divisions and must be a finite value > 0 and at most ",
               detail::kLargestEps, " (bf16's largest), e.g. .normuon_eps(1e-8)");
-  matrix_layout().validate("fsdp_muon::MuonOptions: ");
+  matrix_layout().validate();
   // Coefficient problems (cubic5 with a step count other than 5, non-finite custom tuples) are
   // checked where the schedule is built, with messages naming the option.
-  (void)detail::newton_schulz_schedule(newton_schulz_options(), "fsdp_muon::MuonOptions",
-                                       "ns_steps");
+  (void)detail::newton_schulz_schedule(newton_schulz_options(), "ns_steps");
 }
 
 NewtonSchulzOptions MuonOptions::newton_schulz_options() const {

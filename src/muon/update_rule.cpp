@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
 #include "muon/muon_math.h"
 
 namespace fsdp_muon::detail {
@@ -35,10 +36,10 @@ const UpdateRule& update_rule(Normalization normalization) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   const auto it = r.rules.find(static_cast<int>(normalization));
-  TORCH_CHECK(it != r.rules.end(), "fsdp_muon::MuonOptions: normalization has an unknown value ",
-              static_cast<int>(normalization),
-              "; use Normalization::kNone or Normalization::kNorMuon (or register the variant's "
-              "rule first)");
+  FSDP_MUON_CHECK(
+      it != r.rules.end(), "normalization has an unknown value ", static_cast<int>(normalization),
+      "; use Normalization::kNone or Normalization::kNorMuon (or register the variant's "
+      "rule first)");
   return it->second;  // std::map: entries stay where they are as others are added
 }
 
@@ -49,12 +50,12 @@ bool has_update_rule(Normalization normalization) {
 }
 
 void register_update_rule(Normalization value, UpdateRule rule) {
+  FSDP_MUON_API_SCOPE("register_update_rule");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   const auto [it, added] = r.rules.emplace(static_cast<int>(value), std::move(rule));
-  TORCH_CHECK(added, "fsdp_muon::register_update_rule: normalization value ",
-              static_cast<int>(value), " already has the rule '", it->second.name,
-              "'; pick a value of your own");
+  FSDP_MUON_CHECK(added, "normalization value ", static_cast<int>(value), " already has the rule '",
+                  it->second.name, "'; pick a value of your own");
 }
 
 }  // namespace fsdp_muon::detail

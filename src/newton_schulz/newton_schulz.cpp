@@ -18,6 +18,7 @@
 
 #include <fsdp_muon/config.h>
 
+#include "common/check.h"
 #include "common/enum_names.h"
 #include "newton_schulz/newton_schulz_internal.h"
 
@@ -102,7 +103,8 @@ std::optional<NsPreconditioning> parse_ns_preconditioning(std::string_view name)
 }
 
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options) {
-  return detail::newton_schulz_schedule(options, "fsdp_muon::NewtonSchulzOptions", "steps");
+  FSDP_MUON_API_SCOPE("NewtonSchulzOptions");
+  return detail::newton_schulz_schedule(options, "steps");
 }
 
 namespace {
@@ -159,9 +161,8 @@ NsMethod resolve_ns_method(int64_t rows, int64_t cols, const NewtonSchulzOptions
 }
 
 double newton_schulz_flops(int64_t rows, int64_t cols, const NewtonSchulzOptions& options) {
-  TORCH_CHECK(rows >= 0 && cols >= 0,
-              "fsdp_muon::newton_schulz_flops: rows and cols must be >= 0, got ", rows, " x ",
-              cols);
+  FSDP_MUON_API_SCOPE("newton_schulz_flops");
+  FSDP_MUON_CHECK(rows >= 0 && cols >= 0, "rows and cols must be >= 0, got ", rows, " x ", cols);
   const auto schedule = newton_schulz_schedule(options);
   const auto m = static_cast<double>(std::min(rows, cols));
   const auto n = static_cast<double>(std::max(rows, cols));
@@ -171,49 +172,48 @@ double newton_schulz_flops(int64_t rows, int64_t cols, const NewtonSchulzOptions
 namespace detail {
 
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options,
-                                                          const char* api,
                                                           const char* steps_option) {
   const int64_t steps = options.steps();
-  TORCH_CHECK(steps >= 1, api, ": ", steps_option, " must be at least 1, got ", steps);
+  FSDP_MUON_CHECK(steps >= 1, steps_option, " must be at least 1, got ", steps);
   const auto& custom = options.custom_coefficients();
   const Preset* preset = custom.empty() ? find_preset(options.coefficients()) : nullptr;
-  TORCH_CHECK(!custom.empty() || preset != nullptr, api, ": coefficients has an unknown value ",
-              static_cast<int>(options.coefficients()));
+  FSDP_MUON_CHECK(!custom.empty() || preset != nullptr, "coefficients has an unknown value ",
+                  static_cast<int>(options.coefficients()));
   if (preset != nullptr && preset->rule == Rule::kExactSteps) {
     // Checked before the steps are materialized, so a nonsensical step count fails loudly.
     const auto defined = static_cast<int64_t>(preset->tuples.size());
-    TORCH_CHECK(steps == defined, api, ": the ", preset->name, " schedule is defined for exactly ",
-                defined, " steps, got ", steps_option, " = ", steps, "; set ", steps_option, "(",
-                defined, ") or choose another schedule");
+    FSDP_MUON_CHECK(steps == defined, "the ", preset->name, " schedule is defined for exactly ",
+                    defined, " steps, got ", steps_option, " = ", steps, "; set ", steps_option,
+                    "(", defined, ") or choose another schedule");
   }
-  TORCH_CHECK(options.method() == NsMethod::kStandard || options.method() == NsMethod::kGram ||
-                  options.method() == NsMethod::kAuto,
-              api, ": the Newton-Schulz method has an unknown value ",
-              static_cast<int>(options.method()), "; use NsMethod::kStandard, kGram or kAuto");
-  TORCH_CHECK(options.preconditioning() == NsPreconditioning::kNone ||
-                  options.preconditioning() == NsPreconditioning::kAol,
-              api, ": the Newton-Schulz preconditioning has an unknown value ",
-              static_cast<int>(options.preconditioning()),
-              "; use NsPreconditioning::kNone or kAol");
+  FSDP_MUON_CHECK(options.method() == NsMethod::kStandard || options.method() == NsMethod::kGram ||
+                      options.method() == NsMethod::kAuto,
+                  "the Newton-Schulz method has an unknown value ",
+                  static_cast<int>(options.method()), "; use NsMethod::kStandard, kGram or kAuto");
+  FSDP_MUON_CHECK(options.preconditioning() == NsPreconditioning::kNone ||
+                      options.preconditioning() == NsPreconditioning::kAol,
+                  "the Newton-Schulz preconditioning has an unknown value ",
+                  static_cast<int>(options.preconditioning()),
+                  "; use NsPreconditioning::kNone or kAol");
   if (options.method() != NsMethod::kStandard) {
     // Restarts only mean something to Gram; a list that cannot apply is an error rather than
     // silently ignored, so a Gram run never differs from what its options say.
     const auto& restarts = options.gram_restarts();
     for (size_t r = 0; r < restarts.size(); ++r) {
-      TORCH_CHECK(restarts[r] >= 1 && restarts[r] < steps, api, ": gram_restarts[", r,
-                  "] = ", restarts[r], " is not an iteration a restart can precede with ",
-                  steps_option, " = ", steps, "; each entry must lie in [1, ", steps_option,
-                  " - 1] (e.g. gram_restarts({2}) for 5 steps, gram_restarts({}) for none)");
-      TORCH_CHECK(r == 0 || restarts[r] > restarts[r - 1], api,
-                  ": gram_restarts must be strictly increasing, got ", restarts[r - 1], " then ",
-                  restarts[r]);
+      FSDP_MUON_CHECK(restarts[r] >= 1 && restarts[r] < steps, "gram_restarts[", r,
+                      "] = ", restarts[r], " is not an iteration a restart can precede with ",
+                      steps_option, " = ", steps, "; each entry must lie in [1, ", steps_option,
+                      " - 1] (e.g. gram_restarts({2}) for 5 steps, gram_restarts({}) for none)");
+      FSDP_MUON_CHECK(r == 0 || restarts[r] > restarts[r - 1],
+                      "gram_restarts must be strictly increasing, got ", restarts[r - 1], " then ",
+                      restarts[r]);
     }
   }
   for (size_t t = 0; t < custom.size(); ++t) {
     const Tuple& tuple = custom[t];
-    TORCH_CHECK(std::isfinite(tuple[0]) && std::isfinite(tuple[1]) && std::isfinite(tuple[2]), api,
-                ": custom_coefficients[", t, "] = (", tuple[0], ", ", tuple[1], ", ", tuple[2],
-                ") is not finite; every (a, b, c) must be finite numbers");
+    FSDP_MUON_CHECK(std::isfinite(tuple[0]) && std::isfinite(tuple[1]) && std::isfinite(tuple[2]),
+                    "custom_coefficients[", t, "] = (", tuple[0], ", ", tuple[1], ", ", tuple[2],
+                    ") is not finite; every (a, b, c) must be finite numbers");
   }
 
   std::vector<Tuple> schedule;
@@ -234,27 +234,26 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
 int64_t ns_coefficients_count() { return static_cast<int64_t>(presets().size()); }
 
 void check_newton_schulz_input(const at::Tensor& x, const NewtonSchulzOptions& options) {
-  TORCH_CHECK(x.defined(), "fsdp_muon::newton_schulz: the input tensor is undefined");
-  TORCH_CHECK(x.dim() == 2 || x.dim() == 3,
-              "fsdp_muon::newton_schulz: expected a 2-D matrix or a 3-D batch of matrices, got a "
-              "tensor "
-              "of shape ",
-              x.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()),
-              "fsdp_muon::newton_schulz: expected a real floating-point tensor, got ",
-              x.scalar_type());
-  TORCH_CHECK(x.layout() == c10::kStrided,
-              "fsdp_muon::newton_schulz: expected a dense (strided) tensor, got ", x.layout());
+  FSDP_MUON_CHECK(x.defined(), "the input tensor is undefined");
+  FSDP_MUON_CHECK(x.dim() == 2 || x.dim() == 3,
+                  "expected a 2-D matrix or a 3-D batch of matrices, got a "
+                  "tensor "
+                  "of shape ",
+                  x.sizes());
+  FSDP_MUON_CHECK(at::isFloatingType(x.scalar_type()),
+                  "expected a real floating-point tensor, got ", x.scalar_type());
+  FSDP_MUON_CHECK(x.layout() == c10::kStrided, "expected a dense (strided) tensor, got ",
+                  x.layout());
+  FSDP_MUON_API_SCOPE("NewtonSchulzOptions");  // what follows checks the options, not the input
   const c10::ScalarType dtype = options.compute_dtype();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
-              "fsdp_muon::NewtonSchulzOptions: compute_dtype must be at::kBFloat16 or at::kFloat, "
-              "got ",
-              dtype);
-  TORCH_CHECK(options.eps() > 0.0 && options.eps() <= detail::kLargestEps,
-              "fsdp_muon::NewtonSchulzOptions: eps must be a positive finite number at most ",
-              detail::kLargestEps,
-              " (bf16's largest; it guards the division by the Frobenius norm), got ",
-              options.eps());
+  FSDP_MUON_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+                  "compute_dtype must be at::kBFloat16 or at::kFloat, "
+                  "got ",
+                  dtype);
+  FSDP_MUON_CHECK(options.eps() > 0.0 && options.eps() <= detail::kLargestEps,
+                  "eps must be a positive finite number at most ", detail::kLargestEps,
+                  " (bf16's largest; it guards the division by the Frobenius norm), got ",
+                  options.eps());
 }
 
 NsPrepared prepare_newton_schulz(const at::Tensor& x, const NewtonSchulzOptions& options) {
@@ -293,8 +292,7 @@ at::Tensor gram_fp32(const at::Tensor& x) {
 
 std::pair<at::Tensor, at::Tensor> aol_rescale(const at::Tensor& x, const at::Tensor& a,
                                               double eps) {
-  TORCH_CHECK(a.scalar_type() == at::kFloat,
-              "fsdp_muon::newton_schulz: AOL's Gram matrix must be fp32");
+  FSDP_MUON_CHECK(a.scalar_type() == at::kFloat, "AOL's Gram matrix must be fp32");
   // The clamp (eps, as Turbo-Muon's) keeps a zero row zero (0·s) instead of 0·inf.
   const at::Tensor s = a.abs().sum(-1).clamp_min(eps).rsqrt();
   const at::Tensor xs = x.to(at::kFloat).mul(s.unsqueeze(-1)).to(x.scalar_type()).contiguous();
@@ -386,20 +384,19 @@ at::Tensor newton_schulz_aten(const at::Tensor& x, const NewtonSchulzOptions& op
 }  // namespace detail
 
 at::Tensor newton_schulz(const at::Tensor& x, const NewtonSchulzOptions& options) {
+  FSDP_MUON_API_SCOPE("newton_schulz");
   detail::check_newton_schulz_input(x, options);
   if (x.is_cuda()) {
 #if FSDP_MUON_WITH_CUDA
     return detail::newton_schulz_cuda(x, options);
 #else
-    TORCH_CHECK(
-        false,
-        "fsdp_muon::newton_schulz: got a CUDA tensor, but this build of fsdp_muon has no CUDA "
-        "support (LibTorch without CUDA at build time); move the tensor to the CPU or "
-        "rebuild against a CUDA LibTorch");
+    FSDP_MUON_CHECK(false,
+                    "got a CUDA tensor, but this build of fsdp_muon has no CUDA "
+                    "support (LibTorch without CUDA at build time); move the tensor to the CPU or "
+                    "rebuild against a CUDA LibTorch");
 #endif
   }
-  TORCH_CHECK(x.is_cpu(), "fsdp_muon::newton_schulz: supports CPU and CUDA tensors, got device ",
-              x.device());
+  FSDP_MUON_CHECK(x.is_cpu(), "supports CPU and CUDA tensors, got device ", x.device());
   return detail::newton_schulz_aten(x, options);
 }
 

@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
 #include "common/cuda_check.h"
 #include "newton_schulz/newton_schulz_internal.h"
 
@@ -82,8 +83,7 @@ class RowMajorGemm {
 
 at::Tensor newton_schulz_cuda(const at::Tensor& x, const NewtonSchulzOptions& options) {
   check_newton_schulz_input(x, options);
-  TORCH_CHECK(x.is_cuda(), "fsdp_muon::newton_schulz: expected a CUDA tensor, got device ",
-              x.device());
+  FSDP_MUON_CHECK(x.is_cuda(), "expected a CUDA tensor, got device ", x.device());
   const auto schedule = newton_schulz_schedule(options);
   at::NoGradGuard no_grad;
   if (x.numel() == 0) return at::empty(x.sizes(), x.options());
@@ -94,9 +94,8 @@ at::Tensor newton_schulz_cuda(const at::Tensor& x, const NewtonSchulzOptions& op
   const int64_t batch = prepared.x.size(0);
   const int64_t rows = prepared.x.size(1);  // m <= n after prepare
   const int64_t cols = prepared.x.size(2);
-  TORCH_CHECK(batch <= INT_MAX && rows <= INT_MAX && cols <= INT_MAX && rows * cols <= INT_MAX,
-              "fsdp_muon::newton_schulz: matrices of shape ", x.sizes(),
-              " exceed the 32-bit sizes of the cuBLAS path");
+  FSDP_MUON_CHECK(batch <= INT_MAX && rows <= INT_MAX && cols <= INT_MAX && rows * cols <= INT_MAX,
+                  "matrices of shape ", x.sizes(), " exceed the 32-bit sizes of the cuBLAS path");
   const int m = static_cast<int>(rows);
   const int n = static_cast<int>(cols);
   const int64_t x_stride = rows * cols;

@@ -23,11 +23,10 @@ constexpr double kLargestEps = 3.3895313892515355e38;
 // any other integer is rejected.
 int64_t ns_coefficients_count();
 
-// newton_schulz_schedule() with errors that start with `api` (e.g. "fsdp_muon::MuonOptions") and
-// call the step count `steps_option` (e.g. "ns_steps"), for callers that configure it under
-// another name.
+// newton_schulz_schedule() with errors that call the step count `steps_option` (e.g.
+// "ns_steps"), for callers that configure it under another name; they name the calling API
+// (common/check.h).
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options,
-                                                          const char* api,
                                                           const char* steps_option);
 
 // The iterate in canonical form: wide (rows <= cols), contiguous, normalized in fp32 and cast to

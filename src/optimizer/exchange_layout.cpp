@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon::detail {
 
 int64_t ExchangeLayout::scatter_inter_replica_numel(int rank) const {
@@ -19,20 +21,20 @@ ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
   const std::size_t n = matrices.size();
   // Internal callers build these from one plan; a mismatch is a bug there, caught here before
   // it becomes an out-of-range index.
-  const char* api = "fsdp_muon::detail::layout_exchange: ";
-  TORCH_CHECK(active.size() == n, api, active.size(), " active flags for ", n, " matrices");
-  TORCH_CHECK(with_rows.empty() || with_rows.size() == n, api, with_rows.size(),
-              " per-row state flags for ", n, " matrices");
-  TORCH_CHECK(rank >= 0 && rank < world, api, "rank ", rank, " is outside the world of ", world);
-  TORCH_CHECK(replicas >= 1 && world % replicas == 0, api, replicas,
-              " replicas do not divide the world of ", world);
+  FSDP_MUON_API_SCOPE("detail::layout_exchange");
+  FSDP_MUON_CHECK(active.size() == n, active.size(), " active flags for ", n, " matrices");
+  FSDP_MUON_CHECK(with_rows.empty() || with_rows.size() == n, with_rows.size(),
+                  " per-row state flags for ", n, " matrices");
+  FSDP_MUON_CHECK(rank >= 0 && rank < world, "rank ", rank, " is outside the world of ", world);
+  FSDP_MUON_CHECK(replicas >= 1 && world % replicas == 0, replicas,
+                  " replicas do not divide the world of ", world);
   const int size = world / replicas;  // shard ranks per replica
   for (std::size_t j = 0; j < n; ++j) {
-    TORCH_CHECK(matrices[j].shard_size() == size, api, "matrix ", j, " has held ranges for ",
-                matrices[j].held.size(), " ranks in a world of ", world, " (", replicas,
-                " replica(s) of ", size, ")");
-    TORCH_CHECK(matrices[j].owner >= 0 && matrices[j].owner < world, api, "matrix ", j,
-                " has owner ", matrices[j].owner, " outside the world of ", world);
+    FSDP_MUON_CHECK(matrices[j].shard_size() == size, "matrix ", j, " has held ranges for ",
+                    matrices[j].held.size(), " ranks in a world of ", world, " (", replicas,
+                    " replica(s) of ", size, ")");
+    FSDP_MUON_CHECK(matrices[j].owner >= 0 && matrices[j].owner < world, "matrix ", j,
+                    " has owner ", matrices[j].owner, " outside the world of ", world);
   }
   ExchangeLayout x;
   x.active = active;
@@ -40,8 +42,8 @@ ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
   x.replicas = replicas;
   x.mirrored = replicas == 1;
   for (std::size_t j = 0; j < n; ++j) {
-    TORCH_CHECK(!x.with_rows[j] || matrices[j].cols > 0, api, "matrix ", j,
-                " carries per-row state but has no columns");
+    FSDP_MUON_CHECK(!x.with_rows[j] || matrices[j].cols > 0, "matrix ", j,
+                    " carries per-row state but has no columns");
   }
   // Exchange rank q's piece of matrix j: the elements of its shard rank, then (with_rows) the
   // state of its rows.

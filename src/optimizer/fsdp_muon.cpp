@@ -12,6 +12,7 @@
 #include <torch/serialize/archive.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "common/enum_names.h"
 #include "fsdp/group_agreement.h"
 #include "muon/update_rule.h"
@@ -23,8 +24,8 @@ namespace detail {
 
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index) {
   auto* options = dynamic_cast<MuonOptions*>(&group.options());
-  TORCH_CHECK(options != nullptr, "fsdp_muon::FsdpMuon: parameter group ", index,
-              " has options of another optimizer; give it fsdp_muon::MuonOptions");
+  FSDP_MUON_CHECK(options != nullptr, "parameter group ", index,
+                  " has options of another optimizer; give it fsdp_muon::MuonOptions");
   return *options;
 }
 
@@ -143,8 +144,7 @@ bool detail::batches_newton_schulz(NewtonSchulzBatching mode, const c10::Device&
       return detail::batched_newton_schulz_is_bitwise(device, ns_dtype) ||
              (device.is_cuda() && layout == MatrixLayout::Kind::kBatched);
   }
-  TORCH_CHECK(false, "fsdp_muon::FsdpMuonConfig: batch_newton_schulz has an unknown value ",
-              static_cast<int>(mode));
+  FSDP_MUON_CHECK(false, "batch_newton_schulz has an unknown value ", static_cast<int>(mode));
 }
 
 OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
@@ -172,25 +172,26 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
     : Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                 std::make_unique<MuonOptions>(defaults)),
       impl_(std::make_unique<Impl>()) {
+  FSDP_MUON_API_SCOPE("FsdpMuon");
   impl_->config = std::move(config);
   const auto construct = [&] {
     defaults.validate();
-    TORCH_CHECK(impl_->config.prefetch_budget_bytes() >= 0,
-                "fsdp_muon::FsdpMuon: prefetch_budget_bytes must be >= 0, got ",
-                impl_->config.prefetch_budget_bytes(), " (kUnlimitedPrefetch for no limit)");
-    TORCH_CHECK(impl_->config.check_gradient_agreement() ||
-                    impl_->config.non_finite_gradients() == NonFiniteGradients::kIgnore,
-                "fsdp_muon::FsdpMuon: non_finite_gradients(",
-                to_string(impl_->config.non_finite_gradients()),
-                ") needs check_gradient_agreement(true): the ranks learn of a NaN or Inf through "
-                "its all-reduce. With check_gradient_agreement(false) also set "
-                "non_finite_gradients(NonFiniteGradients::kIgnore) (kSkipStep is the default)");
-    TORCH_CHECK(impl_->config.check_replicas_every() >= 0,
-                "fsdp_muon::FsdpMuon: check_replicas_every must be >= 0 (0: never), got ",
-                impl_->config.check_replicas_every());
-    TORCH_CHECK(
+    FSDP_MUON_CHECK(impl_->config.prefetch_budget_bytes() >= 0,
+                    "prefetch_budget_bytes must be >= 0, got ",
+                    impl_->config.prefetch_budget_bytes(), " (kUnlimitedPrefetch for no limit)");
+    FSDP_MUON_CHECK(
+        impl_->config.check_gradient_agreement() ||
+            impl_->config.non_finite_gradients() == NonFiniteGradients::kIgnore,
+        "non_finite_gradients(", to_string(impl_->config.non_finite_gradients()),
+        ") needs check_gradient_agreement(true): the ranks learn of a NaN or Inf through "
+        "its all-reduce. With check_gradient_agreement(false) also set "
+        "non_finite_gradients(NonFiniteGradients::kIgnore) (kSkipStep is the default)");
+    FSDP_MUON_CHECK(impl_->config.check_replicas_every() >= 0,
+                    "check_replicas_every must be >= 0 (0: never), got ",
+                    impl_->config.check_replicas_every());
+    FSDP_MUON_CHECK(
         impl_->config.check_replicas_every() == 0 || impl_->config.check_gradient_agreement(),
-        "fsdp_muon::FsdpMuon: check_replicas_every(", impl_->config.check_replicas_every(),
+        "check_replicas_every(", impl_->config.check_replicas_every(),
         ") needs check_gradient_agreement(true): the replicas' hashes ride in its "
         "all-reduce");
     for (const auto& group : param_groups) add_group(group);
@@ -200,13 +201,13 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
   if (!comm) {
     // Nobody to agree with: fail here with the most specific message there is.
     construct();
-    TORCH_CHECK(false, "fsdp_muon::FsdpMuon: no parameters given");
+    FSDP_MUON_CHECK(false, "no parameters given");
   }
   // docs/DESIGN.md §7: the cost model's rates measured before anything is planned (collective
   // over the groups' mesh; every rank first agrees that it measures).
   impl_->measured = detail::calibrate(param_groups, defaults, impl_->config);
   // Every rank takes part in both exchanges, so a rank that fails makes all fail, none hang.
-  detail::run_agreed(*comm, "fsdp_muon::FsdpMuon: construction", construct);
+  detail::run_agreed(*comm, construct);
   // Then the ranks compare everything that changes who computes what or the result: one 8-byte
   // all-gather, and only when some rank differs the descriptions themselves, to name the first
   // difference (docs/DESIGN.md §3).
@@ -216,15 +217,16 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
   if (!differ.empty()) {
     const std::vector<std::string> texts = detail::gather_descriptions(*comm, text);
     const int r = differ.front();
-    TORCH_CHECK(false, "fsdp_muon::FsdpMuon: the ranks constructed different optimizers (rank(s) ",
-                join(differ), " differ from rank 0; this is rank ", comm->rank(), " of ",
-                comm->size(), "); first difference, ",
-                detail::first_different_entry(detail::split_lines(texts[0]),
-                                              detail::split_lines(texts[r]), r),
-                ". Every rank must construct FsdpMuon with the same sharded parameters in the same "
-                "order, the same MuonOptions per parameter group (bit for bit: each rank would "
-                "otherwise compute its own update) and the same FsdpMuonConfig. This rank has:",
-                abbreviate_lines(description));
+    FSDP_MUON_CHECK(
+        false, "the ranks constructed different optimizers (rank(s) ", join(differ),
+        " differ from rank 0; this is rank ", comm->rank(), " of ", comm->size(),
+        "); first difference, ",
+        detail::first_different_entry(detail::split_lines(texts[0]), detail::split_lines(texts[r]),
+                                      r),
+        ". Every rank must construct FsdpMuon with the same sharded parameters in the same "
+        "order, the same MuonOptions per parameter group (bit for bit: each rank would "
+        "otherwise compute its own update) and the same FsdpMuonConfig. This rank has:",
+        abbreviate_lines(description));
   }
 }
 
@@ -233,8 +235,8 @@ FsdpMuon::~FsdpMuon() = default;
 void FsdpMuon::add_group(const torch::optim::OptimizerParamGroup& param_group) {
   const size_t index = param_groups_.size();
   for (size_t i = 0; i < param_group.params().size(); ++i) {
-    TORCH_CHECK(param_group.params()[i].defined(), "fsdp_muon::FsdpMuon: parameter ", i,
-                " of group ", index, " is an undefined tensor");
+    FSDP_MUON_CHECK(param_group.params()[i].defined(), "parameter ", i, " of group ", index,
+                    " is an undefined tensor");
   }
   Optimizer::add_param_group(param_group);
   // LibTorch versions differ in what the base class does with options of optimizer types it
@@ -244,10 +246,12 @@ void FsdpMuon::add_group(const torch::optim::OptimizerParamGroup& param_group) {
 }
 
 void FsdpMuon::add_param_group(const torch::optim::OptimizerParamGroup& /*param_group*/) {
-  TORCH_CHECK(false,
-              "fsdp_muon::FsdpMuon: add_param_group after construction is not supported: the "
-              "owner plan covers the fixed set of parameters given to the constructor. Construct "
-              "a new FsdpMuon with all parameter groups instead");
+  FSDP_MUON_API_SCOPE("FsdpMuon");
+  FSDP_MUON_CHECK(
+      false,
+      "add_param_group after construction is not supported: the "
+      "owner plan covers the fixed set of parameters given to the constructor. Construct "
+      "a new FsdpMuon with all parameter groups instead");
 }
 
 void FsdpMuon::build() { impl_->plan_matrices(*this, impl_->accept_parameters(*this)); }
@@ -269,17 +273,16 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
       auto info = find_sharded_parameter(p);
-      TORCH_CHECK(info.has_value(), "fsdp_muon::FsdpMuon: parameter ", i, " of parameter group ",
-                  gi, " (shape ", p.sizes(),
-                  ") is not a sharded parameter of a live FsdpParameterGroup. Give FsdpMuon the "
-                  "tensors from group->sharded_parameters() (see shard_module()), not the "
-                  "module's own parameters, and keep the groups alive (held by std::shared_ptr)");
+      FSDP_MUON_CHECK(
+          info.has_value(), "parameter ", i, " of parameter group ", gi, " (shape ", p.sizes(),
+          ") is not a sharded parameter of a live FsdpParameterGroup. Give FsdpMuon the "
+          "tensors from group->sharded_parameters() (see shard_module()), not the "
+          "module's own parameters, and keep the groups alive (held by std::shared_ptr)");
       const FsdpParameterGroup& group = *info->group;
       const ParameterSlot& slot = info->slot();
       auto [it, inserted] = seen.emplace(p.unsafeGetTensorImpl(), gi);
-      TORCH_CHECK(inserted, "fsdp_muon::FsdpMuon: parameter '", slot.name,
-                  "' is given twice (parameter groups ", it->second, " and ", gi,
-                  "); give each parameter to one group only");
+      FSDP_MUON_CHECK(inserted, "parameter '", slot.name, "' is given twice (parameter groups ",
+                      it->second, " and ", gi, "); give each parameter to one group only");
       auto found = ordinal_of.find(&group);
       if (found == ordinal_of.end()) {
         if (!groups.empty()) {
@@ -287,13 +290,13 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
           // shapes), so every rank fails here, and the agreement around construction makes
           // any rank that did not fail too.
           const FsdpParameterGroup& first = *groups.front();
-          TORCH_CHECK(mesh_of(group).same_as(mesh_of(first)), "fsdp_muon::FsdpMuon: FSDP groups ",
-                      group_label(first, 0), " (mesh ", mesh_of(first).shape(), ") and ",
-                      group_label(group, groups.size()), " (parameter '", slot.name, "', mesh ",
-                      mesh_of(group).shape(),
-                      ") are on different meshes (their world or shard communicators are "
-                      "different objects); FsdpMuon updates the groups of one mesh, so build "
-                      "every group on the same DeviceMesh (or the same Communicator)");
+          FSDP_MUON_CHECK(mesh_of(group).same_as(mesh_of(first)), "FSDP groups ",
+                          group_label(first, 0), " (mesh ", mesh_of(first).shape(), ") and ",
+                          group_label(group, groups.size()), " (parameter '", slot.name, "', mesh ",
+                          mesh_of(group).shape(),
+                          ") are on different meshes (their world or shard communicators are "
+                          "different objects); FsdpMuon updates the groups of one mesh, so build "
+                          "every group on the same DeviceMesh (or the same Communicator)");
         }
         found = ordinal_of.emplace(&group, groups.size()).first;
         groups.push_back(info->group);
@@ -309,30 +312,29 @@ std::vector<AcceptedMatrix> FsdpMuon::Impl::accept_parameters(FsdpMuon& self) {
         continue;
       }
       // A layout that does not fit the shape is an error whatever skip_non_matrix says.
-      (void)layout.blocks(slot.shape, "fsdp_muon::FsdpMuon: ", "'" + slot.name + "'");
+      (void)layout.blocks(slot.shape, "'" + slot.name + "'");
       accepted.push_back({found->second, info->index, gi, p});
     }
   }
-  TORCH_CHECK(non_matrix_count == 0,
-              "fsdp_muon::FsdpMuon: only 2-D parameters can be orthogonalized, but ",
-              non_matrix_count, " are not: ", non_matrix.str(),
-              ". Give biases, norms and embeddings to torch::optim::AdamW, or set "
-              "MuonOptions().skip_non_matrix(true) to leave them untouched");
-  TORCH_CHECK(!groups.empty(), "fsdp_muon::FsdpMuon: no parameters given");
+  FSDP_MUON_CHECK(non_matrix_count == 0, "only 2-D parameters can be orthogonalized, but ",
+                  non_matrix_count, " are not: ", non_matrix.str(),
+                  ". Give biases, norms and embeddings to torch::optim::AdamW, or set "
+                  "MuonOptions().skip_non_matrix(true) to leave them untouched");
+  FSDP_MUON_CHECK(!groups.empty(), "no parameters given");
   mesh = mesh_of(*groups.front());
   world_comm = mesh.world;
   shard_comm = mesh.shard;
   shard_size = mesh.shard_size();
   exchange_comm = shard_comm;  // until the plan says whether owners span the replicas
   // Exchange ranks are read as replica * shard_size + shard rank (docs/DESIGN.md §3).
-  TORCH_CHECK(world_comm->rank() == mesh.world_rank(mesh.replica(), shard_comm->rank()) &&
-                  world_comm->size() == mesh.replicas() * shard_size,
-              "fsdp_muon::FsdpMuon: mesh ", mesh.shape(), " is not replica-major (world rank ",
-              world_comm->rank(), " is shard rank ", shard_comm->rank(), " of replica ",
-              mesh.replica(), "); build it with make_device_mesh()");
+  FSDP_MUON_CHECK(world_comm->rank() == mesh.world_rank(mesh.replica(), shard_comm->rank()) &&
+                      world_comm->size() == mesh.replicas() * shard_size,
+                  "mesh ", mesh.shape(), " is not replica-major (world rank ", world_comm->rank(),
+                  " is shard rank ", shard_comm->rank(), " of replica ", mesh.replica(),
+                  "); build it with make_device_mesh()");
   if (skipped.tellp() > 0 && world_comm->rank() == 0) {
-    TORCH_WARN("fsdp_muon::FsdpMuon: skip_non_matrix is set, so these non-2-D parameters are ",
-               "never updated by FsdpMuon (give them to torch::optim::AdamW): ", skipped.str());
+    FSDP_MUON_WARN("skip_non_matrix is set, so these non-2-D parameters are ",
+                   "never updated by FsdpMuon (give them to torch::optim::AdamW): ", skipped.str());
   }
   return accepted;
 }
@@ -357,7 +359,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     if (slot.numel == 0) continue;  // nothing to orthogonalize
     const MuonOptions& options = muon_options_of(self.param_groups_[a.param_group], a.param_group);
     const std::vector<MatrixBlock> blocks =
-        options.matrix_layout().blocks(slot.shape, "fsdp_muon::FsdpMuon: ", "'" + slot.name + "'");
+        options.matrix_layout().blocks(slot.shape, "'" + slot.name + "'");
     const std::pair<int64_t, int64_t> mine = group.held_range(a.index, shard_rank());
     for (size_t b = 0; b < blocks.size(); ++b) {
       const MatrixBlock& block = blocks[b];
@@ -408,8 +410,8 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   if (replicas() > 1 && plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld) {
     exchange_comm = world_comm;
   }
-  TORCH_CHECK(plan.world_size == world(), "fsdp_muon::FsdpMuon: internal error: a plan over ",
-              plan.world_size, " ranks for an exchange over ", world(), " on mesh ", mesh.shape());
+  FSDP_MUON_CHECK(plan.world_size == world(), "internal error: a plan over ", plan.world_size,
+                  " ranks for an exchange over ", world(), " on mesh ", mesh.shape());
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t j = 0; j < group_matrices[g].size(); ++j) {
       matrices[group_matrices[g][j]].owner = plan.owner[g][j];
@@ -422,13 +424,13 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
     for (const auto& [g, j] : plan.rounds[t]) {
       // One exchange moves one buffer, so the groups it draws from share a main dtype.
       const size_t first = plan.rounds[t].front().first;
-      TORCH_CHECK(groups[g]->main_dtype() == groups[first]->main_dtype(),
-                  "fsdp_muon::FsdpMuon: FSDP groups ", group_label(*groups[first], first), " and ",
-                  group_label(*groups[g], g), " have different main dtypes (",
-                  groups[first]->main_dtype(), ", ", groups[g]->main_dtype(),
-                  ") but their matrices are exchanged together; give every group the same "
-                  "FsdpParameterGroupOptions::main_dtype, or use OwnerSchedule::kWindows with "
-                  "prefetch_budget_bytes(0) (one group per exchange)");
+      FSDP_MUON_CHECK(groups[g]->main_dtype() == groups[first]->main_dtype(), "FSDP groups ",
+                      group_label(*groups[first], first), " and ", group_label(*groups[g], g),
+                      " have different main dtypes (", groups[first]->main_dtype(), ", ",
+                      groups[g]->main_dtype(),
+                      ") but their matrices are exchanged together; give every group the same "
+                      "FsdpParameterGroupOptions::main_dtype, or use OwnerSchedule::kWindows with "
+                      "prefetch_budget_bytes(0) (one group per exchange)");
       round_matrices[t].push_back(group_matrices[g][j]);
       round_placement[t].push_back(placement[g][j]);
     }
@@ -499,10 +501,12 @@ std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& sel
 }
 
 void FsdpMuon::save(torch::serialize::OutputArchive& archive) const {
+  FSDP_MUON_API_SCOPE("FsdpMuon");
   torch::optim::serialize<MuonParamState, MuonOptions>(archive, *this);
 }
 
 void FsdpMuon::load(torch::serialize::InputArchive& archive) {
+  FSDP_MUON_API_SCOPE("FsdpMuon");
   torch::optim::serialize<MuonParamState, MuonOptions>(archive, *this);
 }
 

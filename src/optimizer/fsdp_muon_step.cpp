@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 #include "muon/muon_math.h"
 #include "muon/update_rule.h"
 #include "newton_schulz/newton_schulz_internal.h"
@@ -42,6 +43,7 @@ void count_sent(Communicator& comm, int64_t CommStats::*counter, int64_t& bytes,
 }  // namespace
 
 at::Tensor FsdpMuon::step(LossClosure closure) {
+  FSDP_MUON_API_SCOPE("FsdpMuon");
   at::NoGradGuard no_grad;
   at::Tensor loss;
   if (closure) {
@@ -222,12 +224,13 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
       s.options[gi] = &muon_options_of(self.param_groups_[gi], gi);
       s.options[gi]->validate();  // may have been edited
-      TORCH_CHECK(s.options[gi]->matrix_layout() == frozen_layouts[gi],
-                  "fsdp_muon::FsdpMuon: the matrix_layout of parameter group ", gi, " is now ",
-                  s.options[gi]->matrix_layout().to_string(), " but the owner plan was made for ",
-                  frozen_layouts[gi].to_string(),
-                  " at construction (edited options, or a checkpoint saved with another layout); "
-                  "construct a new FsdpMuon with the layout you want");
+      FSDP_MUON_CHECK(
+          s.options[gi]->matrix_layout() == frozen_layouts[gi],
+          "the matrix_layout of parameter group ", gi, " is now ",
+          s.options[gi]->matrix_layout().to_string(), " but the owner plan was made for ",
+          frozen_layouts[gi].to_string(),
+          " at construction (edited options, or a checkpoint saved with another layout); "
+          "construct a new FsdpMuon with the layout you want");
     }
     for (size_t g = 0; g < groups.size(); ++g) {
       mine[slot.unreduced(g)] = groups[g]->has_unreduced_gradients() ? 1 : 0;
@@ -254,12 +257,11 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       const at::Tensor& p = matrices[m].sharded_parameter;
       const at::Tensor& g = p.grad();
       if (!g.defined()) continue;
-      TORCH_CHECK(!g.is_sparse() && g.sizes() == p.sizes() && g.dtype() == p.dtype(),
-                  "fsdp_muon::FsdpMuon: the gradient of '", matrices[m].name, "' has shape ",
-                  g.sizes(), " and dtype ", g.dtype(), " but its shard is ", p.sizes(), " ",
-                  p.dtype(),
-                  "; FsdpMuon expects the group's gradient-shard slice "
-                  "(FsdpParameterGroup::reduce_scatter_grads())");
+      FSDP_MUON_CHECK(!g.is_sparse() && g.sizes() == p.sizes() && g.dtype() == p.dtype(),
+                      "the gradient of '", matrices[m].name, "' has shape ", g.sizes(),
+                      " and dtype ", g.dtype(), " but its shard is ", p.sizes(), " ", p.dtype(),
+                      "; FsdpMuon expects the group's gradient-shard slice "
+                      "(FsdpParameterGroup::reduce_scatter_grads())");
       mine[slot.has_grad(m)] = 1;
       with_gradient.push_back(m);
     }
@@ -270,8 +272,7 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
   if (config.check_gradient_agreement()) {
     count_sent(*world_comm, &CommStats::all_reduce_bytes, s.stats.check_bytes, [&] {
       try {
-        sums = detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", slot.size(),
-                                    slot.device_size(), local_checks);
+        sums = detail::agree_on_sum(*world_comm, slot.size(), slot.device_size(), local_checks);
       } catch (...) {
         // A rank that skipped a ZeRO-1 group's reduce_scatter_grads() meets the others' reduce-
         // scatter with this all-reduce: both wait out the timeout. Only this rank can tell why.
@@ -302,12 +303,12 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     for (int64_t& count : sums) count = static_cast<int64_t>(static_cast<uint64_t>(count) * w);
   }
   const int w = world_comm->size();
-  TORCH_CHECK(sums[slot.changed()] == 0,
-              "fsdp_muon::FsdpMuon: the parameter groups were changed after construction on ",
-              sums[slot.changed()], " of ", w, " rank(s)", changed ? " (this one included)" : "",
-              " — by add_param_group or add_parameters through the Optimizer base class, or by "
-              "editing param_groups(). The owner plan covers the parameters given to the "
-              "constructor; construct a new FsdpMuon instead");
+  FSDP_MUON_CHECK(sums[slot.changed()] == 0,
+                  "the parameter groups were changed after construction on ", sums[slot.changed()],
+                  " of ", w, " rank(s)", changed ? " (this one included)" : "",
+                  " — by add_param_group or add_parameters through the Optimizer base class, or by "
+                  "editing param_groups(). The owner plan covers the parameters given to the "
+                  "constructor; construct a new FsdpMuon instead");
   // The options checked at construction may have been changed since, on some ranks only (a
   // scheduler stepped on one rank): each rank would then apply its own update. Without the
   // agreement there is nothing to compare against (a rank sees only its own values).
@@ -338,13 +339,13 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
         }
       }
     }
-    TORCH_CHECK(differing.tellp() == 0,
-                "fsdp_muon::FsdpMuon: the optimizer options differ across ranks at step() call ",
-                step_calls, ": ", differing.str(),
-                ". They were changed after construction on some ranks only, or to different values "
-                "(a learning-rate scheduler stepped on some ranks, param_groups() edited on one), "
-                "and each rank would apply its own update. Change them alike on every rank (step "
-                "every scheduler on every rank). Nothing was changed");
+    FSDP_MUON_CHECK(
+        differing.tellp() == 0, "the optimizer options differ across ranks at step() call ",
+        step_calls, ": ", differing.str(),
+        ". They were changed after construction on some ranks only, or to different values "
+        "(a learning-rate scheduler stepped on some ranks, param_groups() edited on one), "
+        "and each rank would apply its own update. Change them alike on every rank (step "
+        "every scheduler on every rank). Nothing was changed");
   }
   // docs/DESIGN.md §3, "Replica check": the sums say whether some replica differs; only then do
   // the per-parameter hashes travel, to name it.
@@ -365,13 +366,14 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
                                             : "'" + groups[g]->name() + "'")
               << " on " << ranks << " of " << w << " rank(s)";
   }
-  TORCH_CHECK(unreduced.tellp() == 0,
-              "fsdp_muon::FsdpMuon: a backward wrote gradients that were never reduce-scattered "
-              "into the gradient shards of FSDP group(s) ",
-              unreduced.str(),
-              " (sharding strategy optim, ZeRO-1, where the full gradients stay in the group until "
-              "then); call group->reduce_scatter_grads() after backward, on every rank, for "
-              "every group, before step(). Nothing was changed");
+  FSDP_MUON_CHECK(
+      unreduced.tellp() == 0,
+      "a backward wrote gradients that were never reduce-scattered "
+      "into the gradient shards of FSDP group(s) ",
+      unreduced.str(),
+      " (sharding strategy optim, ZeRO-1, where the full gradients stay in the group until "
+      "then); call group->reduce_scatter_grads() after backward, on every rank, for "
+      "every group, before step(). Nothing was changed");
   std::ostringstream disagree;
   int64_t disagreements = 0;
   s.active.assign(n, false);
@@ -383,11 +385,11 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
     disagree << (disagreements > 1 ? ", " : "") << "'" << matrices[m].name << "' on " << holders
              << " of " << w << " ranks (this rank: " << (here ? "yes" : "no") << ")";
   }
-  TORCH_CHECK(disagreements == 0,
-              "fsdp_muon::FsdpMuon: ranks disagree on which parameters have gradients (",
-              disagreements, " parameter(s)): ", disagree.str(),
-              ". Every rank must produce the same set of gradients (run backward on every rank, "
-              "then FsdpParameterGroup::reduce_scatter_grads() on every rank)");
+  FSDP_MUON_CHECK(
+      disagreements == 0, "ranks disagree on which parameters have gradients (", disagreements,
+      " parameter(s)): ", disagree.str(),
+      ". Every rank must produce the same set of gradients (run backward on every rank, "
+      "then FsdpParameterGroup::reduce_scatter_grads() on every rank)");
   s.stats.active_parameters = std::count(s.active.begin(), s.active.end(), true);
   if (check_finite) {
     std::vector<int64_t> non_finite_ranks(n);
@@ -404,10 +406,8 @@ StepRun FsdpMuon::Impl::agree_on_gradients(FsdpMuon& self) {
       const auto each = [&](std::vector<int64_t>&) { return matrices_not_finite(again); };
       std::vector<int64_t> counts(again.size(), 0);
       if (config.check_gradient_agreement()) {
-        count_sent(*world_comm, &CommStats::all_reduce_bytes, s.stats.check_bytes, [&] {
-          counts =
-              detail::agree_on_sum(*world_comm, "fsdp_muon::FsdpMuon::step", 0, again.size(), each);
-        });
+        count_sent(*world_comm, &CommStats::all_reduce_bytes, s.stats.check_bytes,
+                   [&] { counts = detail::agree_on_sum(*world_comm, 0, again.size(), each); });
       } else {
         const at::Tensor host = world_comm->to_host(matrices_not_finite(again)).contiguous();
         for (size_t k = 0; k < again.size(); ++k) counts[k] = host.data_ptr<int64_t>()[k] * w;
@@ -503,25 +503,25 @@ void FsdpMuon::Impl::reject_non_finite(const std::vector<int64_t>& ranks_per_mat
     }
   }
   if (s.stats.non_finite_parameters == 0) return;
-  TORCH_CHECK(config.non_finite_gradients() != NonFiniteGradients::kThrow,
-              "fsdp_muon::FsdpMuon: non-finite gradients (NaN or Inf) in ",
-              s.stats.non_finite_parameters, " parameter(s): ", names.str(),
-              ". FsdpMuonConfig().non_finite_gradients(NonFiniteGradients::kSkipStep) skips such "
-              "steps instead");
+  FSDP_MUON_CHECK(
+      config.non_finite_gradients() != NonFiniteGradients::kThrow,
+      "non-finite gradients (NaN or Inf) in ", s.stats.non_finite_parameters,
+      " parameter(s): ", names.str(),
+      ". FsdpMuonConfig().non_finite_gradients(NonFiniteGradients::kSkipStep) skips such "
+      "steps instead");
   // kSkipStep: no matrix is active, so nothing moves or changes; the groups are still refreshed.
   s.active.assign(n, false);
   s.stats.skipped = true;
   ++skipped_steps;
   // Never silent, and one line per skipped step from one rank: every rank knows the same counts.
   if (world_rank() == 0) {
-    TORCH_WARN("fsdp_muon::FsdpMuon: skipped step ", step_calls,
-               " (step() calls since construction; ", skipped_steps,
-               " skipped so far): NaN or Inf in the gradient of ", first.str(),
-               s.stats.non_finite_parameters > 1
-                   ? " and " + std::to_string(s.stats.non_finite_parameters - 1) + " more"
-                   : std::string(),
-               "; FsdpMuon's weights and momentum are unchanged "
-               "(FsdpMuonConfig::non_finite_gradients)");
+    FSDP_MUON_WARN("skipped step ", step_calls, " (step() calls since construction; ",
+                   skipped_steps, " skipped so far): NaN or Inf in the gradient of ", first.str(),
+                   s.stats.non_finite_parameters > 1
+                       ? " and " + std::to_string(s.stats.non_finite_parameters - 1) + " more"
+                       : std::string(),
+                   "; FsdpMuon's weights and momentum are unchanged "
+                   "(FsdpMuonConfig::non_finite_gradients)");
   }
 }
 

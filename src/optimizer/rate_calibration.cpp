@@ -177,8 +177,8 @@ MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& pa
        config.inter_node_bytes_per_second() == defaults.inter_node_bytes_per_second() ||
        config.exchange_latency_seconds() == defaults.exchange_latency_seconds());
   std::vector<CalibrationShape> shapes;
-  const std::vector<int64_t> calibrating = agree_on_sum(
-      *mesh.world, "fsdp_muon::FsdpMuon: construction", 1, [&](std::vector<int64_t>& mine) {
+  const std::vector<int64_t> calibrating =
+      agree_on_sum(*mesh.world, 1, [&](std::vector<int64_t>& mine) {
         // Every MuonOptions checked here, in construction's first agreement: a rank with an
         // invalid option would otherwise fail alone in the calibration's Newton-Schulz while
         // the others wait in its exchange, and they would learn nothing but a timeout.

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 
 namespace fsdp_muon::detail {
 namespace {
@@ -94,14 +95,14 @@ void throw_replica_divergence(const std::vector<std::shared_ptr<FsdpParameterGro
       }
     }
   }
-  TORCH_CHECK(false, "fsdp_muon::FsdpMuon: the replicas' weights diverged before step() call ",
-              step_call, ": ", where,
-              differing > 1 ? " (and " + std::to_string(differing - 1) + " more rank(s) differ)"
-                            : std::string(),
-              ". Every replica must hold the same shards: something changed the weights of one "
-              "replica only (an edit outside the optimizers, a load or import on some ranks, a "
-              "faulty device). Nothing was changed; reload the last checkpoint on every rank "
-              "(FsdpMuonConfig::check_replicas_every)");
+  FSDP_MUON_CHECK(false, "the replicas' weights diverged before step() call ", step_call, ": ",
+                  where,
+                  differing > 1 ? " (and " + std::to_string(differing - 1) + " more rank(s) differ)"
+                                : std::string(),
+                  ". Every replica must hold the same shards: something changed the weights of one "
+                  "replica only (an edit outside the optimizers, a load or import on some ranks, a "
+                  "faulty device). Nothing was changed; reload the last checkpoint on every rank "
+                  "(FsdpMuonConfig::check_replicas_every)");
 }
 
 }  // namespace fsdp_muon::detail

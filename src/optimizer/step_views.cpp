@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon::detail {
 
 std::vector<at::Tensor> slices_of(const at::Tensor& flat,
@@ -22,9 +24,9 @@ std::vector<at::Tensor> slices_of(const at::Tensor& flat,
   int64_t at = 0;
   for (size_t i : order) {
     const auto [offset, length] = ranges[i];
-    TORCH_CHECK(offset >= at && length >= 0 && offset + length <= flat.numel(),
-                "fsdp_muon: internal error: slice [", offset, ", ", offset + length, ") of a ",
-                flat.numel(), "-element buffer overlaps another or lies outside it");
+    FSDP_MUON_CHECK(offset >= at && length >= 0 && offset + length <= flat.numel(),
+                    "internal error: slice [", offset, ", ", offset + length, ") of a ",
+                    flat.numel(), "-element buffer overlaps another or lies outside it");
     if (offset > at) sizes.push_back(offset - at);
     piece[i] = sizes.size();
     sizes.push_back(length);

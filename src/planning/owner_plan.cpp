@@ -11,6 +11,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
 #include "common/enum_names.h"
 #include "fsdp/flat_layout.h"
 #include "planning/owner_plan_internal.h"
@@ -30,28 +31,26 @@ using detail::rounds_from_windows;
 using detail::window_peak_bytes;
 
 void validate_matrix(const PlanMatrix& m, size_t g, size_t i, int world_size) {
-  TORCH_CHECK(m.rows >= 0 && m.cols >= 0, "fsdp_muon::plan_owners: matrix '", m.name, "' (group ",
-              g, ", index ", i, ") has negative shape [", m.rows, ", ", m.cols, "]");
-  TORCH_CHECK(m.newton_schulz.steps() >= 1, "fsdp_muon::plan_owners: matrix '", m.name, "' has ",
-              m.newton_schulz.steps(), " Newton-Schulz steps; it needs at least 1");
-  TORCH_CHECK(static_cast<int>(m.held.size()) == world_size, "fsdp_muon::plan_owners: matrix '",
-              m.name, "' has ", m.held.size(), " held ranges; it needs one per rank (", world_size,
-              ")");
+  FSDP_MUON_CHECK(m.rows >= 0 && m.cols >= 0, "matrix '", m.name, "' (group ", g, ", index ", i,
+                  ") has negative shape [", m.rows, ", ", m.cols, "]");
+  FSDP_MUON_CHECK(m.newton_schulz.steps() >= 1, "matrix '", m.name, "' has ",
+                  m.newton_schulz.steps(), " Newton-Schulz steps; it needs at least 1");
+  FSDP_MUON_CHECK(static_cast<int>(m.held.size()) == world_size, "matrix '", m.name, "' has ",
+                  m.held.size(), " held ranges; it needs one per rank (", world_size, ")");
   int64_t covered = 0;
   for (int r = 0; r < world_size; ++r) {
     const auto [first, second] = m.held[r];
-    TORCH_CHECK(first <= second && first >= 0 && second <= m.rows * m.cols,
-                "fsdp_muon::plan_owners: matrix '", m.name, "' has an invalid held range [", first,
-                ", ", second, ") on rank ", r);
+    FSDP_MUON_CHECK(first <= second && first >= 0 && second <= m.rows * m.cols, "matrix '", m.name,
+                    "' has an invalid held range [", first, ", ", second, ") on rank ", r);
     if (first < second) {
-      TORCH_CHECK(first == covered, "fsdp_muon::plan_owners: the held ranges of matrix '", m.name,
-                  "' do not tile it in rank order (rank ", r, " starts at ", first, ", expected ",
-                  covered, ")");
+      FSDP_MUON_CHECK(first == covered, "the held ranges of matrix '", m.name,
+                      "' do not tile it in rank order (rank ", r, " starts at ", first,
+                      ", expected ", covered, ")");
       covered = second;
     }
   }
-  TORCH_CHECK(covered == m.rows * m.cols, "fsdp_muon::plan_owners: the held ranges of matrix '",
-              m.name, "' cover ", covered, " of its ", m.rows * m.cols, " elements");
+  FSDP_MUON_CHECK(covered == m.rows * m.cols, "the held ranges of matrix '", m.name, "' cover ",
+                  covered, " of its ", m.rows * m.cols, " elements");
 }
 
 // The plan before any owner is chosen: every matrix validated and costed, totals at zero.
@@ -77,8 +76,8 @@ OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
   plan.exchange_latency_seconds = options.exchange_latency_seconds();
 
   for (size_t g = 0; g < num_groups; ++g) {
-    TORCH_CHECK(groups[g].element_bytes >= 0, "fsdp_muon::plan_owners: group '", groups[g].name,
-                "' has negative element_bytes");
+    FSDP_MUON_CHECK(groups[g].element_bytes >= 0, "group '", groups[g].name,
+                    "' has negative element_bytes");
     const auto& matrices = groups[g].matrices;
     plan.owner[g].assign(matrices.size(), -1);
     plan.cost[g].assign(matrices.size(), 0);
@@ -93,22 +92,23 @@ OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
 
 void check_options(const OwnerPlanOptions& options) {
   const int64_t budget = options.prefetch_budget_bytes();
-  TORCH_CHECK(budget >= 0, "fsdp_muon::plan_owners: the prefetch budget must be >= 0 bytes, got ",
-              budget, " (use kUnlimitedPrefetch for no limit)");
-  TORCH_CHECK(options.max_bytes_ratio() >= 1.0 || options.max_bytes_ratio() == kBytesRatioByCost,
-              "fsdp_muon::plan_owners: max_bytes_ratio must be >= 1 (1: holders-only bytes, "
-              "infinity: no limit) or kBytesRatioByCost, got ",
-              options.max_bytes_ratio());
-  TORCH_CHECK(options.newton_schulz_flops_per_second() > 0 && options.bytes_per_second() > 0 &&
-                  options.inter_node_bytes_per_second() > 0,
-              "fsdp_muon::plan_owners: the cost model's rates must be positive, got ",
-              options.newton_schulz_flops_per_second(),
-              " FLOP/s (newton_schulz_flops_per_second), ", options.bytes_per_second(),
-              " B/s (bytes_per_second) and ", options.inter_node_bytes_per_second(),
-              " B/s (inter_node_bytes_per_second)");
-  TORCH_CHECK(options.exchange_latency_seconds() >= 0,
-              "fsdp_muon::plan_owners: exchange_latency_seconds must be >= 0, got ",
-              options.exchange_latency_seconds());
+  FSDP_MUON_CHECK(budget >= 0, "the prefetch budget must be >= 0 bytes, got ", budget,
+                  " (use kUnlimitedPrefetch for no limit)");
+  FSDP_MUON_CHECK(
+      options.max_bytes_ratio() >= 1.0 || options.max_bytes_ratio() == kBytesRatioByCost,
+      "max_bytes_ratio must be >= 1 (1: holders-only bytes, "
+      "infinity: no limit) or kBytesRatioByCost, got ",
+      options.max_bytes_ratio());
+  FSDP_MUON_CHECK(options.newton_schulz_flops_per_second() > 0 && options.bytes_per_second() > 0 &&
+                      options.inter_node_bytes_per_second() > 0,
+                  "the cost model's rates must be positive, got ",
+                  options.newton_schulz_flops_per_second(),
+                  " FLOP/s (newton_schulz_flops_per_second), ", options.bytes_per_second(),
+                  " B/s (bytes_per_second) and ", options.inter_node_bytes_per_second(),
+                  " B/s (inter_node_bytes_per_second)");
+  FSDP_MUON_CHECK(options.exchange_latency_seconds() >= 0,
+                  "exchange_latency_seconds must be >= 0, got ",
+                  options.exchange_latency_seconds());
 }
 
 // kRounds (docs/DESIGN.md §3): each rank's owned matrices of `plan` packed into rounds within
@@ -421,18 +421,18 @@ int64_t plan_matrix_flops(const PlanMatrix& m) {
 
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
                       const OwnerPlanOptions& options) {
-  TORCH_CHECK(world_size >= 1, "fsdp_muon::plan_owners: world size must be at least 1, got ",
-              world_size);
+  FSDP_MUON_API_SCOPE("plan_owners");
+  FSDP_MUON_CHECK(world_size >= 1, "world size must be at least 1, got ", world_size);
   return plan_owners(groups, MeshShape{1, world_size}, options);
 }
 
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
                       const OwnerPlanOptions& options) {
-  TORCH_CHECK(
-      mesh.replicas >= 1 && mesh.shard_size >= 1,
-      "fsdp_muon::plan_owners: the mesh needs at least one replica and one shard rank, got ",
-      mesh.replicas, "x", mesh.shard_size, " (replicas x shard size)");
-  TORCH_CHECK(options.element_bytes() >= 1, "fsdp_muon::plan_owners: element_bytes must be >= 1");
+  FSDP_MUON_API_SCOPE("plan_owners");
+  FSDP_MUON_CHECK(mesh.replicas >= 1 && mesh.shard_size >= 1,
+                  "the mesh needs at least one replica and one shard rank, got ", mesh.replicas,
+                  "x", mesh.shard_size, " (replicas x shard size)");
+  FSDP_MUON_CHECK(options.element_bytes() >= 1, "element_bytes must be >= 1");
   const ReplicaNewtonSchulz mode = options.replica_newton_schulz();
   const auto once_per_replica = [&] {
     OwnerPlan plan = plan_one_dimensional(groups, mesh.shard_size, options);
@@ -448,9 +448,8 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
   }
   if (mode == ReplicaNewtonSchulz::kOncePerReplica) return once_per_replica();
   if (mode == ReplicaNewtonSchulz::kOncePerWorld) return plan_once_per_world(groups, mesh, options);
-  TORCH_CHECK(mode == ReplicaNewtonSchulz::kByCost,
-              "fsdp_muon::plan_owners: unknown replica_newton_schulz value ",
-              static_cast<int>(mode));
+  FSDP_MUON_CHECK(mode == ReplicaNewtonSchulz::kByCost, "unknown replica_newton_schulz value ",
+                  static_cast<int>(mode));
   OwnerPlan replica = once_per_replica();
   OwnerPlan world = plan_once_per_world(groups, mesh, options);
   // Every rank computes both from the same numbers, so every rank picks the same one.

@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
 #include "planning/owner_plan_internal.h"
 
 namespace fsdp_muon {
@@ -181,11 +182,11 @@ namespace detail {
 
 int64_t critical_path(const OwnerPlan& plan,
                       const std::vector<std::pair<size_t, size_t>>& windows) {
+  FSDP_MUON_API_SCOPE("critical_path");
   int64_t path = 0;
   for (const auto& [first, last] : windows) {
-    TORCH_CHECK(first <= last && last <= plan.group_cost_per_rank.size(),
-                "fsdp_muon::critical_path: window [", first, ", ", last, ") outside the ",
-                plan.group_cost_per_rank.size(), " groups");
+    FSDP_MUON_CHECK(first <= last && last <= plan.group_cost_per_rank.size(), "window [", first,
+                    ", ", last, ") outside the ", plan.group_cost_per_rank.size(), " groups");
     int64_t slowest = 0;
     for (int r = 0; r < plan.world_size; ++r) {
       int64_t load = 0;

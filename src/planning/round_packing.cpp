@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
 #include "planning/owner_plan_internal.h"
 
 namespace fsdp_muon {
@@ -255,9 +256,9 @@ void transfer_seconds(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
 
 std::vector<std::pair<size_t, size_t>> prefetch_windows(const OwnerPlan& plan,
                                                         int64_t budget_bytes) {
-  TORCH_CHECK(budget_bytes >= 0,
-              "fsdp_muon::prefetch_windows: the prefetch budget must be >= 0 bytes, got ",
-              budget_bytes, " (use kUnlimitedPrefetch for no limit)");
+  FSDP_MUON_API_SCOPE("prefetch_windows");
+  FSDP_MUON_CHECK(budget_bytes >= 0, "the prefetch budget must be >= 0 bytes, got ", budget_bytes,
+                  " (use kUnlimitedPrefetch for no limit)");
   const size_t num_groups = plan.group_full_bytes_per_rank.size();
   std::vector<std::pair<size_t, size_t>> windows;
   size_t first = 0;

@@ -10,10 +10,10 @@
 #include <fsdp_muon/fsdp/clip_grad_norm.h>
 #include <fsdp_muon/fsdp/parameter_group.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 namespace {
-
-constexpr const char* kApi = "fsdp_muon::MuonAdamW";
 
 // The default routing (MuonAdamWConfig::use_muon): the hidden matrices.
 bool is_hidden_matrix(const ShardedModelParameter& p) {
@@ -22,19 +22,19 @@ bool is_hidden_matrix(const ShardedModelParameter& p) {
 }
 
 MatrixLayout default_layout(const ShardedModelParameter& p) {
-  TORCH_CHECK(p.meta.dim() == 2 || p.meta.dim() == 3, kApi, ": parameter '", p.name, "' (shape ",
-              p.meta.sizes(),
-              ") is routed to Muon but is neither 2-D nor 3-D, so it holds no "
-              "matrix Muon knows: route it to AdamW (MuonAdamWConfig::use_muon) or give it a "
-              "layout (MuonAdamWConfig::matrix_layout)");
+  FSDP_MUON_CHECK(p.meta.dim() == 2 || p.meta.dim() == 3, "parameter '", p.name, "' (shape ",
+                  p.meta.sizes(),
+                  ") is routed to Muon but is neither 2-D nor 3-D, so it holds no "
+                  "matrix Muon knows: route it to AdamW (MuonAdamWConfig::use_muon) or give it a "
+                  "layout (MuonAdamWConfig::matrix_layout)");
   return p.meta.dim() == 2 ? MatrixLayout::whole() : MatrixLayout::batched();
 }
 
 template <typename Options>
 Options& options_as(torch::optim::OptimizerParamGroup& group, size_t index, const char* kind) {
   auto* options = dynamic_cast<Options*>(&group.options());
-  TORCH_CHECK(options != nullptr, kApi, ": param group ", index, " must keep its ", kind,
-              " options; replace values on them (set_lr, ...) instead of the options object");
+  FSDP_MUON_CHECK(options != nullptr, "param group ", index, " must keep its ", kind,
+                  " options; replace values on them (set_lr, ...) instead of the options object");
   return *options;
 }
 
@@ -55,7 +55,8 @@ MuonAdamW::MuonAdamW(std::shared_ptr<ShardedModel> model, MuonOptions muon,
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               std::make_unique<MuonOptions>(muon)),
       impl_(std::make_unique<Impl>()) {
-  TORCH_CHECK(model != nullptr, kApi, ": the model is null; pass what fsdp_muon::shard returned");
+  FSDP_MUON_API_SCOPE("MuonAdamW");
+  FSDP_MUON_CHECK(model != nullptr, "the model is null; pass what fsdp_muon::shard returned");
   Impl& s = *impl_;
   s.model = std::move(model);
 
@@ -109,10 +110,10 @@ MuonAdamW::~MuonAdamW() = default;
 
 void MuonAdamW::push_options_to_inner() const {
   const size_t expected = impl_->muon_groups + (impl_->adamw ? 1 : 0);
-  TORCH_CHECK(param_groups_.size() == expected, kApi, ": it has ", param_groups_.size(),
-              " param groups, built with ", expected,
-              "; the routing is fixed at construction (build a new MuonAdamW for other "
-              "parameters)");
+  FSDP_MUON_CHECK(param_groups_.size() == expected, "it has ", param_groups_.size(),
+                  " param groups, built with ", expected,
+                  "; the routing is fixed at construction (build a new MuonAdamW for other "
+                  "parameters)");
   auto& outer = const_cast<std::vector<torch::optim::OptimizerParamGroup>&>(param_groups_);
   for (size_t i = 0; i < impl_->muon_groups; ++i) {
     options_as<MuonOptions>(impl_->muon->param_groups()[i], i, "MuonOptions") =
@@ -138,16 +139,18 @@ void MuonAdamW::pull_options_from_inner() {
 }
 
 at::Tensor MuonAdamW::step(LossClosure closure) {
+  FSDP_MUON_API_SCOPE("MuonAdamW");
   at::Tensor loss;
   if (closure != nullptr) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  TORCH_CHECK(impl_->model->requires_gradient_sync(), kApi,
-              ": step() while the model's gradient sync is off "
-              "(set_requires_gradient_sync(false)): the gradients of the micro-batches are not "
-              "reduce-scattered yet. Set it back to true before the last micro-batch's backward, "
-              "whose end reduce-scatters them all");
+  FSDP_MUON_CHECK(
+      impl_->model->requires_gradient_sync(),
+      "step() while the model's gradient sync is off "
+      "(set_requires_gradient_sync(false)): the gradients of the micro-batches are not "
+      "reduce-scattered yet. Set it back to true before the last micro-batch's backward, "
+      "whose end reduce-scatters them all");
   push_options_to_inner();
   // AdamW first: FsdpMuon's step ends by refreshing the model weights of its groups, which must
   // then hold AdamW's update of their other parameters too.
@@ -160,12 +163,14 @@ at::Tensor MuonAdamW::step(LossClosure closure) {
 void MuonAdamW::zero_grad() { impl_->model->zero_grad(); }
 
 void MuonAdamW::add_param_group(const torch::optim::OptimizerParamGroup& /*param_group*/) {
-  TORCH_CHECK(false, kApi,
-              ": add_param_group is not supported: the routing of the model's parameters is "
-              "fixed at construction; build a new MuonAdamW");
+  FSDP_MUON_API_SCOPE("MuonAdamW");
+  FSDP_MUON_CHECK(false,
+                  "add_param_group is not supported: the routing of the model's parameters is "
+                  "fixed at construction; build a new MuonAdamW");
 }
 
 void MuonAdamW::save(torch::serialize::OutputArchive& archive) const {
+  FSDP_MUON_API_SCOPE("MuonAdamW");
   push_options_to_inner();
   if (impl_->muon) {
     torch::serialize::OutputArchive part;
@@ -180,6 +185,7 @@ void MuonAdamW::save(torch::serialize::OutputArchive& archive) const {
 }
 
 void MuonAdamW::load(torch::serialize::InputArchive& archive) {
+  FSDP_MUON_API_SCOPE("MuonAdamW");
   if (impl_->muon) {
     torch::serialize::InputArchive part;
     archive.read("muon", part);

@@ -67,13 +67,13 @@ int64_t file_size(const std::string& path) {
 }
 
 void copy_tree(const std::string& from, const std::string& to) {
-  checkpoint::make_directories(to, "checkpoint_test");
+  checkpoint::make_directories(to);
   for (const std::string& name : list_directory(from)) {
     const std::string src = join_path(from, name);
     if (is_directory(src)) {
       copy_tree(src, join_path(to, name));
     } else {
-      const std::vector<char> bytes = checkpoint::read_whole_file(src, "checkpoint_test");
+      const std::vector<char> bytes = checkpoint::read_whole_file(src);
       std::ofstream(join_path(to, name), std::ios::binary).write(bytes.data(), bytes.size());
     }
   }
@@ -566,7 +566,7 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, BadInputsGiveMessagesThatNameTheProblem
     ASSERT_EQ(::unlink((dir + "/missing/" + last_file).c_str()), 0);
     const std::string manifest = dir + "/bad_manifest/manifest.pt";
     ASSERT_EQ(::truncate(manifest.c_str(), file_size(manifest) - 100), 0);
-    checkpoint::make_directories(dir + "/empty", "checkpoint_test");
+    checkpoint::make_directories(dir + "/empty");
   }
   world().barrier();
   const Snapshot before = snapshot(s);
@@ -729,7 +729,7 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, BrokenLatestIsAnErrorNotAFreshStart) {
   EXPECT_EQ(latest_checkpoint(dir), std::nullopt);
   world().barrier();
   if (me == 0) {
-    checkpoint::make_directories(dir + "/ckpt-000001", "checkpoint_test");
+    checkpoint::make_directories(dir + "/ckpt-000001");
     write_text(dir + "/ckpt-000001/" + rank_file(0, world().size()), "half a file");
   }
   world().barrier();
@@ -745,7 +745,7 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, BrokenLatestIsAnErrorNotAFreshStart) {
   train_step(&s, nullptr, 3);
   const Snapshot before = snapshot(s);
   const std::string latest = dir + "/latest";
-  const std::vector<char> good = checkpoint::read_whole_file(latest, "checkpoint_test");
+  const std::vector<char> good = checkpoint::read_whole_file(latest);
   const std::string good_text(good.begin(), good.end());
   const std::string second_id = good_text.substr(good_text.find(' ') + 1);  // with its newline
   world().barrier();
@@ -867,12 +867,12 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, RankFileOfAnotherSaveIsRefused) {
   EXPECT_EQ(file_size(a + "/" + name), file_size(b + "/" + name));
   if (me == 0) {
     copy_tree(b, dir + "/mixed");
-    const std::vector<char> bytes = checkpoint::read_whole_file(a + "/" + name, "checkpoint_test");
+    const std::vector<char> bytes = checkpoint::read_whole_file(a + "/" + name);
     std::ofstream(dir + "/mixed/" + name, std::ios::binary | std::ios::trunc)
         .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     copy_tree(b, dir + "/folder");
     ASSERT_EQ(::unlink((dir + "/folder/" + name).c_str()), 0);
-    checkpoint::make_directories(dir + "/folder/" + name, "checkpoint_test");
+    checkpoint::make_directories(dir + "/folder/" + name);
   }
   world().barrier();
   Sharded t = make_sharded(99);
@@ -962,7 +962,7 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, EveryMuonOptionTravelsWithTheCheckpoint
 // ---- second pass: load agreement, nested saves, save agreement, jobs, folder fsync ----
 
 std::string read_text(const std::string& path) {
-  const std::vector<char> bytes = checkpoint::read_whole_file(path, "checkpoint_test");
+  const std::vector<char> bytes = checkpoint::read_whole_file(path);
   return std::string(bytes.begin(), bytes.end());
 }
 
@@ -1118,7 +1118,7 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, ExportImportAndLoadAgreeTheirArgumentsA
   train_step(&s, nullptr, 2);
   export_full_checkpoint(second, s.groups, s.optimizers());
   if (world().rank() == 0) {
-    const std::vector<char> bytes = checkpoint::read_whole_file(first, "checkpoint_test");
+    const std::vector<char> bytes = checkpoint::read_whole_file(first);
     std::ofstream(dir + "/copy_of_first.pt", std::ios::binary).write(bytes.data(), bytes.size());
   }
   world().barrier();
@@ -1299,7 +1299,7 @@ void flip(const std::string& path, int64_t offset) {
 }
 
 uint64_t read_u64(const std::string& path, int64_t offset) {
-  const std::vector<char> bytes = checkpoint::read_whole_file(path, "checkpoint_test");
+  const std::vector<char> bytes = checkpoint::read_whole_file(path);
   uint64_t v = 0;
   for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(bytes[offset + i]);
   return v;
@@ -1391,7 +1391,7 @@ FSDP_MUON_WORLD_TEST(CheckpointCorruption, LoadsAVersion1Checkpoint) {
   if (world().rank() == 0) {
     copy_tree(v1 + "/sharded", copy);
     const std::string manifest = copy + "/ckpt-000001/manifest.pt";
-    std::vector<char> bytes = checkpoint::read_whole_file(manifest, "checkpoint_test");
+    std::vector<char> bytes = checkpoint::read_whole_file(manifest);
     const std::string text(bytes.begin(), bytes.end());
     const size_t pickle = text.find("\x80\x02");  // PROTO 2: where data.pkl starts
     ASSERT_NE(pickle, std::string::npos);

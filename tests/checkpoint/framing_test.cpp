@@ -20,8 +20,6 @@
 namespace fsdp_muon::checkpoint {
 namespace {
 
-constexpr const char* kApi = "fsdp_muon::test";
-
 // A file in the test's own temporary folder, removed with the fixture.
 class FramingTest : public ::testing::Test {
  protected:
@@ -35,7 +33,7 @@ class FramingTest : public ::testing::Test {
   // Writes `bytes` to a new file and returns its path.
   std::string write(const std::vector<char>& bytes) {
     const std::string path = join_path(dir_, "f" + std::to_string(files_++));
-    write_file_atomic(path, {Chunk{bytes.data(), bytes.size()}}, kApi);
+    write_file_atomic(path, {Chunk{bytes.data(), bytes.size()}});
     return path;
   }
 
@@ -101,7 +99,7 @@ TEST(Framing, CrcIsTheStandardCrc32) {
 TEST_F(FramingTest, ReadsBackWhatWasFramed) {
   const std::vector<char> header = dict_header();
   const std::string path = write(framed(header, kFormatVersion, {'d', 'a', 't', 'a'}));
-  const Frame frame = read_frame(ReadFile(path, kApi), kApi);
+  const Frame frame = read_frame(ReadFile(path));
   EXPECT_EQ(frame.version, kFormatVersion);
   EXPECT_EQ(frame.header_bytes, static_cast<int64_t>(header.size()));
   ASSERT_TRUE(frame.header.isGenericDict());
@@ -109,7 +107,7 @@ TEST_F(FramingTest, ReadsBackWhatWasFramed) {
   EXPECT_EQ(dict.at("format").toStringRef(), "fsdp_muon.checkpoint");
   EXPECT_EQ(dict.at("world_size").toInt(), 3);
   // Version 1 files still read.
-  EXPECT_EQ(read_frame(ReadFile(write(framed(header, 1)), kApi), kApi).version, 1);
+  EXPECT_EQ(read_frame(ReadFile(write(framed(header, 1)))).version, 1);
 }
 
 TEST_F(FramingTest, RefusesBadFrames) {
@@ -117,8 +115,8 @@ TEST_F(FramingTest, RefusesBadFrames) {
   const std::vector<char> good = framed(header, kFormatVersion);
   auto refuses = [&](const std::vector<char>& bytes, const std::string& detail) {
     const std::string path = write(bytes);
-    testing::expect_error([&] { read_frame(ReadFile(path, kApi), kApi); },
-                          {std::string(kApi) + ": " + path, detail}, detail);
+    testing::expect_error([&] { read_frame(ReadFile(path)); }, {"fsdp_muon: " + path, detail},
+                          detail);
   };
   std::vector<char> bytes = good;
   bytes[0] = 'X';

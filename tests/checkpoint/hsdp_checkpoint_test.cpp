@@ -177,7 +177,7 @@ void expect_replicas_identical(const DeviceMesh& mesh, const Model& model,
 }
 
 c10::Dict<c10::IValue, c10::IValue> read_export(const std::string& path) {
-  const std::vector<char> bytes = checkpoint::read_whole_file(path, "hsdp_checkpoint_test");
+  const std::vector<char> bytes = checkpoint::read_whole_file(path);
   return torch::pickle_load(bytes).toGenericDict();
 }
 

@@ -13,13 +13,12 @@
 
 #include "checkpoint/load_plan.h"
 #include "checkpoint/rank_file.h"
+#include "common/check.h"
 #include "common/local_communicator.h"
 #include "common/test_util.h"
 
 namespace fsdp_muon::checkpoint {
 namespace {
-
-constexpr const char* kApi = "fsdp_muon::test";
 
 // The live model: one group of 'a' {5} and 'b' {2, 3} in fp32 at world size 2. Alignment 16
 // bytes = 4 elements: 'a' at [0, 5), 'b' at [8, 14), padded to 16, shards of 8. Rank 0 holds
@@ -30,7 +29,7 @@ ModelIndex live_model(int rank, std::shared_ptr<FsdpParameterGroup>& group) {
       std::vector<std::pair<std::string, at::Tensor>>{{"a", torch::zeros({5})},
                                                       {"b", torch::zeros({2, 3})}},
       comm, FsdpParameterGroupOptions().name("g"));
-  return index_model({group}, kApi);
+  return index_model({group});
 }
 
 // A save at world size 4 whose layout differs from the live one: 'a' at [0, 5), 'b' at [5, 11),
@@ -105,7 +104,7 @@ TEST(LoadPlan, RankOneReadsItsParameterFromTheThreeSavedRanksThatHeldIt) {
   std::shared_ptr<FsdpParameterGroup> group;
   const ModelIndex model = live_model(/*rank=*/1, group);
   ASSERT_EQ(group->held_range(1), (std::pair<int64_t, int64_t>{0, 6}));
-  const LoadPlan plan = plan_load(saved_at_four(), model, {}, kApi);
+  const LoadPlan plan = plan_load(saved_at_four(), model, {});
   ASSERT_EQ(plan.weights.size(), 1u);
   ASSERT_EQ(plan.weights[0].size(), 2u);
   EXPECT_EQ(plan.weights[0][0].numel(), 0);  // holds none of 'a'
@@ -124,7 +123,7 @@ TEST(LoadPlan, RankOneReadsItsParameterFromTheThreeSavedRanksThatHeldIt) {
 TEST(LoadPlan, RankZeroReadsOnlyTheFilesThatHeldWhatItHolds) {
   std::shared_ptr<FsdpParameterGroup> group;
   const ModelIndex model = live_model(/*rank=*/0, group);
-  const LoadPlan plan = plan_load(saved_at_four(), model, {}, kApi);
+  const LoadPlan plan = plan_load(saved_at_four(), model, {});
   const at::Tensor& a = plan.weights[0][0];
   EXPECT_EQ(a.numel(), 5);
   EXPECT_EQ(plan.weights[0][1].numel(), 0);
@@ -143,7 +142,7 @@ TEST(LoadPlan, ASavedRankHoldingTheMiddleOfAParameterIsReadFromItsOffset) {
       std::vector<std::pair<std::string, at::Tensor>>{{"b", torch::zeros({2, 3})}}, comm,
       FsdpParameterGroupOptions().alignment_bytes(4));
   ASSERT_EQ(group->held_range(0), (std::pair<int64_t, int64_t>{3, 6}));
-  const LoadPlan plan = plan_load(saved, index_model({group}, kApi), {}, kApi);
+  const LoadPlan plan = plan_load(saved, index_model({group}), {});
   const at::Tensor& b = plan.weights[0][0];
   EXPECT_EQ(b.numel(), 3);
   EXPECT_EQ(ranks_read(plan), (std::vector<int>{1}));
@@ -155,7 +154,7 @@ TEST(LoadPlan, OptimizerStateIsPlannedLikeTheWeightsAndAbsentStateStaysEngaged) 
   std::shared_ptr<FsdpParameterGroup> group;
   const ModelIndex model = live_model(/*rank=*/1, group);
   const LoadPlan plan =
-      plan_load(saved_with_adamw({"exp_avg", "exp_avg_sq"}), model, {live_adamw()}, kApi);
+      plan_load(saved_with_adamw({"exp_avg", "exp_avg_sq"}), model, {live_adamw()});
   ASSERT_EQ(plan.states.size(), 1u);
   ASSERT_EQ(plan.states[0].size(), 2u);
   // 'a' has no saved state: engaged and absent, so loading removes any the optimizer made.
@@ -183,10 +182,11 @@ TEST(LoadPlan, OptimizerStateIsPlannedLikeTheWeightsAndAbsentStateStaysEngaged) 
 }
 
 TEST(LoadPlan, RefusesStateTheOptimizerDoesNotKeep) {
+  FSDP_MUON_API_SCOPE("test");  // load_checkpoint's in the library
   std::shared_ptr<FsdpParameterGroup> group;
   const ModelIndex model = live_model(/*rank=*/1, group);
   testing::expect_error(
-      [&] { plan_load(saved_with_adamw({"momentum_buffer"}), model, {live_adamw()}, kApi); },
+      [&] { plan_load(saved_with_adamw({"momentum_buffer"}), model, {live_adamw()}); },
       {"fsdp_muon::test: /nowhere/manifest has optimizer state 'momentum_buffer' "
        "for 'b', which a adamw optimizer does not keep"});
 }

@@ -21,6 +21,7 @@
 #include <fsdp_muon/config.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 
 namespace fsdp_muon {
 namespace {
@@ -56,11 +57,11 @@ std::vector<std::string> run_world(int world, std::chrono::milliseconds timeout,
 TEST(Agreement, SumsContributionsOverEveryRank) {
   std::vector<std::vector<int64_t>> sums(2);
   const auto errors = run_world(2, std::chrono::seconds(60), [&](int r, Communicator& comm) {
-    sums[r] =
-        detail::agree_on_sum(comm, "fsdp_muon::AgreementTest", 2, [&](std::vector<int64_t>& mine) {
-          mine[0] = r + 1;
-          mine[1] = 10;
-        });
+    FSDP_MUON_API_SCOPE("AgreementTest");
+    sums[r] = detail::agree_on_sum(comm, 2, [&](std::vector<int64_t>& mine) {
+      mine[0] = r + 1;
+      mine[1] = 10;
+    });
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(errors[r], "") << "rank " << r;
@@ -74,12 +75,12 @@ TEST(Agreement, SumsADevicePartInTheSameAllReduce) {
   std::vector<std::vector<int64_t>> sums(3);
   const auto errors = run_world(3, std::chrono::seconds(60), [&](int r, Communicator& comm) {
     const int64_t before = comm.stats().calls;
-    sums[r] = detail::agree_on_sum(comm, "fsdp_muon::AgreementTest", 1, 3,
-                                   [&](std::vector<int64_t>& mine) -> at::Tensor {
-                                     mine[0] = 1;
-                                     if (r == 1) return at::Tensor();  // zeros
-                                     return at::tensor({int64_t{r}, int64_t{10}, int64_t{0}});
-                                   });
+    FSDP_MUON_API_SCOPE("AgreementTest");
+    sums[r] = detail::agree_on_sum(comm, 1, 3, [&](std::vector<int64_t>& mine) -> at::Tensor {
+      mine[0] = 1;
+      if (r == 1) return at::Tensor();  // zeros
+      return at::tensor({int64_t{r}, int64_t{10}, int64_t{0}});
+    });
     EXPECT_EQ(comm.stats().calls - before, 1) << "rank " << r;  // one collective
   });
   for (int r = 0; r < 3; ++r) {
@@ -87,11 +88,11 @@ TEST(Agreement, SumsADevicePartInTheSameAllReduce) {
     EXPECT_EQ(sums[r], (std::vector<int64_t>{3, 2, 20, 0})) << "rank " << r;
   }
   const auto failed = run_world(2, std::chrono::seconds(60), [&](int r, Communicator& comm) {
-    detail::agree_on_sum(comm, "fsdp_muon::AgreementTest", 0, 2,
-                         [&](std::vector<int64_t>&) -> at::Tensor {
-                           TORCH_CHECK(r != 0, "fsdp_muon::AgreementTest: rank 0 broke");
-                           return at::ones({2}, at::kLong);
-                         });
+    FSDP_MUON_API_SCOPE("AgreementTest");
+    detail::agree_on_sum(comm, 0, 2, [&](std::vector<int64_t>&) -> at::Tensor {
+      TORCH_CHECK(r != 0, "fsdp_muon::AgreementTest: rank 0 broke");
+      return at::ones({2}, at::kLong);
+    });
   });
   EXPECT_EQ(failed[0], "fsdp_muon::AgreementTest: rank 0 broke");
   EXPECT_EQ(
@@ -101,7 +102,8 @@ TEST(Agreement, SumsADevicePartInTheSameAllReduce) {
 
 TEST(Agreement, ALocalFailureIsAnErrorOnEveryRank) {
   const auto errors = run_world(2, std::chrono::seconds(60), [&](int r, Communicator& comm) {
-    detail::run_agreed(comm, "fsdp_muon::AgreementTest",
+    FSDP_MUON_API_SCOPE("AgreementTest");
+    detail::run_agreed(comm,
                        [&] { TORCH_CHECK(r != 1, "fsdp_muon::AgreementTest: rank 1 broke"); });
   });
   EXPECT_EQ(errors[1], "fsdp_muon::AgreementTest: rank 1 broke");
@@ -154,14 +156,16 @@ std::string expect_absent_rank_times_out(const std::function<void(Communicator&)
 }
 
 TEST(Agreement, RunAgreedThrowsWithinTheTimeoutWhenARankStaysAway) {
-  expect_absent_rank_times_out(
-      [](Communicator& comm) { detail::run_agreed(comm, "fsdp_muon::AgreementTest", [] {}); });
+  expect_absent_rank_times_out([](Communicator& comm) {
+    FSDP_MUON_API_SCOPE("AgreementTest");
+    detail::run_agreed(comm, [] {});
+  });
 }
 
 TEST(Agreement, ALocalFailureStaysTheRootCauseWhenTheCollectiveFailsToo) {
   const std::string message = expect_absent_rank_times_out([](Communicator& comm) {
-    detail::run_agreed(comm, "fsdp_muon::AgreementTest",
-                       [] { TORCH_CHECK(false, "fsdp_muon::AgreementTest: broke here"); });
+    FSDP_MUON_API_SCOPE("AgreementTest");
+    detail::run_agreed(comm, [] { TORCH_CHECK(false, "fsdp_muon::AgreementTest: broke here"); });
   });
   EXPECT_EQ(message.rfind("fsdp_muon::AgreementTest: broke here (then "
                           "fsdp_muon::Communicator::all_reduce: gloo failed on rank 0 of 2",

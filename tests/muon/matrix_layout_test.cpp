@@ -138,11 +138,10 @@ TEST(MuonMatrixLayout, BatchedEqualsSeparateMatricesBitwise) {
 }
 
 TEST(MuonMatrixLayout, BlocksOfEachLayout) {
-  const std::string api = "fsdp_muon::Test: ";
-  EXPECT_EQ(MatrixLayout::whole().blocks({6, 4}, api, "w"), (std::vector<MatrixBlock>{{0, 6, 4}}));
-  EXPECT_EQ(MatrixLayout::row_blocks({2, 1, 3}).blocks({6, 4}, api, "w"),
+  EXPECT_EQ(MatrixLayout::whole().blocks({6, 4}, "w"), (std::vector<MatrixBlock>{{0, 6, 4}}));
+  EXPECT_EQ(MatrixLayout::row_blocks({2, 1, 3}).blocks({6, 4}, "w"),
             (std::vector<MatrixBlock>{{0, 2, 4}, {8, 1, 4}, {12, 3, 4}}));
-  EXPECT_EQ(MatrixLayout::batched().blocks({3, 2, 5}, api, "w"),
+  EXPECT_EQ(MatrixLayout::batched().blocks({3, 2, 5}, "w"),
             (std::vector<MatrixBlock>{{0, 2, 5}, {10, 2, 5}, {20, 2, 5}}));
   EXPECT_EQ(MatrixLayout().to_string(), "whole");
   EXPECT_EQ(MatrixLayout::row_blocks({64, 16, 16}).to_string(), "row_blocks{64, 16, 16}");

@@ -13,6 +13,7 @@
 #include <fsdp_muon/muon/muon.h>
 #include <fsdp_muon/newton_schulz/newton_schulz.h>
 
+#include "common/check.h"
 #include "muon/muon_math.h"
 #include "muon/muon_test_util.h"
 
@@ -256,6 +257,7 @@ TEST(MuonNorMuon, BatchedUpdateEqualsOneMatrixAtATime) {
 }
 
 TEST(MuonNorMuon, VarianceMustMatchTheNormalization) {
+  FSDP_MUON_API_SCOPE("Muon");  // the math's errors name the optimizer that calls it
   const torch::Tensor u = torch::randn({4, 6});
   expect_error(
       [&] {

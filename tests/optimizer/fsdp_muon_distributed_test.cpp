@@ -1065,7 +1065,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, NotAShardedParameter) {
     expect_error([&] { FsdpMuon(uneven, MuonOptions()); }, {"not a sharded parameter"});
   } else {
     expect_error([&] { FsdpMuon(uneven, MuonOptions()); },
-                 {"fsdp_muon::FsdpMuon: construction failed on rank 0 of"});
+                 {"fsdp_muon::FsdpMuon failed on rank 0 of"});
   }
 }
 
@@ -1192,7 +1192,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, AnInvalidOptionOnOneRankIsNamedOnEveryRank)
     MuonOptions options = MuonOptions().ns_dtype(at::kFloat);
     if (odd) change(options);
     // The rank with the bad option reports its own error; the others name that rank.
-    const std::string others = "fsdp_muon::FsdpMuon: construction failed on rank " +
+    const std::string others = "fsdp_muon::FsdpMuon failed on rank " +
                                std::to_string(world().size() - 1) + " of " +
                                std::to_string(world().size());
     expect_error([&] { FsdpMuon(sharded_matrices(model), options); },

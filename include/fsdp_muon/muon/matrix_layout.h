@@ -48,14 +48,14 @@ class FSDP_MUON_API MatrixLayout {
   // kRowBlocks: the rows of each block, in order; empty otherwise.
   const std::vector<int64_t>& block_rows() const { return rows_; }
 
-  // Throws (prefixed `api`) naming the fix for a row_blocks list that is empty or holds an entry
-  // <= 0; shape-independent, so MuonOptions::validate() runs it.
-  void validate(const std::string& api) const;
-  // The matrices of a parameter of `shape`, in element order. Throws, prefixed `api` and naming
-  // `parameter`, when the layout does not fit the shape (rows that do not add up, batched() on a
-  // non-3-D parameter, a whole() parameter that is not 2-D, ...).
-  std::vector<MatrixBlock> blocks(c10::IntArrayRef shape, const std::string& api,
-                                  const std::string& parameter) const;
+  // Throws naming the fix for a row_blocks list that is empty or holds an entry <= 0;
+  // shape-independent, so MuonOptions::validate() runs it. Errors name the calling API
+  // ("fsdp_muon::MuonOptions: ...").
+  void validate() const;
+  // The matrices of a parameter of `shape`, in element order. Throws, naming `parameter`, when
+  // the layout does not fit the shape (rows that do not add up, batched() on a non-3-D
+  // parameter, a whole() parameter that is not 2-D, ...).
+  std::vector<MatrixBlock> blocks(c10::IntArrayRef shape, const std::string& parameter) const;
   // "whole", "row_blocks{64, 16, 16}", "batched".
   std::string to_string() const;
 
