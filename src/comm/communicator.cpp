@@ -30,15 +30,18 @@ constexpr const char* kBroadcast = "fsdp_muon::Communicator::broadcast";
 constexpr const char* kToHost = "fsdp_muon::Communicator::to_host";
 constexpr const char* kSplit = "fsdp_muon::Communicator::split";
 
-void check_counts(const std::vector<int64_t>& counts, int size, int64_t numel, const char* what) {
-  TORCH_CHECK(static_cast<int>(counts.size()) == size, kAllToAllV, ": ", what, " has ",
-              counts.size(), " entries; it needs one per rank (", size, ")");
-  for (int64_t c : counts) {
-    TORCH_CHECK(c >= 0, kAllToAllV, ": negative count in ", what);
+// `api` names the collective, `what` the argument the counts are.
+void check_counts(const char* api, const std::vector<int64_t>& counts, int size, int64_t numel,
+                  const char* what) {
+  TORCH_CHECK(static_cast<int>(counts.size()) == size, api, ": ", what, " has ", counts.size(),
+              " entries; it needs one per rank (", size, ")");
+  for (size_t r = 0; r < counts.size(); ++r) {
+    TORCH_CHECK(counts[r] >= 0, api, ": negative count in ", what, " (entry ", r, " is ", counts[r],
+                "); counts are elements, zero or more");
   }
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-  TORCH_CHECK(total == numel, kAllToAllV, ": ", what, " sum to ", total,
-              " elements but the buffer holds ", numel);
+  TORCH_CHECK(total == numel, api, ": ", what, " sum to ", total, " elements but the buffer holds ",
+              numel);
 }
 
 }  // namespace
@@ -79,8 +82,8 @@ void Communicator::check_all_to_all_v(const at::Tensor& send,
   TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllToAllV,
               ": send and receive dtypes differ (", send.scalar_type(), " vs ", recv.scalar_type(),
               ")");
-  check_counts(send_counts, size_, send.numel(), "send_counts");
-  check_counts(recv_counts, size_, recv.numel(), "recv_counts");
+  check_counts(kAllToAllV, send_counts, size_, send.numel(), "send_counts");
+  check_counts(kAllToAllV, recv_counts, size_, recv.numel(), "recv_counts");
   TORCH_CHECK(send_counts[rank_] == recv_counts[rank_], kAllToAllV, ": this rank sends itself ",
               send_counts[rank_], " elements but expects ", recv_counts[rank_]);
   const int64_t sent = send.numel() - send_counts[rank_];
