@@ -24,6 +24,7 @@ void check_flat(const char* api, const at::Tensor& t, const char* what, const c1
 
 constexpr const char* kAllToAllV = "fsdp_muon::Communicator::all_to_all_v";
 constexpr const char* kAllGather = "fsdp_muon::Communicator::all_gather";
+constexpr const char* kAllGatherV = "fsdp_muon::Communicator::all_gather_v";
 constexpr const char* kReduceScatterMean = "fsdp_muon::Communicator::reduce_scatter_mean";
 constexpr const char* kAllReduce = "fsdp_muon::Communicator::all_reduce";
 constexpr const char* kBroadcast = "fsdp_muon::Communicator::broadcast";
@@ -101,6 +102,23 @@ void Communicator::check_all_gather(const at::Tensor& send, const at::Tensor& re
   ++stats_.calls;
 }
 
+void Communicator::check_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                                      const std::vector<int64_t>& recv_counts) {
+  check_flat(kAllGatherV, send, "send buffer", device());
+  check_flat(kAllGatherV, recv, "receive buffer", device());
+  TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllGatherV,
+              ": send and receive dtypes differ (", send.scalar_type(), " vs ", recv.scalar_type(),
+              ")");
+  check_counts(kAllGatherV, recv_counts, size_, recv.numel(), "recv_counts");
+  TORCH_CHECK(send.numel() == recv_counts[rank_], kAllGatherV, ": the send buffer holds ",
+              send.numel(), " elements but recv_counts[", rank_, "] (this rank's block) is ",
+              recv_counts[rank_],
+              "; recv_counts must hold every rank's send size, this rank's at index rank()");
+  stats_.all_gather_v_bytes +=
+      (size_ - 1) * send.numel() * static_cast<int64_t>(send.element_size());
+  ++stats_.calls;
+}
+
 void Communicator::check_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) {
   check_flat(kReduceScatterMean, send, "send buffer", device());
   check_flat(kReduceScatterMean, recv, "receive buffer", device());
@@ -123,6 +141,12 @@ void Communicator::all_gather(const at::Tensor& send, const at::Tensor& recv) {
   do_all_gather(send, recv);
 }
 
+void Communicator::all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                                const std::vector<int64_t>& recv_counts) {
+  check_all_gather_v(send, recv, recv_counts);
+  do_all_gather_v(send, recv, recv_counts);
+}
+
 void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) {
   check_reduce_scatter_mean(send, recv);
   do_reduce_scatter_mean(send, recv);
@@ -141,6 +165,12 @@ std::unique_ptr<CommWork> Communicator::all_gather_async(const at::Tensor& send,
   return do_all_gather_async(send, recv);
 }
 
+std::unique_ptr<CommWork> Communicator::all_gather_v_async(
+    const at::Tensor& send, const at::Tensor& recv, const std::vector<int64_t>& recv_counts) {
+  check_all_gather_v(send, recv, recv_counts);
+  return do_all_gather_v_async(send, recv, recv_counts);
+}
+
 std::unique_ptr<CommWork> Communicator::reduce_scatter_mean_async(const at::Tensor& send,
                                                                   const at::Tensor& recv) {
   check_reduce_scatter_mean(send, recv);
@@ -157,6 +187,12 @@ std::unique_ptr<CommWork> Communicator::do_all_to_all_v_async(
 std::unique_ptr<CommWork> Communicator::do_all_gather_async(const at::Tensor& send,
                                                             const at::Tensor& recv) {
   do_all_gather(send, recv);
+  return std::make_unique<FinishedWork>();
+}
+
+std::unique_ptr<CommWork> Communicator::do_all_gather_v_async(
+    const at::Tensor& send, const at::Tensor& recv, const std::vector<int64_t>& recv_counts) {
+  do_all_gather_v(send, recv, recv_counts);
   return std::make_unique<FinishedWork>();
 }
 
