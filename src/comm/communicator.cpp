@@ -24,21 +24,25 @@ void check_flat(const char* api, const at::Tensor& t, const char* what, const c1
 
 constexpr const char* kAllToAllV = "fsdp_muon::Communicator::all_to_all_v";
 constexpr const char* kAllGather = "fsdp_muon::Communicator::all_gather";
+constexpr const char* kAllGatherV = "fsdp_muon::Communicator::all_gather_v";
 constexpr const char* kReduceScatterMean = "fsdp_muon::Communicator::reduce_scatter_mean";
 constexpr const char* kAllReduce = "fsdp_muon::Communicator::all_reduce";
 constexpr const char* kBroadcast = "fsdp_muon::Communicator::broadcast";
 constexpr const char* kToHost = "fsdp_muon::Communicator::to_host";
 constexpr const char* kSplit = "fsdp_muon::Communicator::split";
 
-void check_counts(const std::vector<int64_t>& counts, int size, int64_t numel, const char* what) {
-  TORCH_CHECK(static_cast<int>(counts.size()) == size, kAllToAllV, ": ", what, " has ",
-              counts.size(), " entries; it needs one per rank (", size, ")");
-  for (int64_t c : counts) {
-    TORCH_CHECK(c >= 0, kAllToAllV, ": negative count in ", what);
+// `api` names the collective, `what` the argument the counts are.
+void check_counts(const char* api, const std::vector<int64_t>& counts, int size, int64_t numel,
+                  const char* what) {
+  TORCH_CHECK(static_cast<int>(counts.size()) == size, api, ": ", what, " has ", counts.size(),
+              " entries; it needs one per rank (", size, ")");
+  for (size_t r = 0; r < counts.size(); ++r) {
+    TORCH_CHECK(counts[r] >= 0, api, ": negative count in ", what, " (entry ", r, " is ", counts[r],
+                "); counts are elements, zero or more");
   }
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-  TORCH_CHECK(total == numel, kAllToAllV, ": ", what, " sum to ", total,
-              " elements but the buffer holds ", numel);
+  TORCH_CHECK(total == numel, api, ": ", what, " sum to ", total, " elements but the buffer holds ",
+              numel);
 }
 
 }  // namespace
@@ -79,8 +83,8 @@ void Communicator::check_all_to_all_v(const at::Tensor& send,
   TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllToAllV,
               ": send and receive dtypes differ (", send.scalar_type(), " vs ", recv.scalar_type(),
               ")");
-  check_counts(send_counts, size_, send.numel(), "send_counts");
-  check_counts(recv_counts, size_, recv.numel(), "recv_counts");
+  check_counts(kAllToAllV, send_counts, size_, send.numel(), "send_counts");
+  check_counts(kAllToAllV, recv_counts, size_, recv.numel(), "recv_counts");
   TORCH_CHECK(send_counts[rank_] == recv_counts[rank_], kAllToAllV, ": this rank sends itself ",
               send_counts[rank_], " elements but expects ", recv_counts[rank_]);
   const int64_t sent = send.numel() - send_counts[rank_];
@@ -95,6 +99,23 @@ void Communicator::check_all_gather(const at::Tensor& send, const at::Tensor& re
   TORCH_CHECK(recv.numel() == send.numel() * size_, kAllGather, ": receive buffer holds ",
               recv.numel(), " elements, needs world size x send = ", send.numel() * size_);
   stats_.all_gather_bytes += (size_ - 1) * send.numel() * static_cast<int64_t>(send.element_size());
+  ++stats_.calls;
+}
+
+void Communicator::check_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                                      const std::vector<int64_t>& recv_counts) {
+  check_flat(kAllGatherV, send, "send buffer", device());
+  check_flat(kAllGatherV, recv, "receive buffer", device());
+  TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllGatherV,
+              ": send and receive dtypes differ (", send.scalar_type(), " vs ", recv.scalar_type(),
+              ")");
+  check_counts(kAllGatherV, recv_counts, size_, recv.numel(), "recv_counts");
+  TORCH_CHECK(send.numel() == recv_counts[rank_], kAllGatherV, ": the send buffer holds ",
+              send.numel(), " elements but recv_counts[", rank_, "] (this rank's block) is ",
+              recv_counts[rank_],
+              "; recv_counts must hold every rank's send size, this rank's at index rank()");
+  stats_.all_gather_v_bytes +=
+      (size_ - 1) * send.numel() * static_cast<int64_t>(send.element_size());
   ++stats_.calls;
 }
 
@@ -120,6 +141,12 @@ void Communicator::all_gather(const at::Tensor& send, const at::Tensor& recv) {
   do_all_gather(send, recv);
 }
 
+void Communicator::all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                                const std::vector<int64_t>& recv_counts) {
+  check_all_gather_v(send, recv, recv_counts);
+  do_all_gather_v(send, recv, recv_counts);
+}
+
 void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) {
   check_reduce_scatter_mean(send, recv);
   do_reduce_scatter_mean(send, recv);
@@ -138,6 +165,12 @@ std::unique_ptr<CommWork> Communicator::all_gather_async(const at::Tensor& send,
   return do_all_gather_async(send, recv);
 }
 
+std::unique_ptr<CommWork> Communicator::all_gather_v_async(
+    const at::Tensor& send, const at::Tensor& recv, const std::vector<int64_t>& recv_counts) {
+  check_all_gather_v(send, recv, recv_counts);
+  return do_all_gather_v_async(send, recv, recv_counts);
+}
+
 std::unique_ptr<CommWork> Communicator::reduce_scatter_mean_async(const at::Tensor& send,
                                                                   const at::Tensor& recv) {
   check_reduce_scatter_mean(send, recv);
@@ -154,6 +187,12 @@ std::unique_ptr<CommWork> Communicator::do_all_to_all_v_async(
 std::unique_ptr<CommWork> Communicator::do_all_gather_async(const at::Tensor& send,
                                                             const at::Tensor& recv) {
   do_all_gather(send, recv);
+  return std::make_unique<FinishedWork>();
+}
+
+std::unique_ptr<CommWork> Communicator::do_all_gather_v_async(
+    const at::Tensor& send, const at::Tensor& recv, const std::vector<int64_t>& recv_counts) {
+  do_all_gather_v(send, recv, recv_counts);
   return std::make_unique<FinishedWork>();
 }
 

@@ -1,9 +1,11 @@
 #include <fsdp_muon/comm/gloo_communicator.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/sum.h>
@@ -60,6 +62,11 @@ class GlooCommunicator final : public Communicator {
 
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
     do_all_gather_async(send, recv)->wait();
+  }
+
+  void do_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                       const std::vector<int64_t>& recv_counts) override {
+    do_all_gather_v_async(send, recv, recv_counts)->wait();
   }
 
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
@@ -121,6 +128,67 @@ class GlooCommunicator final : public Communicator {
     at::Tensor in = send;
     at::Tensor out = recv;
     return std::make_unique<GlooWork>("all_gather", *this, pg_->_allgather_base(out, in));
+  }
+
+  // c10d's ProcessGroupGloo (torch 2.11) has no uneven all-gather: allgather, _allgather_base
+  // and allgather_coalesced need every rank's block of one size (Gloo's own allgatherv serves
+  // only its sparse all-reduce). alltoall_base takes a count per peer, so every rank sends its
+  // block to every rank: (size - 1) blocks leave it, the minimum, in one collective.
+  //
+  // Each message starts with the sender's recv_counts, checked at wait() against this rank's:
+  // counts that differ across ranks are then an error on every rank. Without it, a rank that
+  // expects a longer block than its sender sends would finish with the rest of that block
+  // unwritten (Gloo completes a short receive silently). A block longer than its receiver
+  // expects Gloo refuses on its own I/O thread, which ends that process ("Received data size
+  // doesn't match expected size"), and its peers' collectives then fail. Both directions are
+  // thus loud, without an extra round trip; the price is the header (size() int64 per message,
+  // not counted in CommStats) and a copy of the blocks out of the staging buffer.
+  std::unique_ptr<CommWork> do_all_gather_v_async(
+      const at::Tensor& send, const at::Tensor& recv,
+      const std::vector<int64_t>& recv_counts) override {
+    const int world = size();
+    const int64_t header = world * static_cast<int64_t>(sizeof(int64_t));
+    const int64_t elem = static_cast<int64_t>(send.element_size());
+    const at::TensorOptions bytes = at::TensorOptions().dtype(at::kByte);
+    // One message (header, then this rank's block), repeated for every peer.
+    at::Tensor message = at::empty({header + send.numel() * elem}, bytes);
+    std::memcpy(message.data_ptr(), recv_counts.data(), static_cast<size_t>(header));
+    if (send.numel() > 0) {
+      std::memcpy(static_cast<uint8_t*>(message.data_ptr()) + header, send.data_ptr(),
+                  static_cast<size_t>(send.numel() * elem));
+    }
+    at::Tensor in = message.repeat({world});
+    std::vector<int64_t> in_counts(world, message.numel());
+    std::vector<int64_t> out_counts(world);
+    for (int p = 0; p < world; ++p) out_counts[p] = header + recv_counts[p] * elem;
+    at::Tensor staged = at::empty({recv.numel() * elem + world * header}, bytes);
+    std::vector<int64_t> counts_out = out_counts;
+    auto work = pg_->alltoall_base(staged, in, counts_out, in_counts);
+    return std::make_unique<GlooWork>(
+        "all_gather_v", *this, std::move(work),
+        [staged, recv, recv_counts, out_counts, header, elem, rank = rank(), world]() {
+          const auto* from = static_cast<const uint8_t*>(staged.data_ptr());
+          std::vector<int64_t> theirs(world);
+          for (int p = 0; p < world; ++p) {
+            std::memcpy(theirs.data(), from, static_cast<size_t>(header));
+            TORCH_CHECK(theirs == recv_counts,
+                        "fsdp_muon::Communicator::all_gather_v: the ranks passed different "
+                        "recv_counts: rank ",
+                        p, " passed ", c10::IntArrayRef(theirs), " but this rank (", rank, " of ",
+                        world, ") passed ", c10::IntArrayRef(recv_counts),
+                        "; every rank must pass the same recv_counts (each rank's send size, "
+                        "in rank order); the receive buffer is undefined");
+            from += out_counts[p];
+          }
+          from = static_cast<const uint8_t*>(staged.data_ptr());
+          auto* to = static_cast<uint8_t*>(recv.data_ptr());
+          for (int p = 0; p < world; ++p) {
+            const int64_t n = recv_counts[p] * elem;
+            if (n > 0) std::memcpy(to, from + header, static_cast<size_t>(n));
+            to += n;
+            from += out_counts[p];
+          }
+        });
   }
 
   std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,

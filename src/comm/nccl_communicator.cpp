@@ -365,6 +365,16 @@ class NcclCommunicator final : public Communicator {
     end(stream);
   }
 
+  void do_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                       const std::vector<int64_t>& recv_counts) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(*watchdog_, "fsdp_muon::Communicator::all_gather_v",
+                                              "ncclGroupEnd (ncclBroadcast)");
+    const cudaStream_t stream = begin("all_gather_v");
+    enqueue_all_gather_v(send, recv, recv_counts, stream);
+    end(stream);
+  }
+
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const detail::CallWatchdog::Scope watched(
@@ -393,6 +403,17 @@ class NcclCommunicator final : public Communicator {
         *watchdog_, "fsdp_muon::Communicator::all_gather_async", "ncclAllGather");
     const cudaStream_t stream = begin_async("all_gather", {send, recv});
     guarded_enqueue([&] { enqueue_all_gather(send, recv, stream); });
+    return end_async({send, recv});
+  }
+
+  std::unique_ptr<CommWork> do_all_gather_v_async(
+      const at::Tensor& send, const at::Tensor& recv,
+      const std::vector<int64_t>& recv_counts) override {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const detail::CallWatchdog::Scope watched(
+        *watchdog_, "fsdp_muon::Communicator::all_gather_v_async", "ncclGroupEnd (ncclBroadcast)");
+    const cudaStream_t stream = begin_async("all_gather_v", {send, recv});
+    guarded_enqueue([&] { enqueue_all_gather_v(send, recv, recv_counts, stream); });
     return end_async({send, recv});
   }
 
@@ -502,6 +523,58 @@ class NcclCommunicator final : public Communicator {
     }
     finish(ncclAllGather(send.data_ptr(), recv.data_ptr(), bytes_of(send), ncclInt8, comm_, stream),
            "ncclAllGather");
+  }
+
+  // One ncclBroadcast per rank with a block, grouped into one launch: each block reaches the
+  // (size - 1) other ranks once, (size - 1) * sum(recv_counts) on the wire in all, the minimum.
+  // A padded ncclAllGather (every block padded to the largest, then a compaction copy) would put
+  // (size - 1) * size * the largest block on the wire and need a staging buffer of size * the
+  // largest: more bytes whenever the blocks are uneven, which is why this collective exists.
+  // The price is one operation per non-empty block in the group. The root's own broadcast
+  // copies its block into place, so nothing else runs on the stream. The ranks issue the same
+  // broadcasts only when their counts agree (the caller's contract); NCCL cannot tell otherwise.
+  void enqueue_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                            const std::vector<int64_t>& recv_counts, cudaStream_t stream) {
+    if (recv.numel() == 0) {
+      return;  // the same on every rank; NCCL may reject the null pointers of empty tensors
+    }
+    const size_t elem = recv.element_size();
+    auto* dst = static_cast<char*>(recv.data_ptr());
+    std::vector<size_t> offsets(size());
+    for (int p = 1; p < size(); ++p) {
+      offsets[p] = offsets[p - 1] + static_cast<size_t>(recv_counts[p - 1]) * elem;
+    }
+    // The broadcasts only queue; ncclGroupEnd launches them together.
+    const ncclResult_t started = ncclGroupStart();
+    if (started != ncclSuccess) {
+      fail(std::string("ncclGroupStart failed: ") + ncclGetErrorString(started));
+    }
+    // A call that fails inside the group must still end it before anything throws: NCCL keeps
+    // group state per thread, and an open group would swallow this thread's next NCCL calls.
+    std::string failed_call;
+    ncclResult_t failure = ncclSuccess;
+    for (int root = 0; root < size(); ++root) {
+      if (recv_counts[root] == 0) {
+        continue;  // skipped on every rank alike
+      }
+      // Only the root's send buffer is read; the others pass their receive slot.
+      const void* src = root == rank() ? send.data_ptr() : dst + offsets[root];
+      const ncclResult_t result =
+          ncclBroadcast(src, dst + offsets[root], static_cast<size_t>(recv_counts[root]) * elem,
+                        ncclInt8, root, comm_, stream);
+      if (result != ncclSuccess && result != ncclInProgress) {
+        failure = result;
+        failed_call = "ncclBroadcast from root " + std::to_string(root);
+        break;
+      }
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    if (failure != ncclSuccess) {
+      // The group is closed; whatever part of it NCCL launched dies with the abort in fail().
+      fail(failed_call + " failed: " + ncclGetErrorString(failure) + " (" +
+           ncclGetLastError(comm_) + ")");
+    }
+    finish(ended, "all_gather_v (ncclGroupEnd)");
   }
 
   void enqueue_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv,

@@ -19,6 +19,10 @@ class SingleRankCommunicator final : public Communicator {
     copy(send, recv);
   }
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override { copy(send, recv); }
+  void do_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                       const std::vector<int64_t>&) override {
+    copy(send, recv);  // recv_counts == {send.numel()}
+  }
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
     copy(send, recv);  // the mean of one block is the block
   }

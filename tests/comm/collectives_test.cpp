@@ -152,6 +152,289 @@ FSDP_MUON_WORLD_TEST(Collectives, AllGatherIntoFlatBuffer) {
   }
 }
 
+// ---- all_gather_v ----
+
+// Rank r's block under all_gather_v: counts[r] elements, element i = 10 r + i (exact in bf16).
+at::Tensor gather_v_block(int r, const std::vector<int64_t>& counts, at::ScalarType dtype) {
+  return (at::arange(counts[r], at::kFloat) + 10 * r).to(on_device(dtype));
+}
+
+// Gathers every rank's block under `counts` (synchronously or not) and checks every element,
+// that the bytes counted are (size - 1) * this rank's send bytes, and that the send buffer is
+// unchanged.
+void run_all_gather_v(Communicator& c, const std::vector<int64_t>& counts, at::ScalarType dtype,
+                      bool async) {
+  const int r = c.rank();
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  const at::Tensor send = gather_v_block(r, counts, dtype);
+  const at::Tensor before = send.clone();
+  const at::Tensor recv = at::full({total}, -1, on_device(dtype));
+  c.reset_stats();
+  if (async) {
+    std::unique_ptr<CommWork> work = c.all_gather_v_async(send, recv, counts);
+    work->wait();
+    EXPECT_TRUE(work->waited());
+  } else {
+    c.all_gather_v(send, recv, counts);
+  }
+  const int64_t sent = (c.size() - 1) * counts[r] * int64_t(c10::elementSize(dtype));
+  EXPECT_EQ(c.stats().all_gather_v_bytes, sent);
+  EXPECT_EQ(c.stats().total_bytes(), sent);
+  EXPECT_EQ(c.stats().calls, 1);
+  std::vector<float> expected;
+  for (int src = 0; src < c.size(); ++src) {
+    for (int64_t i = 0; i < counts[src]; ++i) expected.push_back(10.0f * src + i);
+  }
+  const at::Tensor got = recv.to(at::kCPU, at::kFloat);
+  ASSERT_EQ(got.numel(), static_cast<int64_t>(expected.size()));
+  for (int64_t k = 0; k < got.numel(); ++k) {
+    EXPECT_EQ(got[k].item<float>(), expected[k])
+        << "element " << k << ", dtype " << dtype << (async ? ", async" : "");
+  }
+  EXPECT_TRUE(at::equal(send, before));
+}
+
+// Uneven, with one rank's block empty at every world size above one (1, 0, 3, 2, ...).
+std::vector<int64_t> uneven_counts(int w) {
+  std::vector<int64_t> counts(w);
+  for (int p = 0; p < w; ++p) counts[p] = (3 * p + 1) % 4;
+  return counts;
+}
+
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, UnevenCountsFloatAndBFloat16) {
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (const bool async : {false, true}) {
+      run_all_gather_v(world(), uneven_counts(world().size()), dtype, async);
+    }
+  }
+}
+
+// The first and the last rank send nothing (at two ranks, nobody does); the others 2, 3, ...
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, EmptyBlocksOfTheFirstAndLastRank) {
+  const int w = world().size();
+  std::vector<int64_t> counts(w);
+  for (int p = 0; p < w; ++p) counts[p] = p == 0 || p == w - 1 ? 0 : p + 1;
+  run_all_gather_v(world(), counts, at::kFloat, /*async=*/false);
+  run_all_gather_v(world(), counts, at::kBFloat16, /*async=*/true);
+}
+
+// Only one rank sends (the last), as when one rank owns everything.
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, OneRankSendsEverything) {
+  const int w = world().size();
+  std::vector<int64_t> counts(w, 0);
+  counts[w - 1] = 17;
+  run_all_gather_v(world(), counts, at::kFloat, /*async=*/false);
+  run_all_gather_v(world(), counts, at::kFloat, /*async=*/true);
+}
+
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, EveryBlockEmpty) {
+  const std::vector<int64_t> counts(world().size(), 0);
+  run_all_gather_v(world(), counts, at::kFloat, /*async=*/false);
+  run_all_gather_v(world(), counts, at::kFloat, /*async=*/true);
+  // And the communicator still works afterwards.
+  at::Tensor one = at::ones({1}, on_device(at::kFloat));
+  world().all_reduce(one);
+  EXPECT_EQ(one.item<float>(), world().size());
+}
+
+// Equal counts give all_gather's result, and the bytes all_gather counts.
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, EqualCountsMatchAllGather) {
+  Communicator& c = world();
+  const int w = c.size();
+  at::Tensor send;
+  {
+    testing::SeededRandom random(4321 + c.rank());
+    send = at::randn({6}, on_device(at::kFloat));
+  }
+  at::Tensor gathered = at::empty({6 * w}, on_device(at::kFloat));
+  at::Tensor gathered_v = at::full({6 * w}, -1, on_device(at::kFloat));
+  c.reset_stats();
+  c.all_gather(send, gathered);
+  c.all_gather_v(send, gathered_v, std::vector<int64_t>(w, 6));
+  EXPECT_TRUE(at::equal(gathered, gathered_v));
+  EXPECT_EQ(c.stats().all_gather_v_bytes, c.stats().all_gather_bytes);
+}
+
+// Every local mistake is refused before anything is sent, synchronous and asynchronous alike,
+// naming the call, what is wrong and what to pass instead; nothing is counted.
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, RejectsBadArgumentsBeforeCommunicating) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  const std::vector<int64_t> counts = uneven_counts(w);
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  const at::Tensor send = gather_v_block(r, counts, at::kFloat);
+  const at::Tensor recv = at::zeros({total}, on_device(at::kFloat));
+  const std::string api = "fsdp_muon::Communicator::all_gather_v: ";
+  c.reset_stats();
+  for (const bool async : {false, true}) {
+    auto call = [&](const at::Tensor& s, const at::Tensor& v, const std::vector<int64_t>& n) {
+      if (async) {
+        c.all_gather_v_async(s, v, n)->wait();
+      } else {
+        c.all_gather_v(s, v, n);
+      }
+    };
+    std::vector<int64_t> longer = counts;
+    longer.push_back(0);
+    testing::expect_error([&] { call(send, recv, longer); },
+                          {api + "recv_counts has " + std::to_string(w + 1) +
+                           " entries; it needs one per rank (" + std::to_string(w) + ")"});
+    testing::expect_error([&] { call(send, recv, std::vector<int64_t>(w - 1, 0)); },
+                          {api + "recv_counts has " + std::to_string(w - 1) + " entries"});
+    std::vector<int64_t> negative = counts;
+    negative[w - 1] = -2;
+    testing::expect_error(
+        [&] { call(send, recv, negative); },
+        {api + "negative count in recv_counts (entry " + std::to_string(w - 1) + " is -2)"});
+    // This rank's entry is not its send size (the sum still matches the receive buffer).
+    std::vector<int64_t> other = counts;
+    other[r] += 1;
+    testing::expect_error(
+        [&] { call(send, at::zeros({total + 1}, on_device(at::kFloat)), other); },
+        {api + "the send buffer holds " + std::to_string(counts[r]) + " elements but recv_counts[" +
+             std::to_string(r) + "] (this rank's block) is " + std::to_string(counts[r] + 1),
+         "this rank's at index rank()"});
+    testing::expect_error(
+        [&] { call(send, at::zeros({total + 2}, on_device(at::kFloat)), counts); },
+        {api + "recv_counts sum to " + std::to_string(total) + " elements but the buffer holds " +
+         std::to_string(total + 2)});
+    testing::expect_error([&] { call(send, recv.to(at::kDouble), counts); },
+                          {api + "send and receive dtypes differ"});
+    testing::expect_error(
+        [&] {
+          call(send.view({1, -1}), recv, counts);
+        },
+        {api + "send buffer must be a flat contiguous 1-D tensor"});
+    testing::expect_error([&] { call(send, at::Tensor(), counts); },
+                          {api + "receive buffer is undefined"});
+  }
+  EXPECT_EQ(c.stats().calls, 0);
+  EXPECT_EQ(c.stats().total_bytes(), 0);
+  // The communicator is still usable afterwards.
+  run_all_gather_v(c, counts, at::kFloat, /*async=*/false);
+}
+
+// In flight with other collectives, started before and after a synchronous one and waited for
+// in reverse: every result equals the synchronous call's.
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, AsyncInFlightWithOtherCollectives) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  const std::vector<int64_t> counts = uneven_counts(w);
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  std::vector<int64_t> reversed(counts.rbegin(), counts.rend());
+  const at::Tensor first_send = gather_v_block(r, counts, at::kFloat);
+  const at::Tensor second_send = gather_v_block(r, reversed, at::kFloat) * 2;
+  at::Tensor first_sync = at::empty({total}, on_device(at::kFloat));
+  at::Tensor second_sync = at::empty({total}, on_device(at::kFloat));
+  c.all_gather_v(first_send, first_sync, counts);
+  c.all_gather_v(second_send, second_sync, reversed);
+
+  at::Tensor first = at::full({total}, -1, on_device(at::kFloat));
+  at::Tensor second = at::full({total}, -1, on_device(at::kFloat));
+  at::Tensor summed = at::full({3}, r + 1.0, on_device(at::kFloat));
+  at::Tensor gathered = at::full({2 * w}, -1, on_device(at::kFloat));
+  c.reset_stats();
+  std::unique_ptr<CommWork> a = c.all_gather_v_async(first_send, first, counts);
+  std::unique_ptr<CommWork> g =
+      c.all_gather_async(at::full({2}, r, on_device(at::kFloat)), gathered);
+  c.all_reduce(summed);
+  std::unique_ptr<CommWork> b = c.all_gather_v_async(second_send, second, reversed);
+  b->wait();
+  g->wait();
+  a->wait();
+  EXPECT_TRUE(at::equal(first, first_sync));
+  EXPECT_TRUE(at::equal(second, second_sync));
+  EXPECT_TRUE(at::equal(gathered, at::arange(w, on_device(at::kFloat)).repeat_interleave(2)));
+  EXPECT_EQ(summed[0].item<float>(), w * (w + 1) / 2.0f);
+  EXPECT_EQ(c.stats().all_gather_v_bytes, (w - 1) * (counts[r] + reversed[r]) * 4);
+}
+
+// A work dropped without wait() lets its all_gather_v finish: the next collective is intact.
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, DroppedWorkLeavesCommunicatorUsable) {
+  Communicator& c = world();
+  const std::vector<int64_t> counts = uneven_counts(c.size());
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  {
+    at::Tensor recv = at::empty({total}, on_device(at::kFloat));
+    std::unique_ptr<CommWork> dropped =
+        c.all_gather_v_async(gather_v_block(c.rank(), counts, at::kFloat), recv, counts);
+  }
+  run_all_gather_v(c, counts, at::kFloat, /*async=*/false);
+}
+
+// Counts that differ across ranks, where the last rank expects three elements more from rank 0
+// than rank 0 sends: Gloo would complete that short receive silently; each message's header of
+// the sender's counts makes it an error on every rank, naming both, and the communicator stays
+// usable. (NCCL cannot tell: there it is the caller's contract alone.)
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, CountsThatDifferAcrossRanksAreAnErrorOnEveryRank) {
+  Communicator& c = world();
+  const int r = c.rank();
+  const int w = c.size();
+  if (w == 1) GTEST_SKIP() << "needs two ranks";
+  if (c.backend_name() != "gloo") GTEST_SKIP() << "Gloo checks the counts; NCCL cannot";
+  std::vector<int64_t> counts(w, 2);
+  if (r == w - 1) counts[0] = 5;
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  const at::Tensor send = at::full({counts[r]}, r, on_device(at::kFloat));
+  for (const bool async : {false, true}) {
+    const at::Tensor recv = at::empty({total}, on_device(at::kFloat));
+    testing::expect_error(
+        [&] {
+          if (async) {
+            c.all_gather_v_async(send, recv, counts)->wait();
+          } else {
+            c.all_gather_v(send, recv, counts);
+          }
+        },
+        {"fsdp_muon::Communicator::all_gather_v: the ranks passed different recv_counts: rank ",
+         "but this rank (" + std::to_string(r) + " of " + std::to_string(w) + ") passed", "[5, 2",
+         "[2, 2", "every rank must pass the same recv_counts"});
+  }
+  run_all_gather_v(c, uneven_counts(w), at::kFloat, /*async=*/false);
+}
+
+// The other direction: rank 1 expects nothing from rank 0, which sends two elements. Gloo
+// refuses the longer block on its I/O thread, which ends the process with its own message (no
+// hang, no corruption). In-process only: it ends the whole process.
+TEST(CollectivesAllGatherVDeathTest, BlockLongerThanExpectedEndsTheProcessInGloo) {
+  if (!testing::in_process()) GTEST_SKIP() << "in-process only: it ends the process";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(testing::on_world_of(2,
+                                    [] {
+                                      Communicator& c = world();
+                                      std::vector<int64_t> counts{2, 2};
+                                      if (c.rank() == 1) counts[0] = 0;
+                                      const int64_t total = counts[0] + counts[1];
+                                      const at::Tensor recv = at::empty({total}, at::kFloat);
+                                      try {
+                                        c.all_gather_v(at::ones({2}, at::kFloat), recv, counts);
+                                      } catch (const c10::Error&) {
+                                        // Rank 0 sees rank 1's counts differ; rank 1 never
+                                        // returns.
+                                      }
+                                    }),
+               "Received data size doesn't match expected size");
+}
+
+// A communicator of one (what split() gives a rank alone): the block is copied, nothing counted.
+FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, CommunicatorOfOne) {
+  std::shared_ptr<Communicator> alone = world().split(world().rank(), 0);
+  ASSERT_EQ(alone->size(), 1);
+  for (const int64_t n : {int64_t{0}, int64_t{5}}) {
+    run_all_gather_v(*alone, {n}, at::kFloat, /*async=*/false);
+    run_all_gather_v(*alone, {n}, at::kBFloat16, /*async=*/true);
+  }
+  testing::expect_error(
+      [&] {
+        alone->all_gather_v(at::ones({2}, on_device(at::kFloat)),
+                            at::ones({3}, on_device(at::kFloat)), {3});
+      },
+      {"fsdp_muon::Communicator::all_gather_v: the send buffer holds 2 elements but "
+       "recv_counts[0] (this rank's block) is 3"});
+}
+
 FSDP_MUON_WORLD_TEST(Collectives, ReduceScatterMeanIsExactOnIntegerValues) {
   Communicator& c = world();
   const int r = c.rank();
@@ -272,7 +555,8 @@ FSDP_MUON_WORLD_TEST(Collectives, EmptyBuffersAreFine) {
   c.broadcast(empty, 0);
   c.all_to_all_v(empty, std::vector<int64_t>(c.size(), 0), empty,
                  std::vector<int64_t>(c.size(), 0));
-  EXPECT_EQ(c.stats().calls, 5);
+  c.all_gather_v(empty, empty, std::vector<int64_t>(c.size(), 0));
+  EXPECT_EQ(c.stats().calls, 6);
   EXPECT_EQ(c.stats().total_bytes(), 0);
   // And the communicator still works afterwards.
   at::Tensor one = at::ones({1}, on_device(at::kFloat));
@@ -289,12 +573,14 @@ FSDP_MUON_WORLD_TEST(Collectives, StatsAccumulateAcrossKindsAndReset) {
   c.all_gather(a, g);
   c.all_reduce(a);
   c.reduce_scatter_mean(g, a);
+  c.all_gather_v(a, g, std::vector<int64_t>(w, 4));
   const CommStats& s = c.stats();
-  EXPECT_EQ(s.calls, 3);
+  EXPECT_EQ(s.calls, 4);
   EXPECT_EQ(s.all_gather_bytes, (w - 1) * 16);
   EXPECT_EQ(s.all_reduce_bytes, 2 * (w - 1) * 16 / w);
   EXPECT_EQ(s.reduce_scatter_bytes, (w - 1) * 16);
-  EXPECT_EQ(s.total_bytes(), (w - 1) * 32 + 2 * (w - 1) * 16 / w);
+  EXPECT_EQ(s.all_gather_v_bytes, (w - 1) * 16);
+  EXPECT_EQ(s.total_bytes(), (w - 1) * 48 + 2 * (w - 1) * 16 / w);
   c.reset_stats();
   EXPECT_EQ(c.stats().calls, 0);
   EXPECT_EQ(c.stats().total_bytes(), 0);

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -250,6 +251,64 @@ TEST(NcclCommunicator, WaitsOrderTheCallersStreamAfterABusyCommunicationStream) 
   pending->wait();
   EXPECT_TRUE(at::equal(comm->to_host(second), at::full({1000}, 5.0f)))
       << "the synchronous collective did not wait for the asynchronous one started before it";
+}
+
+// all_gather_v in a world of one: its block (or nothing) lands in place, synchronous and
+// asynchronous, in fp32 and bf16, and nothing is counted as sent.
+TEST(NcclCommunicator, AllGatherVInAWorldOfOne) {
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    const auto on = at::TensorOptions().device(comm->device()).dtype(dtype);
+    const at::Tensor send = at::arange(7, on);
+    at::Tensor recv = at::full({7}, -1, on);
+    comm->all_gather_v(send, recv, {7});
+    EXPECT_TRUE(at::equal(comm->to_host(recv), send.cpu()));
+    at::Tensor again = at::full({7}, -1, on);
+    comm->all_gather_v_async(send, again, {7})->wait();
+    EXPECT_TRUE(at::equal(comm->to_host(again), send.cpu()));
+    const at::Tensor empty = at::empty({0}, on);
+    comm->all_gather_v(empty, empty, {0});
+    comm->all_gather_v_async(empty, empty, {0})->wait();
+  }
+  EXPECT_EQ(comm->stats().all_gather_v_bytes, 0);
+  EXPECT_EQ(comm->stats().calls, 8);
+}
+
+// all_gather_v across two ranks (threads on cuda:0 and cuda:1), where two GPUs are visible:
+// uneven blocks, an empty one on either side, every block empty, synchronous and asynchronous.
+TEST(NcclCommunicator, AllGatherVOfUnevenBlocksOnTwoRanks) {
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
+  if (torch::cuda::device_count() < 2) {
+    std::cout << "[  SKIPPED ] one CUDA device: two ranks need two\n";
+    GTEST_SKIP() << "one CUDA device: two ranks need two";
+  }
+  const auto store = c10::make_intrusive<c10d::HashStore>();
+  const std::vector<std::vector<int64_t>> cases{{3, 5}, {0, 4}, {6, 0}, {0, 0}};
+  auto run = [&](int rank) {
+    const auto comm = make_nccl_communicator(store, rank, 2, rank, std::chrono::seconds(120));
+    const auto on = at::TensorOptions().device(comm->device()).dtype(at::kFloat);
+    for (const auto& counts : cases) {
+      for (const bool async : {false, true}) {
+        const at::Tensor send = at::arange(counts[rank], on) + 10 * rank;
+        at::Tensor recv = at::full({counts[0] + counts[1]}, -1, on);
+        if (async) {
+          comm->all_gather_v_async(send, recv, counts)->wait();
+        } else {
+          comm->all_gather_v(send, recv, counts);
+        }
+        const at::Tensor expected =
+            at::cat({at::arange(counts[0], at::kFloat), at::arange(counts[1], at::kFloat) + 10});
+        EXPECT_TRUE(at::equal(comm->to_host(recv), expected))
+            << "rank " << rank << ", counts " << counts[0] << ", " << counts[1]
+            << (async ? ", async" : "");
+      }
+    }
+    EXPECT_EQ(comm->stats().all_gather_v_bytes, 2 * (rank == 0 ? 3 + 6 : 5 + 4) * 4);
+  };
+  std::thread rank1([&] { run(1); });
+  run(0);
+  rank1.join();
 }
 
 // At W=1 NCCL never blocks in a launch (every collective is ncclLaunchOneRank's copy on the

@@ -1,8 +1,9 @@
 #pragma once
 // A Communicator without any transport, for single-process unit tests: by default a world of
 // one, where every collective is a copy (or nothing). Given a rank and a size it plays that rank
-// of a world in which every rank holds this rank's data: an all-gather repeats the input in every
-// block, a reduce-scatter (the mean of equal inputs) keeps this rank's block.
+// of a world in which every rank holds this rank's data: an all-gather (and an all_gather_v of
+// equal counts) repeats the input in every block, a reduce-scatter (the mean of equal inputs)
+// keeps this rank's block.
 
 #include <c10/util/Exception.h>
 
@@ -27,6 +28,14 @@ class LocalCommunicator final : public Communicator {
   }
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
     for (int r = 0; r < size(); ++r) recv.narrow(0, r * send.numel(), send.numel()).copy_(send);
+  }
+  void do_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                       const std::vector<int64_t>& recv_counts) override {
+    // Every rank holds this rank's data, so every block is this rank's size.
+    for (int64_t c : recv_counts) {
+      TORCH_CHECK(c == send.numel(), "LocalCommunicator: all_gather_v needs every count equal");
+    }
+    do_all_gather(send, recv);
   }
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
     recv.copy_(send.narrow(0, static_cast<int64_t>(rank()) * recv.numel(), recv.numel()));

@@ -465,6 +465,10 @@ class AbortedGatherCommunicator final : public Communicator {
     recv.copy_(send);
   }
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override { recv.copy_(send); }
+  void do_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                       const std::vector<int64_t>&) override {
+    recv.copy_(send);
+  }
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
     recv.copy_(send);
   }

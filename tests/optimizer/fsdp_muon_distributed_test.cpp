@@ -1109,6 +1109,10 @@ class ForwardingCommunicator final : public Communicator {
   void do_all_gather(const at::Tensor& send, const at::Tensor& recv) override {
     inner_->all_gather(send, recv);
   }
+  void do_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                       const std::vector<int64_t>& recv_counts) override {
+    inner_->all_gather_v(send, recv, recv_counts);
+  }
   void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) override {
     inner_->reduce_scatter_mean(send, recv);
   }

@@ -26,13 +26,14 @@ enum class ReduceOp { kSum, kMax, kMin };
 struct FSDP_MUON_API CommStats {
   int64_t all_to_all_v_bytes = 0;
   int64_t all_gather_bytes = 0;
+  int64_t all_gather_v_bytes = 0;
   int64_t reduce_scatter_bytes = 0;
   int64_t all_reduce_bytes = 0;
   int64_t broadcast_bytes = 0;
   int64_t calls = 0;
   int64_t total_bytes() const {
-    return all_to_all_v_bytes + all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes +
-           broadcast_bytes;
+    return all_to_all_v_bytes + all_gather_bytes + all_gather_v_bytes + reduce_scatter_bytes +
+           all_reduce_bytes + broadcast_bytes;
   }
 };
 
@@ -81,6 +82,16 @@ class FSDP_MUON_API Communicator {
   // recv.numel() == size() * send.numel(); rank r's block lands at offset r * send.numel().
   // Bytes counted: (size() - 1) * send bytes.
   void all_gather(const at::Tensor& send, const at::Tensor& recv);
+  // The all-gather of blocks of different sizes: recv_counts holds every rank's send.numel()
+  // (elements, in rank order, zero allowed), the same vector on every rank, and
+  // recv.numel() == sum(recv_counts); rank r's block lands at offset sum(recv_counts[:r]).
+  // No rank can check alone that the others passed the same counts. On Gloo, counts that differ
+  // are an error: where a block is longer than a receiver expects, Gloo's own check ends that
+  // process; any other difference throws at wait() on every rank. On NCCL they are undefined (a
+  // hang or a wrong result), as mismatched all_to_all_v counts are. Bytes counted:
+  // (size() - 1) * send bytes.
+  void all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                    const std::vector<int64_t>& recv_counts);
   // send.numel() == size() * recv.numel(); recv = mean over ranks of their block for this
   // rank. Bytes counted: (size() - 1) * recv bytes.
   void reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv);
@@ -103,6 +114,8 @@ class FSDP_MUON_API Communicator {
                                                const at::Tensor& recv,
                                                const std::vector<int64_t>& recv_counts);
   std::unique_ptr<CommWork> all_gather_async(const at::Tensor& send, const at::Tensor& recv);
+  std::unique_ptr<CommWork> all_gather_v_async(const at::Tensor& send, const at::Tensor& recv,
+                                               const std::vector<int64_t>& recv_counts);
   std::unique_ptr<CommWork> reduce_scatter_mean_async(const at::Tensor& send,
                                                       const at::Tensor& recv);
   std::unique_ptr<CommWork> all_reduce_async(const at::Tensor& tensor,
@@ -144,6 +157,8 @@ class FSDP_MUON_API Communicator {
   virtual void do_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
                                const at::Tensor& recv, const std::vector<int64_t>& recv_counts) = 0;
   virtual void do_all_gather(const at::Tensor& send, const at::Tensor& recv) = 0;
+  virtual void do_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                               const std::vector<int64_t>& recv_counts) = 0;
   virtual void do_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) = 0;
   virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
   virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;
@@ -159,6 +174,9 @@ class FSDP_MUON_API Communicator {
                                                           const std::vector<int64_t>& recv_counts);
   virtual std::unique_ptr<CommWork> do_all_gather_async(const at::Tensor& send,
                                                         const at::Tensor& recv);
+  virtual std::unique_ptr<CommWork> do_all_gather_v_async(const at::Tensor& send,
+                                                          const at::Tensor& recv,
+                                                          const std::vector<int64_t>& recv_counts);
   virtual std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,
                                                                  const at::Tensor& recv);
   virtual std::unique_ptr<CommWork> do_all_reduce_async(const at::Tensor& tensor, ReduceOp op);
@@ -173,6 +191,8 @@ class FSDP_MUON_API Communicator {
   void check_all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
                           const at::Tensor& recv, const std::vector<int64_t>& recv_counts);
   void check_all_gather(const at::Tensor& send, const at::Tensor& recv);
+  void check_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
+                          const std::vector<int64_t>& recv_counts);
   void check_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv);
   void check_all_reduce(const at::Tensor& tensor);
 
