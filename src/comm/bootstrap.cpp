@@ -27,6 +27,7 @@
 #include "comm/job_identity.h"
 #include "comm/launch_environment.h"
 #include "comm/rendezvous_store.h"
+#include "common/check.h"
 #include "common/enum_names.h"
 
 namespace fsdp_muon {
@@ -47,12 +48,12 @@ static_assert(detail::rows_in_enumerator_order(kBackendNames));
 // 0 (and NCCL fails, or worse, runs slowly); checked before CUDA itself so the launch mistake is
 // reported as such on any machine.
 void check_local_rank_for_nccl(const LaunchEnvironment& e, const std::string& why) {
-  TORCH_CHECK(e.world_size == 1 || !e.local_rank_variable.empty(),
-              "fsdp_muon::init_from_env: NCCL (", why, ") in a world of ", e.world_size,
-              " ranks needs this rank's local rank to choose its GPU, but none of LOCAL_RANK, ",
-              "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID is set (", e.launcher,
-              " rank ", e.rank, "); export LOCAL_RANK=<index of this process on its node>, or ",
-              "start the job with torchrun, mpirun or srun, which set it");
+  FSDP_MUON_CHECK(e.world_size == 1 || !e.local_rank_variable.empty(), "NCCL (", why,
+                  ") in a world of ", e.world_size,
+                  " ranks needs this rank's local rank to choose its GPU, but none of LOCAL_RANK, ",
+                  "OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID is set (", e.launcher,
+                  " rank ", e.rank, "); export LOCAL_RANK=<index of this process on its node>, or ",
+                  "start the job with torchrun, mpirun or srun, which set it");
 }
 
 // The backend to set up: never kAuto.
@@ -66,8 +67,7 @@ CommBackend choose_backend(const InitOptions& options, const LaunchEnvironment& 
     }
   }
   const std::optional<CommBackend> parsed = parse_comm_backend(name);
-  TORCH_CHECK(parsed, "fsdp_muon::init_from_env: ", source, "='", name, "' is not one of ",
-              detail::all_names(kBackendNames));
+  FSDP_MUON_CHECK(parsed, source, "='", name, "' is not one of ", detail::all_names(kBackendNames));
   const bool cuda = FSDP_MUON_WITH_CUDA && torch::cuda::is_available();
   CommBackend backend = *parsed;
   if (backend == CommBackend::kAuto) {
@@ -80,15 +80,15 @@ CommBackend choose_backend(const InitOptions& options, const LaunchEnvironment& 
   }
   switch (backend) {
     case CommBackend::kNccl:
-      TORCH_CHECK(FSDP_MUON_WITH_CUDA, "fsdp_muon::init_from_env: ", source,
-                  " asks for NCCL but this build of fsdp_muon has no CUDA (LibTorch without CUDA)");
-      TORCH_CHECK(cuda, "fsdp_muon::init_from_env: ", source,
-                  " asks for NCCL but no CUDA device is available to this process");
+      FSDP_MUON_CHECK(
+          FSDP_MUON_WITH_CUDA, source,
+          " asks for NCCL but this build of fsdp_muon has no CUDA (LibTorch without CUDA)");
+      FSDP_MUON_CHECK(cuda, source,
+                      " asks for NCCL but no CUDA device is available to this process");
       break;
     case CommBackend::kGloo:
-      TORCH_CHECK(FSDP_MUON_WITH_GLOO, "fsdp_muon::init_from_env: ", source,
-                  " asks for Gloo but this build of ",
-                  "fsdp_muon has none (configured with FSDP_MUON_WITH_GLOO=OFF)");
+      FSDP_MUON_CHECK(FSDP_MUON_WITH_GLOO, source, " asks for Gloo but this build of ",
+                      "fsdp_muon has none (configured with FSDP_MUON_WITH_GLOO=OFF)");
       break;
     case CommBackend::kAuto:
       break;  // resolved above
@@ -139,25 +139,27 @@ double timeout_seconds(const InitOptions& options) {
     errno = 0;
     char* end = nullptr;
     const double parsed = std::strtod(text.c_str(), &end);
-    TORCH_CHECK(is_plain_decimal(text) && end == text.c_str() + text.size() && errno == 0 &&
-                    std::isfinite(parsed) && parsed > 0 && parsed <= kMaxTimeoutSeconds,
-                "fsdp_muon::init_from_env: FSDP_MUON_TIMEOUT='", text,
-                "' is not a timeout in seconds; give a positive number such as 30 or 2.5 (at most ",
-                kMaxTimeoutSeconds, "), or unset it to use InitOptions::timeout_seconds");
+    FSDP_MUON_CHECK(
+        is_plain_decimal(text) && end == text.c_str() + text.size() && errno == 0 &&
+            std::isfinite(parsed) && parsed > 0 && parsed <= kMaxTimeoutSeconds,
+        "FSDP_MUON_TIMEOUT='", text,
+        "' is not a timeout in seconds; give a positive number such as 30 or 2.5 (at most ",
+        kMaxTimeoutSeconds, "), or unset it to use InitOptions::timeout_seconds");
     return parsed;
   }
-  TORCH_CHECK(std::isfinite(options.timeout_seconds) && options.timeout_seconds > 0 &&
-                  options.timeout_seconds <= kMaxTimeoutSeconds,
-              "fsdp_muon::init_from_env: InitOptions::timeout_seconds=", options.timeout_seconds,
-              " must be positive and finite (at most ", kMaxTimeoutSeconds, " s)");
+  FSDP_MUON_CHECK(std::isfinite(options.timeout_seconds) && options.timeout_seconds > 0 &&
+                      options.timeout_seconds <= kMaxTimeoutSeconds,
+                  "InitOptions::timeout_seconds=", options.timeout_seconds,
+                  " must be positive and finite (at most ", kMaxTimeoutSeconds, " s)");
   return options.timeout_seconds;
 }
 
 }  // namespace
 
 std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
+  FSDP_MUON_API_SCOPE("init_from_env");
   const double seconds = timeout_seconds(options);
-  const LaunchEnvironment e = detail::read_launch_environment_for("fsdp_muon::init_from_env");
+  const LaunchEnvironment e = detail::read_launch_environment_here();
   const CommBackend backend = choose_backend(options, e);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
 
@@ -171,7 +173,7 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
       "fsdp_muon/attempt_" + attempt + "/communicator_" + std::to_string(instance),
       detail::base_store(e, timeout));
   std::ostringstream waiting;
-  waiting << "fsdp_muon::init_from_env: setting up " << to_string(backend) << " for " << e.launcher
+  waiting << detail::ApiPrefix{} << "setting up " << to_string(backend) << " for " << e.launcher
           << " rank " << e.rank << " of " << e.world_size << " failed (are all " << e.world_size
           << " processes started and reachable within " << seconds << " s?): ";
   detail::agree_on_job(*store, e, timeout, waiting.str());
@@ -213,20 +215,20 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
       case CommBackend::kAuto:
         break;  // choose_backend never returns it
     }
-    TORCH_CHECK(false, "fsdp_muon::init_from_env: no communicator for backend ",
-                to_string(backend));
+    FSDP_MUON_CHECK(false, "no communicator for backend ", to_string(backend));
   } catch (const c10::Error& ex) {
-    TORCH_CHECK(false, "fsdp_muon::init_from_env: setting up ", to_string(backend), " for ",
-                e.launcher, " rank ", e.rank, " of ", e.world_size, " failed (are all ",
-                e.world_size, " processes started and reachable within ", seconds,
-                " s?): ", ex.what_without_backtrace());
+    FSDP_MUON_CHECK(false, "setting up ", to_string(backend), " for ", e.launcher, " rank ", e.rank,
+                    " of ", e.world_size, " failed (are all ", e.world_size,
+                    " processes started and reachable within ", seconds,
+                    " s?): ", ex.what_without_backtrace());
   }
 }
 
 #if !FSDP_MUON_WITH_CUDA
 std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store>, int, int, int,
                                                      std::chrono::milliseconds) {
-  TORCH_CHECK(false, "fsdp_muon::make_nccl_communicator: this build of fsdp_muon has no CUDA");
+  FSDP_MUON_API_SCOPE("make_nccl_communicator");
+  FSDP_MUON_CHECK(false, "this build of fsdp_muon has no CUDA");
 }
 #endif
 
@@ -234,7 +236,8 @@ std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::St
 std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::Store>, int, int,
                                                      std::chrono::milliseconds,
                                                      const std::string&) {
-  TORCH_CHECK(false, "fsdp_muon::make_gloo_communicator: this build of fsdp_muon has no Gloo");
+  FSDP_MUON_API_SCOPE("make_gloo_communicator");
+  FSDP_MUON_CHECK(false, "this build of fsdp_muon has no Gloo");
 }
 #endif
 

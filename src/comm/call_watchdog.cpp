@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon::detail {
 namespace {
 
@@ -20,9 +22,9 @@ int64_t now_ns() {
 
 CallWatchdog::CallWatchdog(std::chrono::milliseconds timeout, Handler on_expiry)
     : timeout_(timeout), on_expiry_(std::move(on_expiry)) {
-  TORCH_CHECK(timeout.count() > 0, "fsdp_muon::CallWatchdog: timeout must be positive, got ",
-              timeout.count(), " ms");
-  TORCH_CHECK(on_expiry_, "fsdp_muon::CallWatchdog: the expiry handler is empty");
+  FSDP_MUON_API_SCOPE("CallWatchdog");
+  FSDP_MUON_CHECK(timeout.count() > 0, "timeout must be positive, got ", timeout.count(), " ms");
+  FSDP_MUON_CHECK(on_expiry_, "the expiry handler is empty");
   thread_ = std::thread([this] { run(); });
 }
 

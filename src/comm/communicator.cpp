@@ -9,48 +9,40 @@
 #include <c10/util/Exception.h>
 
 #include "comm/single_rank_communicator.h"
+#include "common/check.h"
 
 namespace fsdp_muon {
 namespace {
 
-// `api` names the collective the caller called, e.g. "fsdp_muon::Communicator::all_gather".
-void check_flat(const char* api, const at::Tensor& t, const char* what, const c10::Device& device) {
-  TORCH_CHECK(t.defined(), api, ": ", what, " is undefined");
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), api, ": ", what,
-              " must be a flat contiguous 1-D tensor, got shape ", t.sizes());
-  TORCH_CHECK(t.device() == device, api, ": ", what, " is on ", t.device(),
-              " but the communicator moves tensors on ", device);
+// Errors name the collective the caller called (its ApiScope), e.g.
+// "fsdp_muon::Communicator::all_gather: ...".
+void check_flat(const at::Tensor& t, const char* what, const c10::Device& device) {
+  FSDP_MUON_CHECK(t.defined(), what, " is undefined");
+  FSDP_MUON_CHECK(t.dim() == 1 && t.is_contiguous(), what,
+                  " must be a flat contiguous 1-D tensor, got shape ", t.sizes());
+  FSDP_MUON_CHECK(t.device() == device, what, " is on ", t.device(),
+                  " but the communicator moves tensors on ", device);
 }
 
-constexpr const char* kAllToAllV = "fsdp_muon::Communicator::all_to_all_v";
-constexpr const char* kAllGather = "fsdp_muon::Communicator::all_gather";
-constexpr const char* kAllGatherV = "fsdp_muon::Communicator::all_gather_v";
-constexpr const char* kReduceScatterMean = "fsdp_muon::Communicator::reduce_scatter_mean";
-constexpr const char* kAllReduce = "fsdp_muon::Communicator::all_reduce";
-constexpr const char* kBroadcast = "fsdp_muon::Communicator::broadcast";
-constexpr const char* kToHost = "fsdp_muon::Communicator::to_host";
-constexpr const char* kSplit = "fsdp_muon::Communicator::split";
-
-// `api` names the collective, `what` the argument the counts are.
-void check_counts(const char* api, const std::vector<int64_t>& counts, int size, int64_t numel,
-                  const char* what) {
-  TORCH_CHECK(static_cast<int>(counts.size()) == size, api, ": ", what, " has ", counts.size(),
-              " entries; it needs one per rank (", size, ")");
+// `what` names the argument the counts are.
+void check_counts(const std::vector<int64_t>& counts, int size, int64_t numel, const char* what) {
+  FSDP_MUON_CHECK(static_cast<int>(counts.size()) == size, what, " has ", counts.size(),
+                  " entries; it needs one per rank (", size, ")");
   for (size_t r = 0; r < counts.size(); ++r) {
-    TORCH_CHECK(counts[r] >= 0, api, ": negative count in ", what, " (entry ", r, " is ", counts[r],
-                "); counts are elements, zero or more");
+    FSDP_MUON_CHECK(counts[r] >= 0, "negative count in ", what, " (entry ", r, " is ", counts[r],
+                    "); counts are elements, zero or more");
   }
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-  TORCH_CHECK(total == numel, api, ": ", what, " sum to ", total, " elements but the buffer holds ",
-              numel);
+  FSDP_MUON_CHECK(total == numel, what, " sum to ", total, " elements but the buffer holds ",
+                  numel);
 }
 
 }  // namespace
 
 Communicator::Communicator(int rank, int size) : rank_(rank), size_(size) {
-  TORCH_CHECK(size >= 1, "fsdp_muon::Communicator: world size must be at least 1, got ", size);
-  TORCH_CHECK(rank >= 0 && rank < size, "fsdp_muon::Communicator: rank ", rank, " is outside [0, ",
-              size, ")");
+  FSDP_MUON_API_SCOPE("Communicator");
+  FSDP_MUON_CHECK(size >= 1, "world size must be at least 1, got ", size);
+  FSDP_MUON_CHECK(rank >= 0 && rank < size, "rank ", rank, " is outside [0, ", size, ")");
 }
 
 Communicator::~Communicator() = default;
@@ -78,53 +70,51 @@ void Communicator::check_all_to_all_v(const at::Tensor& send,
                                       const std::vector<int64_t>& send_counts,
                                       const at::Tensor& recv,
                                       const std::vector<int64_t>& recv_counts) {
-  check_flat(kAllToAllV, send, "send buffer", device());
-  check_flat(kAllToAllV, recv, "receive buffer", device());
-  TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllToAllV,
-              ": send and receive dtypes differ (", send.scalar_type(), " vs ", recv.scalar_type(),
-              ")");
-  check_counts(kAllToAllV, send_counts, size_, send.numel(), "send_counts");
-  check_counts(kAllToAllV, recv_counts, size_, recv.numel(), "recv_counts");
-  TORCH_CHECK(send_counts[rank_] == recv_counts[rank_], kAllToAllV, ": this rank sends itself ",
-              send_counts[rank_], " elements but expects ", recv_counts[rank_]);
+  check_flat(send, "send buffer", device());
+  check_flat(recv, "receive buffer", device());
+  FSDP_MUON_CHECK(send.scalar_type() == recv.scalar_type(), "send and receive dtypes differ (",
+                  send.scalar_type(), " vs ", recv.scalar_type(), ")");
+  check_counts(send_counts, size_, send.numel(), "send_counts");
+  check_counts(recv_counts, size_, recv.numel(), "recv_counts");
+  FSDP_MUON_CHECK(send_counts[rank_] == recv_counts[rank_], "this rank sends itself ",
+                  send_counts[rank_], " elements but expects ", recv_counts[rank_]);
   const int64_t sent = send.numel() - send_counts[rank_];
   stats_.all_to_all_v_bytes += sent * static_cast<int64_t>(send.element_size());
   ++stats_.calls;
 }
 
 void Communicator::check_all_gather(const at::Tensor& send, const at::Tensor& recv) {
-  check_flat(kAllGather, send, "send buffer", device());
-  check_flat(kAllGather, recv, "receive buffer", device());
-  TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllGather, ": dtypes differ");
-  TORCH_CHECK(recv.numel() == send.numel() * size_, kAllGather, ": receive buffer holds ",
-              recv.numel(), " elements, needs world size x send = ", send.numel() * size_);
+  check_flat(send, "send buffer", device());
+  check_flat(recv, "receive buffer", device());
+  FSDP_MUON_CHECK(send.scalar_type() == recv.scalar_type(), "dtypes differ");
+  FSDP_MUON_CHECK(recv.numel() == send.numel() * size_, "receive buffer holds ", recv.numel(),
+                  " elements, needs world size x send = ", send.numel() * size_);
   stats_.all_gather_bytes += (size_ - 1) * send.numel() * static_cast<int64_t>(send.element_size());
   ++stats_.calls;
 }
 
 void Communicator::check_all_gather_v(const at::Tensor& send, const at::Tensor& recv,
                                       const std::vector<int64_t>& recv_counts) {
-  check_flat(kAllGatherV, send, "send buffer", device());
-  check_flat(kAllGatherV, recv, "receive buffer", device());
-  TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kAllGatherV,
-              ": send and receive dtypes differ (", send.scalar_type(), " vs ", recv.scalar_type(),
-              ")");
-  check_counts(kAllGatherV, recv_counts, size_, recv.numel(), "recv_counts");
-  TORCH_CHECK(send.numel() == recv_counts[rank_], kAllGatherV, ": the send buffer holds ",
-              send.numel(), " elements but recv_counts[", rank_, "] (this rank's block) is ",
-              recv_counts[rank_],
-              "; recv_counts must hold every rank's send size, this rank's at index rank()");
+  check_flat(send, "send buffer", device());
+  check_flat(recv, "receive buffer", device());
+  FSDP_MUON_CHECK(send.scalar_type() == recv.scalar_type(), "send and receive dtypes differ (",
+                  send.scalar_type(), " vs ", recv.scalar_type(), ")");
+  check_counts(recv_counts, size_, recv.numel(), "recv_counts");
+  FSDP_MUON_CHECK(send.numel() == recv_counts[rank_], "the send buffer holds ", send.numel(),
+                  " elements but recv_counts[", rank_, "] (this rank's block) is ",
+                  recv_counts[rank_],
+                  "; recv_counts must hold every rank's send size, this rank's at index rank()");
   stats_.all_gather_v_bytes +=
       (size_ - 1) * send.numel() * static_cast<int64_t>(send.element_size());
   ++stats_.calls;
 }
 
 void Communicator::check_reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) {
-  check_flat(kReduceScatterMean, send, "send buffer", device());
-  check_flat(kReduceScatterMean, recv, "receive buffer", device());
-  TORCH_CHECK(send.scalar_type() == recv.scalar_type(), kReduceScatterMean, ": dtypes differ");
-  TORCH_CHECK(send.numel() == recv.numel() * size_, kReduceScatterMean, ": send buffer ", "holds ",
-              send.numel(), " elements, needs world size x receive = ", recv.numel() * size_);
+  check_flat(send, "send buffer", device());
+  check_flat(recv, "receive buffer", device());
+  FSDP_MUON_CHECK(send.scalar_type() == recv.scalar_type(), "dtypes differ");
+  FSDP_MUON_CHECK(send.numel() == recv.numel() * size_, "send buffer ", "holds ", send.numel(),
+                  " elements, needs world size x receive = ", recv.numel() * size_);
   stats_.reduce_scatter_bytes +=
       (size_ - 1) * recv.numel() * static_cast<int64_t>(recv.element_size());
   ++stats_.calls;
@@ -132,22 +122,26 @@ void Communicator::check_reduce_scatter_mean(const at::Tensor& send, const at::T
 
 void Communicator::all_to_all_v(const at::Tensor& send, const std::vector<int64_t>& send_counts,
                                 const at::Tensor& recv, const std::vector<int64_t>& recv_counts) {
+  FSDP_MUON_API_SCOPE("Communicator::all_to_all_v");
   check_all_to_all_v(send, send_counts, recv, recv_counts);
   do_all_to_all_v(send, send_counts, recv, recv_counts);
 }
 
 void Communicator::all_gather(const at::Tensor& send, const at::Tensor& recv) {
+  FSDP_MUON_API_SCOPE("Communicator::all_gather");
   check_all_gather(send, recv);
   do_all_gather(send, recv);
 }
 
 void Communicator::all_gather_v(const at::Tensor& send, const at::Tensor& recv,
                                 const std::vector<int64_t>& recv_counts) {
+  FSDP_MUON_API_SCOPE("Communicator::all_gather_v");
   check_all_gather_v(send, recv, recv_counts);
   do_all_gather_v(send, recv, recv_counts);
 }
 
 void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor& recv) {
+  FSDP_MUON_API_SCOPE("Communicator::reduce_scatter_mean");
   check_reduce_scatter_mean(send, recv);
   do_reduce_scatter_mean(send, recv);
 }
@@ -155,24 +149,28 @@ void Communicator::reduce_scatter_mean(const at::Tensor& send, const at::Tensor&
 std::unique_ptr<CommWork> Communicator::all_to_all_v_async(
     const at::Tensor& send, const std::vector<int64_t>& send_counts, const at::Tensor& recv,
     const std::vector<int64_t>& recv_counts) {
+  FSDP_MUON_API_SCOPE("Communicator::all_to_all_v");
   check_all_to_all_v(send, send_counts, recv, recv_counts);
   return do_all_to_all_v_async(send, send_counts, recv, recv_counts);
 }
 
 std::unique_ptr<CommWork> Communicator::all_gather_async(const at::Tensor& send,
                                                          const at::Tensor& recv) {
+  FSDP_MUON_API_SCOPE("Communicator::all_gather");
   check_all_gather(send, recv);
   return do_all_gather_async(send, recv);
 }
 
 std::unique_ptr<CommWork> Communicator::all_gather_v_async(
     const at::Tensor& send, const at::Tensor& recv, const std::vector<int64_t>& recv_counts) {
+  FSDP_MUON_API_SCOPE("Communicator::all_gather_v");
   check_all_gather_v(send, recv, recv_counts);
   return do_all_gather_v_async(send, recv, recv_counts);
 }
 
 std::unique_ptr<CommWork> Communicator::reduce_scatter_mean_async(const at::Tensor& send,
                                                                   const at::Tensor& recv) {
+  FSDP_MUON_API_SCOPE("Communicator::reduce_scatter_mean");
   check_reduce_scatter_mean(send, recv);
   return do_reduce_scatter_mean_async(send, recv);
 }
@@ -203,18 +201,20 @@ std::unique_ptr<CommWork> Communicator::do_reduce_scatter_mean_async(const at::T
 }
 
 void Communicator::check_all_reduce(const at::Tensor& tensor) {
-  check_flat(kAllReduce, tensor, "tensor", device());
+  check_flat(tensor, "tensor", device());
   stats_.all_reduce_bytes +=
       2 * (size_ - 1) * tensor.numel() * static_cast<int64_t>(tensor.element_size()) / size_;
   ++stats_.calls;
 }
 
 void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  FSDP_MUON_API_SCOPE("Communicator::all_reduce");
   check_all_reduce(tensor);
   do_all_reduce(tensor, op);
 }
 
 std::unique_ptr<CommWork> Communicator::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
+  FSDP_MUON_API_SCOPE("Communicator::all_reduce");
   check_all_reduce(tensor);
   return do_all_reduce_async(tensor, op);
 }
@@ -225,6 +225,7 @@ std::unique_ptr<CommWork> Communicator::do_all_reduce_async(const at::Tensor& te
 }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key) {
+  FSDP_MUON_API_SCOPE("Communicator::split");
   // Every rank learns every rank's (color, key), so each can check them all and derive its
   // group alone: a bad color is the same error everywhere instead of a hang in the set-up.
   at::Tensor mine = at::empty({2}, at::TensorOptions().dtype(at::kLong));
@@ -236,10 +237,10 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
   const at::Tensor host = to_host(all).contiguous();
   const int64_t* entries = host.data_ptr<int64_t>();
   for (int r = 0; r < size_; ++r) {
-    TORCH_CHECK(entries[2 * r] >= 0, kSplit, ": rank ", r, " of ", size_, " passed color ",
-                entries[2 * r],
-                "; colors must be >= 0 (every rank passes one, the same for "
-                "the ranks that form one communicator)");
+    FSDP_MUON_CHECK(entries[2 * r] >= 0, "rank ", r, " of ", size_, " passed color ",
+                    entries[2 * r],
+                    "; colors must be >= 0 (every rank passes one, the same for "
+                    "the ranks that form one communicator)");
   }
   std::vector<std::tuple<int64_t, int>> group;  // (key, rank) of the ranks with this color
   for (int r = 0; r < size_; ++r) {
@@ -261,13 +262,13 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
 
 std::shared_ptr<Communicator> Communicator::do_split(const std::vector<int>&, int,
                                                      const std::string&) {
-  TORCH_CHECK(false, kSplit, ": the ", backend_name(), " communicator cannot be split");
+  FSDP_MUON_CHECK(false, "the ", backend_name(), " communicator cannot be split");
 }
 
 void Communicator::broadcast(const at::Tensor& tensor, int root) {
-  check_flat(kBroadcast, tensor, "tensor", device());
-  TORCH_CHECK(root >= 0 && root < size_, kBroadcast, ": root ", root, " is outside [0, ", size_,
-              ")");
+  FSDP_MUON_API_SCOPE("Communicator::broadcast");
+  check_flat(tensor, "tensor", device());
+  FSDP_MUON_CHECK(root >= 0 && root < size_, "root ", root, " is outside [0, ", size_, ")");
   if (rank_ == root) {
     stats_.broadcast_bytes +=
         (size_ - 1) * tensor.numel() * static_cast<int64_t>(tensor.element_size());
@@ -277,25 +278,28 @@ void Communicator::broadcast(const at::Tensor& tensor, int root) {
 }
 
 void Communicator::barrier() {
+  FSDP_MUON_API_SCOPE("Communicator::barrier");
   ++stats_.calls;
   do_barrier();
 }
 
 at::Tensor Communicator::to_host(const at::Tensor& tensor) {
-  TORCH_CHECK(tensor.defined(), kToHost, ": tensor is undefined");
+  FSDP_MUON_API_SCOPE("Communicator::to_host");
+  FSDP_MUON_CHECK(tensor.defined(), "tensor is undefined");
   if (tensor.is_cpu()) return tensor;
-  TORCH_CHECK(tensor.device() == device(), kToHost, ": tensor is on ", tensor.device(),
-              " but the communicator moves tensors on ", device());
+  FSDP_MUON_CHECK(tensor.device() == device(), "tensor is on ", tensor.device(),
+                  " but the communicator moves tensors on ", device());
   return do_to_host(tensor);
 }
 
 at::Tensor Communicator::do_to_host(const at::Tensor& tensor) { return tensor.cpu(); }
 
 at::Tensor Communicator::to_device(const at::Tensor& host) const {
-  TORCH_CHECK(host.defined() && host.is_cpu(),
-              "fsdp_muon::Communicator::to_device: expects a "
-              "defined CPU tensor, got ",
-              host.defined() ? host.device().str() : "undefined");
+  FSDP_MUON_API_SCOPE("Communicator::to_device");
+  FSDP_MUON_CHECK(host.defined() && host.is_cpu(),
+                  "expects a "
+                  "defined CPU tensor, got ",
+                  host.defined() ? host.device().str() : "undefined");
   if (device().is_cpu()) return host;
   // The caching host allocator keeps the pinned block until the copy, recorded on the stream,
   // has run, so the temporary may go out of scope at once.

@@ -11,6 +11,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon::detail {
 
 int choose_cuda_device(int visible_devices, const LaunchEnvironment& e) {
@@ -20,19 +22,18 @@ int choose_cuda_device(int visible_devices, const LaunchEnvironment& e) {
   const std::string from = e.local_rank_variable.empty()
                                ? std::string("no local rank variable set, so 0")
                                : "from " + e.local_rank_variable;
-  TORCH_CHECK(visible_devices > 0,
-              "fsdp_muon::init_from_env: NCCL needs a CUDA device, but none "
-              "is visible to ",
-              e.launcher, " rank ", e.rank,
-              " (check CUDA_VISIBLE_DEVICES and the GPUs the launcher gave this process)");
-  TORCH_CHECK(e.local_rank >= 0 && e.local_rank < visible_devices,
-              "fsdp_muon::init_from_env: local rank ", e.local_rank, " (", from,
-              ") has no CUDA device: ", visible_devices, " are visible to ", e.launcher, " rank ",
-              e.rank,
-              ", so the local rank chooses among them; start at most one process per "
-              "visible GPU on each node, or give each process exactly one GPU "
-              "(CUDA_VISIBLE_DEVICES, srun --gpus-per-task=1), which it then uses whatever its "
-              "local rank");
+  FSDP_MUON_CHECK(visible_devices > 0,
+                  "NCCL needs a CUDA device, but none "
+                  "is visible to ",
+                  e.launcher, " rank ", e.rank,
+                  " (check CUDA_VISIBLE_DEVICES and the GPUs the launcher gave this process)");
+  FSDP_MUON_CHECK(e.local_rank >= 0 && e.local_rank < visible_devices, "local rank ", e.local_rank,
+                  " (", from, ") has no CUDA device: ", visible_devices, " are visible to ",
+                  e.launcher, " rank ", e.rank,
+                  ", so the local rank chooses among them; start at most one process per "
+                  "visible GPU on each node, or give each process exactly one GPU "
+                  "(CUDA_VISIBLE_DEVICES, srun --gpus-per-task=1), which it then uses whatever its "
+                  "local rank");
   return e.local_rank;
 }
 
@@ -51,7 +52,6 @@ std::string text_of(const std::vector<uint8_t>& bytes) {
 void check_one_rank_per_device(c10d::Store& store, int rank, int world_size,
                                const std::function<std::string()>& placement,
                                std::chrono::milliseconds timeout) {
-  constexpr const char* kApi = "fsdp_muon::init_from_env: ";
   store.setTimeout(timeout);
   const std::string me = std::to_string(rank);
   const char* shared = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
@@ -76,28 +76,27 @@ void check_one_rank_per_device(c10d::Store& store, int rank, int world_size,
   try {
     store.wait({"device_check_done"});
   } catch (const std::exception&) {
-    TORCH_CHECK(false, kApi, "only ", store.add("device_checked", 0), " of ", world_size,
-                " ranks reached the GPU check within ", timeout.count(), " ms (this is rank ", rank,
-                "); a rank failed or stalled before it");
+    FSDP_MUON_CHECK(false, "only ", store.add("device_checked", 0), " of ", world_size,
+                    " ranks reached the GPU check within ", timeout.count(), " ms (this is rank ",
+                    rank, "); a rank failed or stalled before it");
   }
   if (store.check({"device_error"})) {
-    TORCH_CHECK(false, kApi, "choosing the GPU failed on ", text_of(store.get("device_error")));
+    FSDP_MUON_CHECK(false, "choosing the GPU failed on ", text_of(store.get("device_error")));
   }
   if (store.check({"device_conflict"})) {
-    TORCH_CHECK(false, kApi, "NCCL needs one GPU per rank, but ",
-                text_of(store.get("device_conflict")),
-                " (host and PCI bus id); start at most one process per GPU on each node, "
-                "give each process its own GPU (CUDA_VISIBLE_DEVICES, srun --gpus-per-task=1), "
-                "set NCCL_MULTI_RANK_GPU_ENABLE=1 where your NCCL supports ranks sharing a GPU "
-                "(MIG), or use the gloo backend (FSDP_MUON_BACKEND=gloo)");
+    FSDP_MUON_CHECK(false, "NCCL needs one GPU per rank, but ",
+                    text_of(store.get("device_conflict")),
+                    " (host and PCI bus id); start at most one process per GPU on each node, "
+                    "give each process its own GPU (CUDA_VISIBLE_DEVICES, srun --gpus-per-task=1), "
+                    "set NCCL_MULTI_RANK_GPU_ENABLE=1 where your NCCL supports ranks sharing a GPU "
+                    "(MIG), or use the gloo backend (FSDP_MUON_BACKEND=gloo)");
   }
 }
 
 std::string host_identity() {
   if (const char* id = std::getenv("NCCL_HOSTID"); id != nullptr && *id != 0) return id;
   char host[256] = {0};
-  TORCH_CHECK(::gethostname(host, sizeof(host) - 1) == 0,
-              "fsdp_muon::init_from_env: gethostname failed");
+  FSDP_MUON_CHECK(::gethostname(host, sizeof(host) - 1) == 0, "gethostname failed");
   std::string boot_id;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::getline(in, boot_id);
@@ -110,7 +109,7 @@ std::string cuda_device_placement(int device) {
 }
 #else
 std::string cuda_device_placement(int /*device*/) {
-  TORCH_CHECK(false, "fsdp_muon::init_from_env: this build of fsdp_muon has no CUDA");
+  FSDP_MUON_CHECK(false, "this build of fsdp_muon has no CUDA");
 }
 #endif
 

@@ -7,11 +7,10 @@
 
 #include "comm/launch_environment.h"
 #include "comm/single_rank_communicator.h"
+#include "common/check.h"
 
 namespace fsdp_muon {
 namespace {
-
-constexpr const char* kMakeMesh = "fsdp_muon::make_device_mesh";
 
 // Every rank's shard_size, so that a rank passing another value fails everywhere, naming it.
 std::vector<int64_t> shard_sizes_of_every_rank(Communicator& world, int shard_size) {
@@ -31,24 +30,27 @@ std::string DeviceMesh::shape() const {
 }
 
 DeviceMesh one_dimensional_mesh(std::shared_ptr<Communicator> comm) {
-  TORCH_CHECK(comm, "fsdp_muon::one_dimensional_mesh: the communicator is null");
+  FSDP_MUON_API_SCOPE("one_dimensional_mesh");
+  FSDP_MUON_CHECK(comm, "the communicator is null");
   auto one = detail::make_single_rank_communicator(comm->device(), comm->backend_name());
   return DeviceMesh{comm, comm, std::move(one)};
 }
 
 DeviceMesh make_device_mesh(std::shared_ptr<Communicator> world, int shard_size) {
-  TORCH_CHECK(world, kMakeMesh, ": the world communicator is null");
+  FSDP_MUON_API_SCOPE("make_device_mesh");
+  FSDP_MUON_CHECK(world, "the world communicator is null");
   const int size = world->size();
   if (size > 1) {
     const std::vector<int64_t> sizes = shard_sizes_of_every_rank(*world, shard_size);
     for (int r = 0; r < size; ++r) {
-      TORCH_CHECK(sizes[r] == sizes[0], kMakeMesh, ": rank ", r, " passed shard_size=", sizes[r],
-                  " but rank 0 passed ", sizes[0], "; every rank must pass the same shard size");
+      FSDP_MUON_CHECK(sizes[r] == sizes[0], "rank ", r, " passed shard_size=", sizes[r],
+                      " but rank 0 passed ", sizes[0],
+                      "; every rank must pass the same shard size");
     }
   }
-  TORCH_CHECK(shard_size >= 1 && shard_size <= size && size % shard_size == 0, kMakeMesh,
-              ": shard_size=", shard_size, " does not divide the world size ", size,
-              "; pass a divisor of it (the ranks per node, e.g. ", size, " for one replica)");
+  FSDP_MUON_CHECK(shard_size >= 1 && shard_size <= size && size % shard_size == 0,
+                  "shard_size=", shard_size, " does not divide the world size ", size,
+                  "; pass a divisor of it (the ranks per node, e.g. ", size, " for one replica)");
   if (shard_size == size) return one_dimensional_mesh(std::move(world));
   const int rank = world->rank();
   // Replica-major: the shard groups are contiguous blocks of ranks.
@@ -58,13 +60,13 @@ DeviceMesh make_device_mesh(std::shared_ptr<Communicator> world, int shard_size)
 }
 
 DeviceMesh init_mesh_from_env(std::optional<int> shard_size, const InitOptions& options) {
+  FSDP_MUON_API_SCOPE("init_mesh_from_env");
   if (!shard_size) {
-    const detail::LaunchEnvironment e =
-        detail::read_launch_environment_for("fsdp_muon::init_mesh_from_env");
-    TORCH_CHECK(e.local_world_size > 0, "fsdp_muon::init_mesh_from_env: the ", e.launcher,
-                " launcher gives no number of ranks per node (LOCAL_WORLD_SIZE, "
-                "OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_STEP_TASKS_PER_NODE or MPI_LOCALNRANKS with "
-                "the same count on every node); pass shard_size");
+    const detail::LaunchEnvironment e = detail::read_launch_environment_here();
+    FSDP_MUON_CHECK(e.local_world_size > 0, "the ", e.launcher,
+                    " launcher gives no number of ranks per node (LOCAL_WORLD_SIZE, "
+                    "OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_STEP_TASKS_PER_NODE or MPI_LOCALNRANKS with "
+                    "the same count on every node); pass shard_size");
     shard_size = e.local_world_size;
   }
   return make_device_mesh(init_from_env(options), *shard_size);

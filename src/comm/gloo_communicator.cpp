@@ -13,6 +13,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include "common/check.h"
+
 namespace fsdp_muon {
 namespace {
 
@@ -25,8 +27,7 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
     case ReduceOp::kMin:
       return c10d::ReduceOp::MIN;
   }
-  TORCH_CHECK(false, "fsdp_muon::Communicator::all_reduce: unknown ReduceOp ",
-              static_cast<int>(op));
+  FSDP_MUON_CHECK(false, "unknown ReduceOp ", static_cast<int>(op));
 }
 
 class GlooCommunicator final : public Communicator {
@@ -34,7 +35,7 @@ class GlooCommunicator final : public Communicator {
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                    std::chrono::milliseconds timeout, const std::string& hostname)
       : Communicator(rank, size), store_(store), timeout_(timeout), hostname_(hostname) {
-    TORCH_CHECK(store, "fsdp_muon::make_gloo_communicator: store is null");
+    FSDP_MUON_CHECK(store, "store is null");
     auto opts = c10d::ProcessGroupGloo::Options::create();
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
@@ -105,9 +106,9 @@ class GlooCommunicator final : public Communicator {
                                                 new_rank, static_cast<int>(members.size()),
                                                 timeout_, hostname_);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "fsdp_muon::Communicator::split: setting up gloo for rank ", new_rank,
-                  " of ", members.size(), " (rank ", rank(), " of ", size(),
-                  " here) failed (did every rank call split() alike?): ", e.what());
+      FSDP_MUON_CHECK(false, "setting up gloo for rank ", new_rank, " of ", members.size(),
+                      " (rank ", rank(), " of ", size(),
+                      " here) failed (did every rank call split() alike?): ", e.what());
     }
   }
 
@@ -167,17 +168,19 @@ class GlooCommunicator final : public Communicator {
     return std::make_unique<GlooWork>(
         "all_gather_v", *this, std::move(work),
         [staged, recv, recv_counts, out_counts, header, elem, rank = rank(), world]() {
+          // Runs at wait(), under whatever call waits: name the collective.
+          FSDP_MUON_API_SCOPE("Communicator::all_gather_v");
           const auto* from = static_cast<const uint8_t*>(staged.data_ptr());
           std::vector<int64_t> theirs(world);
           for (int p = 0; p < world; ++p) {
             std::memcpy(theirs.data(), from, static_cast<size_t>(header));
-            TORCH_CHECK(theirs == recv_counts,
-                        "fsdp_muon::Communicator::all_gather_v: the ranks passed different "
-                        "recv_counts: rank ",
-                        p, " passed ", c10::IntArrayRef(theirs), " but this rank (", rank, " of ",
-                        world, ") passed ", c10::IntArrayRef(recv_counts),
-                        "; every rank must pass the same recv_counts (each rank's send size, "
-                        "in rank order); the receive buffer is undefined");
+            FSDP_MUON_CHECK(theirs == recv_counts,
+                            "the ranks passed different "
+                            "recv_counts: rank ",
+                            p, " passed ", c10::IntArrayRef(theirs), " but this rank (", rank,
+                            " of ", world, ") passed ", c10::IntArrayRef(recv_counts),
+                            "; every rank must pass the same recv_counts (each rank's send size, "
+                            "in rank order); the receive buffer is undefined");
             from += out_counts[p];
           }
           from = static_cast<const uint8_t*>(staged.data_ptr());
@@ -273,6 +276,7 @@ std::shared_ptr<Communicator> make_gloo_communicator(c10::intrusive_ptr<c10d::St
                                                      int rank, int size,
                                                      std::chrono::milliseconds timeout,
                                                      const std::string& hostname) {
+  FSDP_MUON_API_SCOPE("make_gloo_communicator");
   return std::make_shared<GlooCommunicator>(std::move(store), rank, size, timeout, hostname);
 }
 

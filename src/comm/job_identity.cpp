@@ -20,6 +20,7 @@
 
 #include "comm/launch_environment.h"
 #include "comm/rendezvous_store.h"
+#include "common/check.h"
 
 namespace fsdp_muon::detail {
 namespace {
@@ -77,7 +78,6 @@ std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()
 
 void agree_on_job(c10d::Store& store, const LaunchEnvironment& e, std::chrono::milliseconds timeout,
                   const std::string& waiting) {
-  const std::string api = "fsdp_muon::init_from_env: ";
   const JobRecord mine = own_record(e);
   const std::string place = store_place(e);
   const std::string fix =
@@ -90,9 +90,10 @@ void agree_on_job(c10d::Store& store, const LaunchEnvironment& e, std::chrono::m
       const JobRecord other = JobRecord::decode(held);
       store.set("verdict",
                 bytes_of("another rank 0 (" + mine.describe(e.launcher) + ") uses this store too"));
-      TORCH_CHECK(false, api, "the rendezvous store ", place,
-                  " already belongs to another job: ", "its rank 0 is ", other.describe(e.launcher),
-                  "; this rank is ", mine.describe(e.launcher), fix);
+      FSDP_MUON_CHECK(false, "the rendezvous store ", place,
+                      " already belongs to another job: ", "its rank 0 is ",
+                      other.describe(e.launcher), "; this rank is ", mine.describe(e.launcher),
+                      fix);
     }
     std::vector<std::string> joined;
     for (int r = 1; r < e.world_size; ++r) joined.push_back("joined/" + std::to_string(r));
@@ -105,7 +106,7 @@ void agree_on_job(c10d::Store& store, const LaunchEnvironment& e, std::chrono::m
                                   " (it said: " + other.reason + "); this job's rank 0 is " +
                                   mine.describe(e.launcher);
         store.set("verdict", bytes_of(error));
-        TORCH_CHECK(false, api, error, fix);
+        FSDP_MUON_CHECK(false, error, fix);
       }
       if (joined.empty() || store.check(joined)) break;
       if (std::chrono::steady_clock::now() >= deadline) {
@@ -157,7 +158,7 @@ void agree_on_job(c10d::Store& store, const LaunchEnvironment& e, std::chrono::m
     refusal.reason = error;
     const int64_t n = store.add("refusals", 1);
     store.set("refused/" + std::to_string(n), bytes_of(refusal.encode()));
-    TORCH_CHECK(false, api, error, fix);
+    FSDP_MUON_CHECK(false, error, fix);
   }
   std::vector<uint8_t> verdict;
   try {
@@ -167,7 +168,7 @@ void agree_on_job(c10d::Store& store, const LaunchEnvironment& e, std::chrono::m
                 " within ", timeout.count() / 1000.0, " s: ", ex.what_without_backtrace());
   }
   const std::string text(verdict.begin(), verdict.end());
-  TORCH_CHECK(text == "ok", api, "rank 0 refused the job: ", text);
+  FSDP_MUON_CHECK(text == "ok", "rank 0 refused the job: ", text);
 }
 
 }  // namespace fsdp_muon::detail

@@ -37,16 +37,16 @@ struct LaunchEnvironment {
 // torchrun (TORCHELASTIC_RUN_ID set) over the rest, mpirun and PMI over Slurm (whose variables
 // then describe the daemon mpirun started, not this rank); any other pair must agree.
 // Errors are prefixed "fsdp_muon::read_launch_environment" (the tests' name for this call);
-// init_from_env() reads through read_launch_environment_for() with its own name.
+// init_from_env() reads through read_launch_environment_here() under its own name.
 LaunchEnvironment read_launch_environment();
 
 // The variable's value; an empty variable counts as unset (`export RANK=` is how shells clear
 // one).
 std::optional<std::string> env_variable(const char* name);
 
-// read_launch_environment(), its errors naming the public call that read the environment:
-// `api` is "fsdp_muon::init_from_env" or "fsdp_muon::read_launch_environment".
-LaunchEnvironment read_launch_environment_for(const char* api);
+// read_launch_environment(), its errors naming the public call that reads the environment (the
+// caller's ApiScope, common/check.h: init_from_env, init_mesh_from_env).
+LaunchEnvironment read_launch_environment_here();
 
 // The job id the launcher gives its ranks (the same on every rank of one job, different for
 // another job), or nullopt when it gives none.

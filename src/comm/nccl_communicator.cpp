@@ -23,6 +23,7 @@
 #include "comm/call_watchdog.h"
 #include "comm/device_choice.h"
 #include "comm/nccl_internal.h"
+#include "common/check.h"
 #include "common/cuda_check.h"
 
 namespace fsdp_muon {
@@ -41,16 +42,15 @@ std::string version_string(int code) {
 void check_nccl_version() {
   int loaded = 0;
   FSDP_MUON_CHECK_NCCL(ncclGetVersion(&loaded));
-  TORCH_CHECK(loaded / 100 == NCCL_VERSION_CODE / 100,
-              "fsdp_muon::make_nccl_communicator: this process loaded NCCL ",
-              version_string(loaded), " but fsdp_muon was compiled against NCCL ",
-              version_string(NCCL_VERSION_CODE),
-              " headers; make the libnccl.so.2 torch loads (the nvidia-nccl wheel beside torch) "
-              "the one fsdp_muon was built with (NCCL_HOME at configure time, LD_LIBRARY_PATH)");
+  FSDP_MUON_CHECK(
+      loaded / 100 == NCCL_VERSION_CODE / 100, "this process loaded NCCL ", version_string(loaded),
+      " but fsdp_muon was compiled against NCCL ", version_string(NCCL_VERSION_CODE),
+      " headers; make the libnccl.so.2 torch loads (the nvidia-nccl wheel beside torch) "
+      "the one fsdp_muon was built with (NCCL_HOME at configure time, LD_LIBRARY_PATH)");
 }
 
-// `api` names the collective the caller called, for the error.
-ncclDataType_t to_nccl(c10::ScalarType t, const std::string& api) {
+// Errors name the collective the caller called (its ApiScope).
+ncclDataType_t to_nccl(c10::ScalarType t) {
   switch (t) {
     case c10::kFloat:
       return ncclFloat32;
@@ -70,7 +70,7 @@ ncclDataType_t to_nccl(c10::ScalarType t, const std::string& api) {
     case c10::kChar:
       return ncclInt8;
     default:
-      TORCH_CHECK(false, api, ": dtype ", t, " cannot be reduced by NCCL");
+      FSDP_MUON_CHECK(false, "dtype ", t, " cannot be reduced by NCCL");
   }
 }
 
@@ -83,8 +83,7 @@ ncclRedOp_t to_nccl(ReduceOp op) {
     case ReduceOp::kMin:
       return ncclMin;
   }
-  TORCH_CHECK(false, "fsdp_muon::Communicator::all_reduce: unknown ReduceOp ",
-              static_cast<int>(op));
+  FSDP_MUON_CHECK(false, "unknown ReduceOp ", static_cast<int>(op));
 }
 
 size_t bytes_of(const at::Tensor& t) { return static_cast<size_t>(t.nbytes()); }
@@ -208,22 +207,21 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                    int device_index, std::chrono::milliseconds timeout)
       : Communicator(rank, size), store_(store), device_index_(device_index), timeout_(timeout) {
-    TORCH_CHECK(store, "fsdp_muon::make_nccl_communicator: store is null");
+    FSDP_MUON_CHECK(store, "store is null");
     // NCCL_COMM_BLOCKING overrides every communicator's blocking mode (init.cc,
     // envConfigOverride): it would make the set-up unbounded or the collectives non-blocking.
     const char* forced = std::getenv("NCCL_COMM_BLOCKING");
-    TORCH_CHECK(
+    FSDP_MUON_CHECK(
         forced == nullptr || *forced == '\0',
-        "fsdp_muon::make_nccl_communicator: NCCL_COMM_BLOCKING=", forced == nullptr ? "" : forced,
+        "NCCL_COMM_BLOCKING=", forced == nullptr ? "" : forced,
         " is set; it overrides the blocking mode of every NCCL communicator, and fsdp_muon "
         "needs its set-up non-blocking (bounded by the timeout) and its collectives "
         "blocking (launched on your thread): unset NCCL_COMM_BLOCKING");
     int device_count = 0;
     FSDP_MUON_CHECK_CUDA(cudaGetDeviceCount(&device_count));
-    TORCH_CHECK(device_index >= 0 && device_index < device_count,
-                "fsdp_muon::make_nccl_communicator: device_index ", device_index,
-                " is outside the visible CUDA devices [0, ", device_count,
-                "); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
+    FSDP_MUON_CHECK(device_index >= 0 && device_index < device_count, "device_index ", device_index,
+                    " is outside the visible CUDA devices [0, ", device_count,
+                    "); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
     check_nccl_version();
     // Twice the timeout: a wait for the GPU (to_host, barrier) reaches its own timeout and
     // throws first; the watchdog is for calls that never get there.
@@ -250,9 +248,8 @@ class NcclCommunicator final : public Communicator {
     } else {
       store->wait({kKey}, timeout);
       const std::vector<uint8_t> bytes = store->get(kKey);
-      TORCH_CHECK(bytes.size() == sizeof(id),
-                  "fsdp_muon::make_nccl_communicator: the NCCL unique id in the store has ",
-                  bytes.size(), " bytes, expected ", sizeof(id));
+      FSDP_MUON_CHECK(bytes.size() == sizeof(id), "the NCCL unique id in the store has ",
+                      bytes.size(), " bytes, expected ", sizeof(id));
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
 
@@ -436,7 +433,7 @@ class NcclCommunicator final : public Communicator {
       if (tensor.numel() == 0) return;
       finish(
           ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
-                        to_nccl(tensor.scalar_type(), api_), to_nccl(op), comm_, stream),
+                        to_nccl(tensor.scalar_type()), to_nccl(op), comm_, stream),
           "ncclAllReduce");
     });
     return end_async({tensor});
@@ -582,7 +579,7 @@ class NcclCommunicator final : public Communicator {
     if (recv.numel() == 0) {
       return;
     }
-    const ncclDataType_t dtype = to_nccl(send.scalar_type(), api_);
+    const ncclDataType_t dtype = to_nccl(send.scalar_type());
     finish(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(recv.numel()),
                              dtype, ncclAvg, comm_, stream),
            "ncclReduceScatter");
@@ -596,7 +593,7 @@ class NcclCommunicator final : public Communicator {
     if (tensor.numel() == 0) {
       return;
     }
-    const ncclDataType_t dtype = to_nccl(tensor.scalar_type(), api_);
+    const ncclDataType_t dtype = to_nccl(tensor.scalar_type());
     finish(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
                          dtype, to_nccl(op), comm_, stream),
            "ncclAllReduce");
@@ -643,8 +640,8 @@ class NcclCommunicator final : public Communicator {
     if (api_ == kFactoryApi) {
       api_ = "fsdp_muon::Communicator::to_host";
     }
-    TORCH_CHECK(!failed_, "fsdp_muon::Communicator::to_host: the nccl communicator (rank ", rank(),
-                " of ", size(), ") was aborted by an earlier error");
+    FSDP_MUON_CHECK(!failed_, "the nccl communicator (rank ", rank(), " of ", size(),
+                    ") was aborted by an earlier error");
     check_async_error("to_host");
     const cudaStream_t stream =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
@@ -901,9 +898,10 @@ class NcclCommunicator final : public Communicator {
   // Teardown cannot throw; what fails there is reported, with the rank and the device.
   void warn_unless_success(ncclResult_t result, const char* call) const {
     if (result != ncclSuccess) {
-      TORCH_WARN("fsdp_muon::Communicator: nccl on rank ", rank(), " of ", size(),
-                 " (cuda:", device_index_, "): ", call, " returned ", ncclGetErrorString(result),
-                 " (", ncclGetLastError(nullptr), ")");
+      FSDP_MUON_API_SCOPE("Communicator");  // teardown runs under no call of the user's
+      FSDP_MUON_WARN("nccl on rank ", rank(), " of ", size(), " (cuda:", device_index_, "): ", call,
+                     " returned ", ncclGetErrorString(result), " (", ncclGetLastError(nullptr),
+                     ")");
     }
   }
 
@@ -963,6 +961,7 @@ std::string cuda_pci_bus_id(int device) {
 std::shared_ptr<Communicator> make_nccl_communicator(c10::intrusive_ptr<c10d::Store> store,
                                                      int rank, int size, int device_index,
                                                      std::chrono::milliseconds timeout) {
+  FSDP_MUON_API_SCOPE("make_nccl_communicator");
   return std::make_shared<NcclCommunicator>(store, rank, size, device_index, timeout);
 }
 

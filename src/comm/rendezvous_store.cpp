@@ -23,6 +23,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/launch_environment.h"
+#include "common/check.h"
 
 namespace fsdp_muon::detail {
 namespace {
@@ -46,8 +47,7 @@ std::string file_store_path(const LaunchEnvironment& e) {
   std::string dir = "/tmp";
   if (const auto chosen = env_variable("FSDP_MUON_STORE_DIR")) {
     dir = *chosen;
-    TORCH_CHECK(is_directory(dir), "fsdp_muon::init_from_env: FSDP_MUON_STORE_DIR=", dir,
-                " is not a directory");
+    FSDP_MUON_CHECK(is_directory(dir), "FSDP_MUON_STORE_DIR=", dir, " is not a directory");
   } else if (const auto session = env_variable("OMPI_MCA_orte_jobfam_session_dir");
              session && e.launcher == "mpirun" && is_directory(*session)) {
     // mpirun removes its session directory when the job ends, even after a crash, so no stale
@@ -114,11 +114,11 @@ c10::intrusive_ptr<c10d::Store> make_base_store(const LaunchEnvironment& e,
       return connect_within(e.master_addr, opts, timeout);
     } catch (const std::exception& ex) {
       const auto* c10_error = dynamic_cast<const c10::Error*>(&ex);
-      TORCH_CHECK(false, "fsdp_muon::init_from_env: could not ", opts.isServer ? "serve" : "reach",
-                  " the rendezvous store at MASTER_ADDR=", e.master_addr,
-                  " MASTER_PORT=", e.master_port, " within ", timeout.count() / 1000.0, " s (",
-                  e.launcher, " rank ", e.rank, " of ", e.world_size,
-                  "): ", c10_error ? c10_error->what_without_backtrace() : ex.what());
+      FSDP_MUON_CHECK(false, "could not ", opts.isServer ? "serve" : "reach",
+                      " the rendezvous store at MASTER_ADDR=", e.master_addr,
+                      " MASTER_PORT=", e.master_port, " within ", timeout.count() / 1000.0, " s (",
+                      e.launcher, " rank ", e.rank, " of ", e.world_size,
+                      "): ", c10_error ? c10_error->what_without_backtrace() : ex.what());
     }
   }
   if (e.world_size == 1) {

@@ -1,6 +1,7 @@
 #pragma once
-// One family of check macros for the CUDA side (CUDA runtime, cuBLAS, NCCL). Each throws a
-// c10::Error carrying the file, the line, the failed call and the library's own error string.
+// The CUDA side of the check family (common/check.h): CUDA runtime, cuBLAS, NCCL. Each throws a
+// c10::Error carrying the calling API, the file, the line, the failed call and the library's own
+// error string.
 // Internal header: only compiled into the CUDA build.
 
 #include <cublas_v2.h>
@@ -9,29 +10,32 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/check.h"
+
 namespace fsdp_muon::detail {
 const char* cublas_status_string(cublasStatus_t status);
 }  // namespace fsdp_muon::detail
 
-#define FSDP_MUON_CHECK_CUDA(expr)                                                                \
-  do {                                                                                            \
-    const cudaError_t fsdp_muon_status_ = (expr);                                                 \
-    TORCH_CHECK(fsdp_muon_status_ == cudaSuccess, __FILE__, ":", __LINE__, ": CUDA call ", #expr, \
-                " failed: ", cudaGetErrorString(fsdp_muon_status_));                              \
-  } while (0)
-
-#define FSDP_MUON_CHECK_CUBLAS(expr)                                                        \
-  do {                                                                                      \
-    const cublasStatus_t fsdp_muon_status_ = (expr);                                        \
-    TORCH_CHECK(fsdp_muon_status_ == CUBLAS_STATUS_SUCCESS, __FILE__, ":", __LINE__,        \
-                ": cuBLAS call ", #expr,                                                    \
-                " failed: ", ::fsdp_muon::detail::cublas_status_string(fsdp_muon_status_)); \
-  } while (0)
-
-#define FSDP_MUON_CHECK_NCCL(expr)                                                                 \
+#define FSDP_MUON_CHECK_CUDA(expr)                                                                 \
   do {                                                                                             \
-    const ncclResult_t fsdp_muon_status_ = (expr);                                                 \
-    TORCH_CHECK(fsdp_muon_status_ == ncclSuccess || fsdp_muon_status_ == ncclInProgress, __FILE__, \
-                ":", __LINE__, ": NCCL call ", #expr,                                              \
-                " failed: ", ncclGetErrorString(fsdp_muon_status_));                               \
+    const cudaError_t fsdp_muon_status_ = (expr);                                                  \
+    TORCH_CHECK(fsdp_muon_status_ == cudaSuccess, ::fsdp_muon::detail::ApiPrefix{}, __FILE__, ":", \
+                __LINE__, ": CUDA call ", #expr,                                                   \
+                " failed: ", cudaGetErrorString(fsdp_muon_status_));                               \
+  } while (0)
+
+#define FSDP_MUON_CHECK_CUBLAS(expr)                                                          \
+  do {                                                                                        \
+    const cublasStatus_t fsdp_muon_status_ = (expr);                                          \
+    TORCH_CHECK(fsdp_muon_status_ == CUBLAS_STATUS_SUCCESS, ::fsdp_muon::detail::ApiPrefix{}, \
+                __FILE__, ":", __LINE__, ": cuBLAS call ", #expr,                             \
+                " failed: ", ::fsdp_muon::detail::cublas_status_string(fsdp_muon_status_));   \
+  } while (0)
+
+#define FSDP_MUON_CHECK_NCCL(expr)                                                                \
+  do {                                                                                            \
+    const ncclResult_t fsdp_muon_status_ = (expr);                                                \
+    TORCH_CHECK(fsdp_muon_status_ == ncclSuccess || fsdp_muon_status_ == ncclInProgress,          \
+                ::fsdp_muon::detail::ApiPrefix{}, __FILE__, ":", __LINE__, ": NCCL call ", #expr, \
+                " failed: ", ncclGetErrorString(fsdp_muon_status_));                              \
   } while (0)

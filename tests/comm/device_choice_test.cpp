@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "comm/device_choice.h"
+#include "common/check.h"
 
 namespace fsdp_muon::detail {
 namespace {
@@ -59,6 +60,7 @@ TEST(DeviceChoice, SeveralVisibleDevicesAreChosenByTheLocalRank) {
 }
 
 TEST(DeviceChoice, ALocalRankPastTheVisibleDevicesIsAnErrorNamingBoth) {
+  FSDP_MUON_API_SCOPE("init_from_env");  // the library calls it from there
   const std::string message = message_of([] { choose_cuda_device(2, srun_rank(7, 5)); });
   EXPECT_NE(message.find("fsdp_muon::init_from_env: local rank 5 (from SLURM_LOCALID) has no "
                          "CUDA device: 2 are visible to srun rank 7"),
@@ -68,6 +70,7 @@ TEST(DeviceChoice, ALocalRankPastTheVisibleDevicesIsAnErrorNamingBoth) {
 }
 
 TEST(DeviceChoice, NoVisibleDeviceIsAnError) {
+  FSDP_MUON_API_SCOPE("init_from_env");  // the library calls it from there
   const std::string message = message_of([] { choose_cuda_device(0, srun_rank(3, 0)); });
   EXPECT_NE(message.find("fsdp_muon::init_from_env: NCCL needs a CUDA device, but none is "
                          "visible to srun rank 3"),
