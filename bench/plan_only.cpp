@@ -156,7 +156,7 @@ int run_plan_only(Flags& flags) {
       flags.get("models", "llama3-8b,qwen3-30b-a3b,gpt2,dense-70b,moe-8x,moe-64x");
   const std::vector<int64_t> world_sizes = flags.get_ints("world-sizes", {8, 16, 32, 64, 128, 256});
   const int64_t budget_mib = flags.get_int("prefetch-mib", 1024);
-  const int64_t ns_steps = flags.get_int("ns-steps", 5);
+  const int64_t newton_schulz_steps = flags.get_int("ns-steps", 5);
   flags.finish();
   TORCH_CHECK(budget_mib >= 0, "--prefetch-mib must be >= 0");
   const std::vector<std::string> models = split_list(models_flag);
@@ -192,7 +192,8 @@ int run_plan_only(Flags& flags) {
       "          path + busiest rank's bytes for the 1.5x limit's plan (the default before the\n"
       "          cost model became it) -> the cost model's plan\n"
       "Default FsdpMuonConfig: policy %s, schedule %s.\n",
-      static_cast<long long>(ns_steps), format("%lldM", static_cast<long long>(budget_mib)).c_str(),
+      static_cast<long long>(newton_schulz_steps),
+      format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       static_cast<long long>(budget_mib),
       format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       format("%lldM", static_cast<long long>(budget_mib)).c_str(),
@@ -208,7 +209,7 @@ int run_plan_only(Flags& flags) {
     const ModelShapes model = model_by_name(name);
     double total_flops = 0;
     {
-      const auto groups = plan_groups(model, 1, ns_steps);
+      const auto groups = plan_groups(model, 1, newton_schulz_steps);
       for (const auto& g : groups) {
         for (const auto& m : g.matrices) {
           total_flops += fsdp_muon::plan_matrix_flops(m);
@@ -229,7 +230,7 @@ int run_plan_only(Flags& flags) {
         "free", "need", "cost: ratio /floor B/min ms->ms");
     for (int64_t w : world_sizes) {
       TORCH_CHECK(w >= 1, "--world-sizes must be positive");
-      const auto groups = plan_groups(model, static_cast<int>(w), ns_steps);
+      const auto groups = plan_groups(model, static_cast<int>(w), newton_schulz_steps);
       for (auto policy : {fsdp_muon::OwnerPolicy::kHoldersOnly, fsdp_muon::OwnerPolicy::kAnyRank,
                           fsdp_muon::OwnerPolicy::kBalanced}) {
         const Row r = plan_row(groups, static_cast<int>(w), policy, budget_mib << 20);

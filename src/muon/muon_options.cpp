@@ -56,10 +56,10 @@ void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
   archive.write("nesterov", c10::IValue(nesterov()));
   archive.write("weight_decay", c10::IValue(weight_decay()));
   write_enum(archive, "weight_decay_method", weight_decay_method());
-  archive.write("ns_steps", c10::IValue(ns_steps()));
-  write_enum(archive, "coefficients", coefficients());
+  archive.write("ns_steps", c10::IValue(newton_schulz().steps()));
+  write_enum(archive, "coefficients", newton_schulz().coefficients());
   // An n x 3 float64 tensor; n = 0 means "use the preset".
-  const auto& custom = custom_coefficients();
+  const auto& custom = newton_schulz().custom_coefficients();
   std::vector<double> flat;
   flat.reserve(3 * custom.size());
   for (const auto& tuple : custom) {
@@ -70,12 +70,13 @@ void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
   archive.write("custom_coefficients", c10::IValue(table));
   write_enum(archive, "scale_mode", scale_mode());
   archive.write("extra_scale_factor", c10::IValue(extra_scale_factor()));
-  archive.write("eps", c10::IValue(eps()));
-  write_enum(archive, "ns_dtype", ns_dtype());
+  archive.write("eps", c10::IValue(newton_schulz().eps()));
+  write_enum(archive, "ns_dtype", newton_schulz().compute_dtype());
   archive.write("skip_non_matrix", c10::IValue(skip_non_matrix()));
-  write_enum(archive, "ns_method", ns_method());
-  archive.write("gram_restarts", c10::IValue(at::tensor(gram_restarts(), at::kLong)));
-  write_enum(archive, "ns_preconditioning", ns_preconditioning());
+  write_enum(archive, "ns_method", newton_schulz().method());
+  archive.write("gram_restarts",
+                c10::IValue(at::tensor(newton_schulz().gram_restarts(), at::kLong)));
+  write_enum(archive, "ns_preconditioning", newton_schulz().preconditioning());
   write_enum(archive, "normalization", normalization());
   archive.write("normuon_beta2", c10::IValue(normuon_beta2()));
   archive.write("normuon_eps", c10::IValue(normuon_eps()));
@@ -90,8 +91,9 @@ void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
   read_scalar(archive, "nesterov", nesterov_);
   read_scalar(archive, "weight_decay", weight_decay_);
   read_enum(archive, "weight_decay_method", weight_decay_method_, 4);
-  read_scalar(archive, "ns_steps", ns_steps_);
-  read_enum(archive, "coefficients", coefficients_, detail::ns_coefficients_count());
+  read_scalar(archive, "ns_steps", newton_schulz_.steps());
+  read_enum(archive, "coefficients", newton_schulz_.coefficients(),
+            detail::ns_coefficients_count());
   c10::IValue table_value;
   if (archive.try_read("custom_coefficients", table_value)) {
     const at::Tensor table = table_value.toTensor().to(at::kDouble).contiguous();
@@ -100,27 +102,28 @@ void MuonOptions::serialize(torch::serialize::InputArchive& archive) {
                 "tensor, got ",
                 table.sizes());
     const double* data = table.data_ptr<double>();
-    custom_coefficients_.assign(static_cast<size_t>(table.size(0)), {});
-    for (size_t i = 0; i < custom_coefficients_.size(); ++i) {
-      custom_coefficients_[i] = {data[3 * i], data[3 * i + 1], data[3 * i + 2]};
+    newton_schulz_.custom_coefficients().assign(static_cast<size_t>(table.size(0)), {});
+    for (size_t i = 0; i < newton_schulz_.custom_coefficients().size(); ++i) {
+      newton_schulz_.custom_coefficients()[i] = {data[3 * i], data[3 * i + 1], data[3 * i + 2]};
     }
   }
   read_enum(archive, "scale_mode", scale_mode_, 5);
   read_scalar(archive, "extra_scale_factor", extra_scale_factor_);
-  read_scalar(archive, "eps", eps_);
-  read_enum(archive, "ns_dtype", ns_dtype_, static_cast<int64_t>(c10::ScalarType::NumOptions));
+  read_scalar(archive, "eps", newton_schulz_.eps());
+  read_enum(archive, "ns_dtype", newton_schulz_.compute_dtype(),
+            static_cast<int64_t>(c10::ScalarType::NumOptions));
   read_scalar(archive, "skip_non_matrix", skip_non_matrix_);
-  read_enum(archive, "ns_method", ns_method_, 3);
+  read_enum(archive, "ns_method", newton_schulz_.method(), 3);
   c10::IValue restarts_value;
   if (archive.try_read("gram_restarts", restarts_value)) {
     const at::Tensor restarts = restarts_value.toTensor().to(at::kLong).contiguous();
     TORCH_CHECK(restarts.dim() == 1,
                 "fsdp_muon::MuonOptions: archive entry 'gram_restarts' must be a 1-D tensor, got ",
                 restarts.sizes());
-    gram_restarts_.assign(restarts.data_ptr<int64_t>(),
-                          restarts.data_ptr<int64_t>() + restarts.numel());
+    newton_schulz_.gram_restarts().assign(restarts.data_ptr<int64_t>(),
+                                          restarts.data_ptr<int64_t>() + restarts.numel());
   }
-  read_enum(archive, "ns_preconditioning", ns_preconditioning_, 2);
+  read_enum(archive, "ns_preconditioning", newton_schulz_.preconditioning(), 2);
   {
     // Any value with an update rule: the library's, or a variant registered before the load.
     c10::IValue ivalue;
@@ -173,15 +176,22 @@ void MuonOptions::validate() const {
               "; use a finite value >= 0 (0 disables weight decay)");
   TORCH_CHECK(momentum() >= 0 && momentum() < 1, "fsdp_muon::MuonOptions: invalid momentum ",
               momentum(), "; momentum must lie in [0, 1), e.g. .momentum(0.95)");
-  TORCH_CHECK(ns_steps() >= 1, "fsdp_muon::MuonOptions: invalid ns_steps ", ns_steps(),
-              "; Newton-Schulz needs at least 1 step, e.g. .ns_steps(5)");
-  TORCH_CHECK(eps() > 0 && eps() <= detail::kLargestEps, "fsdp_muon::MuonOptions: invalid eps ",
-              eps(), "; eps must be a finite value > 0 and at most ", detail::kLargestEps,
-              " (bf16's largest; it clamps the Frobenius norm), e.g. .eps(1e-7)");
-  TORCH_CHECK(ns_dtype() == at::kBFloat16 || ns_dtype() == at::kFloat,
-              "fsdp_muon::MuonOptions: invalid ns_dtype ", c10::toString(ns_dtype()),
-              "; Newton-Schulz computes in bf16 or fp32: use .ns_dtype(at::kBFloat16) or "
-              ".ns_dtype(at::kFloat)");
+  const NewtonSchulzOptions& ns = newton_schulz();
+  TORCH_CHECK(ns.steps() >= 1, "fsdp_muon::MuonOptions: invalid newton_schulz().steps() ",
+              ns.steps(),
+              "; Newton-Schulz needs at least 1 step, e.g. "
+              ".newton_schulz(NewtonSchulzOptions().steps(5))");
+  TORCH_CHECK(ns.eps() > 0 && ns.eps() <= detail::kLargestEps,
+              "fsdp_muon::MuonOptions: invalid newton_schulz().eps() ", ns.eps(),
+              "; eps must be a finite value > 0 and at most ", detail::kLargestEps,
+              " (bf16's largest; it clamps the Frobenius norm), e.g. "
+              ".newton_schulz(NewtonSchulzOptions().eps(1e-7))");
+  TORCH_CHECK(ns.compute_dtype() == at::kBFloat16 || ns.compute_dtype() == at::kFloat,
+              "fsdp_muon::MuonOptions: invalid newton_schulz().compute_dtype() ",
+              c10::toString(ns.compute_dtype()),
+              "; Newton-Schulz computes in bf16 or fp32: use "
+              ".newton_schulz(NewtonSchulzOptions().compute_dtype(at::kBFloat16)) or "
+              "compute_dtype(at::kFloat)");
   TORCH_CHECK(std::isfinite(extra_scale_factor()),
               "fsdp_muon::MuonOptions: invalid extra_scale_factor ", extra_scale_factor(),
               "; use a finite factor, e.g. .extra_scale_factor(1.0)");
@@ -196,33 +206,24 @@ void MuonOptions::validate() const {
   matrix_layout().validate("fsdp_muon::MuonOptions: ");
   // Coefficient problems (cubic5 with a step count other than 5, non-finite custom tuples) are
   // checked where the schedule is built, with messages naming the option.
-  (void)detail::newton_schulz_schedule(newton_schulz_options(), "fsdp_muon::MuonOptions",
-                                       "ns_steps");
-}
-
-NewtonSchulzOptions MuonOptions::newton_schulz_options() const {
-  return NewtonSchulzOptions()
-      .steps(ns_steps())
-      .coefficients(coefficients())
-      .custom_coefficients(custom_coefficients())
-      .eps(eps())
-      .compute_dtype(ns_dtype())
-      .method(ns_method())
-      .gram_restarts(gram_restarts())
-      .preconditioning(ns_preconditioning());
+  (void)detail::newton_schulz_schedule(ns, "fsdp_muon::MuonOptions", "newton_schulz().");
 }
 
 bool operator==(const MuonOptions& lhs, const MuonOptions& rhs) {
   return lhs.lr() == rhs.lr() && lhs.momentum() == rhs.momentum() &&
          lhs.nesterov() == rhs.nesterov() && lhs.weight_decay() == rhs.weight_decay() &&
          lhs.weight_decay_method() == rhs.weight_decay_method() &&
-         lhs.ns_steps() == rhs.ns_steps() && lhs.coefficients() == rhs.coefficients() &&
-         lhs.custom_coefficients() == rhs.custom_coefficients() &&
+         lhs.newton_schulz().steps() == rhs.newton_schulz().steps() &&
+         lhs.newton_schulz().coefficients() == rhs.newton_schulz().coefficients() &&
+         lhs.newton_schulz().custom_coefficients() == rhs.newton_schulz().custom_coefficients() &&
          lhs.scale_mode() == rhs.scale_mode() &&
-         lhs.extra_scale_factor() == rhs.extra_scale_factor() && lhs.eps() == rhs.eps() &&
-         lhs.ns_dtype() == rhs.ns_dtype() && lhs.skip_non_matrix() == rhs.skip_non_matrix() &&
-         lhs.ns_method() == rhs.ns_method() && lhs.gram_restarts() == rhs.gram_restarts() &&
-         lhs.ns_preconditioning() == rhs.ns_preconditioning() &&
+         lhs.extra_scale_factor() == rhs.extra_scale_factor() &&
+         lhs.newton_schulz().eps() == rhs.newton_schulz().eps() &&
+         lhs.newton_schulz().compute_dtype() == rhs.newton_schulz().compute_dtype() &&
+         lhs.skip_non_matrix() == rhs.skip_non_matrix() &&
+         lhs.newton_schulz().method() == rhs.newton_schulz().method() &&
+         lhs.newton_schulz().gram_restarts() == rhs.newton_schulz().gram_restarts() &&
+         lhs.newton_schulz().preconditioning() == rhs.newton_schulz().preconditioning() &&
          lhs.normalization() == rhs.normalization() && lhs.normuon_beta2() == rhs.normuon_beta2() &&
          lhs.normuon_eps() == rhs.normuon_eps() && lhs.matrix_layout() == rhs.matrix_layout();
 }

@@ -24,11 +24,10 @@ constexpr double kLargestEps = 3.3895313892515355e38;
 int64_t ns_coefficients_count();
 
 // newton_schulz_schedule() with errors that start with `api` (e.g. "fsdp_muon::MuonOptions") and
-// call the step count `steps_option` (e.g. "ns_steps"), for callers that configure it under
-// another name.
+// spell each option with `prefix` before its name (e.g. "newton_schulz()." for
+// "newton_schulz().steps"), for callers that hold the options inside their own.
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options,
-                                                          const char* api,
-                                                          const char* steps_option);
+                                                          const char* api, const char* prefix);
 
 // The iterate in canonical form: wide (rows <= cols), contiguous, normalized in fp32 and cast to
 // the compute dtype; always 3-D (a 2-D input becomes a batch of one).

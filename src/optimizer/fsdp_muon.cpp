@@ -38,16 +38,16 @@ std::vector<std::pair<std::string, std::string>> option_entries(const MuonOption
   const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
   std::ostringstream custom;
   custom << "{";
-  for (size_t i = 0; i < o.custom_coefficients().size(); ++i) {
-    const auto& abc = o.custom_coefficients()[i];
+  for (size_t i = 0; i < o.newton_schulz().custom_coefficients().size(); ++i) {
+    const auto& abc = o.newton_schulz().custom_coefficients()[i];
     custom << (i ? ", " : "") << "(" << std::hexfloat << abc[0] << ", " << abc[1] << ", " << abc[2]
            << ")";
   }
   custom << "}";
   std::ostringstream restarts;
   restarts << "{";
-  for (size_t i = 0; i < o.gram_restarts().size(); ++i) {
-    restarts << (i ? ", " : "") << o.gram_restarts()[i];
+  for (size_t i = 0; i < o.newton_schulz().gram_restarts().size(); ++i) {
+    restarts << (i ? ", " : "") << o.newton_schulz().gram_restarts()[i];
   }
   restarts << "}";
   return {
@@ -56,17 +56,17 @@ std::vector<std::pair<std::string, std::string>> option_entries(const MuonOption
       {"nesterov", flag(o.nesterov())},
       {"weight_decay", exact_double(o.weight_decay())},
       {"weight_decay_method", to_string(o.weight_decay_method())},
-      {"ns_steps", std::to_string(o.ns_steps())},
-      {"coefficients", to_string(o.coefficients())},
-      {"custom_coefficients", custom.str()},
+      {"newton_schulz.steps", std::to_string(o.newton_schulz().steps())},
+      {"newton_schulz.coefficients", to_string(o.newton_schulz().coefficients())},
+      {"newton_schulz.custom_coefficients", custom.str()},
       {"scale_mode", to_string(o.scale_mode())},
       {"extra_scale_factor", exact_double(o.extra_scale_factor())},
-      {"eps", exact_double(o.eps())},
-      {"ns_dtype", c10::toString(o.ns_dtype())},
+      {"newton_schulz.eps", exact_double(o.newton_schulz().eps())},
+      {"newton_schulz.compute_dtype", c10::toString(o.newton_schulz().compute_dtype())},
       {"skip_non_matrix", flag(o.skip_non_matrix())},
-      {"ns_method", to_string(o.ns_method())},
-      {"gram_restarts", restarts.str()},
-      {"ns_preconditioning", to_string(o.ns_preconditioning())},
+      {"newton_schulz.method", to_string(o.newton_schulz().method())},
+      {"newton_schulz.gram_restarts", restarts.str()},
+      {"newton_schulz.preconditioning", to_string(o.newton_schulz().preconditioning())},
       {"normalization", to_string(o.normalization())},
       {"normuon_beta2", exact_double(o.normuon_beta2())},
       {"normuon_eps", exact_double(o.normuon_eps())},
@@ -131,16 +131,16 @@ static_assert(detail::rows_in_enumerator_order(kBatchingNames));
 const char* to_string(NewtonSchulzBatching mode) { return detail::name_of(kBatchingNames, mode); }
 
 bool detail::batches_newton_schulz(NewtonSchulzBatching mode, const c10::Device& device,
-                                   c10::ScalarType ns_dtype, MatrixLayout::Kind layout) {
+                                   c10::ScalarType compute_dtype, MatrixLayout::Kind layout) {
   switch (mode) {
     case NewtonSchulzBatching::kAlways:
       return true;
     case NewtonSchulzBatching::kNever:
       return false;
     case NewtonSchulzBatching::kWhereBitwise:
-      return detail::batched_newton_schulz_is_bitwise(device, ns_dtype);
+      return detail::batched_newton_schulz_is_bitwise(device, compute_dtype);
     case NewtonSchulzBatching::kAuto:
-      return detail::batched_newton_schulz_is_bitwise(device, ns_dtype) ||
+      return detail::batched_newton_schulz_is_bitwise(device, compute_dtype) ||
              (device.is_cuda() && layout == MatrixLayout::Kind::kBatched);
   }
   TORCH_CHECK(false, "fsdp_muon::FsdpMuonConfig: batch_newton_schulz has an unknown value ",
@@ -380,7 +380,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       pm.name = m.name;
       pm.rows = m.rows;
       pm.cols = m.cols;
-      pm.newton_schulz = options.newton_schulz_options();
+      pm.newton_schulz = options.newton_schulz();
       pm.per_row_state = detail::update_rule(options).per_row_state;
       // docs/DESIGN.md §3, "Layouts": a block is a contiguous element range of its parameter, so
       // what each rank holds of it is the parameter's held range clipped to the block; the

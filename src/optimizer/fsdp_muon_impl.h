@@ -26,9 +26,9 @@ namespace detail {
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index);
 
 // Whether an owner batches same-shape matrices of a group with this layout (docs/DESIGN.md §4,
-// "Batching"); Newton–Schulz computes in `ns_dtype` on `device`.
+// "Batching"); Newton–Schulz computes in `compute_dtype` on `device`.
 bool batches_newton_schulz(NewtonSchulzBatching mode, const c10::Device& device,
-                           c10::ScalarType ns_dtype, MatrixLayout::Kind layout);
+                           c10::ScalarType compute_dtype, MatrixLayout::Kind layout);
 
 // "<hexfloat> (<decimal>)": exact, so a one-ulp difference between ranks shows, and readable.
 std::string exact_double(double value);

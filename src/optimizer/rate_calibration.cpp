@@ -201,8 +201,7 @@ MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& pa
             if (!info) continue;
             const std::vector<int64_t>& shape = info->slot().shape;
             if (shape.size() < 2 || shape.size() > 3) continue;
-            shapes.push_back(
-                {shape[shape.size() - 2], shape.back(), options->newton_schulz_options()});
+            shapes.push_back({shape[shape.size() - 2], shape.back(), options->newton_schulz()});
           }
         }
       });

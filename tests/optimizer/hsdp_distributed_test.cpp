@@ -255,7 +255,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, EveryModeEqualsSingleDeviceMuonOnEveryMesh) {
     ASSERT_EQ(mesh.replicas() * mesh.shard_size(), world().size());
     for (ReplicaNewtonSchulz mode : kModes) {
       Model model = make_model(++seed, &mesh);
-      const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(at::kFloat);
+      const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).newton_schulz(
+          NewtonSchulzOptions().compute_dtype(at::kFloat));
       // No prefetch budget: a round per owned matrix, overlapped, so that the rounds'
       // gathers and scatters interleave across the world.
       FsdpMuon fsdp(sharded_matrices(model), options,
@@ -289,7 +290,7 @@ OwnerPlan expected_plan(const DeviceMesh& mesh, const MuonOptions& options,
     std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
     for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
     groups.push_back(
-        plan_group_from_shapes("", shapes, mesh.shard_size(), options.newton_schulz_options()));
+        plan_group_from_shapes("", shapes, mesh.shard_size(), options.newton_schulz()));
   }
   return plan_owners(groups, MeshShape{mesh.replicas(), mesh.shard_size()},
                      config.owner_plan_options());
@@ -300,7 +301,8 @@ OwnerPlan expected_plan(const DeviceMesh& mesh, const MuonOptions& options,
 // the planner's choice (and its owners), and describe() says which.
 FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, ByCostRunsThePlannersChoice) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
-  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  const MuonOptions options =
+      MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   for (int shard_size : hsdp_shard_sizes()) {
     const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
     for (const auto& [flops, inter_node] : {std::pair{1e3, 1e30}, std::pair{1e30, 1.0}}) {
@@ -332,8 +334,9 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, NorMuonEqualsSingleDeviceMuon) {
   const DeviceMesh& mesh = mesh_with_shard_size(hsdp_shard_sizes().front());
   for (ReplicaNewtonSchulz mode : kModes) {
     Model model = make_model(21, &mesh);
-    const MuonOptions options =
-        MuonOptions(0.02).normalization(Normalization::kNorMuon).ns_dtype(at::kFloat);
+    const MuonOptions options = MuonOptions(0.02)
+                                    .normalization(Normalization::kNorMuon)
+                                    .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
     MuonOptions other = options;
     other.lr(0.01).nesterov(false);
     const auto split = [&](const std::vector<at::Tensor>& params) {
@@ -366,7 +369,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
     for (ReplicaNewtonSchulz mode :
          {ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica}) {
       Model model = make_model(31, &mesh, specs);
-      const MuonOptions base = MuonOptions(0.02).ns_dtype(at::kFloat);
+      const MuonOptions base =
+          MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
       const auto groups = [&](const std::vector<at::Tensor>& p) {
         MuonOptions qkv = base;
         qkv.matrix_layout(MatrixLayout::row_blocks({6, 3, 3}));
@@ -396,7 +400,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon
   for (int shard_size : hsdp_shard_sizes()) {
     const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
     Model model = make_model(51, &mesh);
-    const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+    const MuonOptions options =
+        MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
     FsdpMuon fsdp(sharded_matrices(model), options,
                   FsdpMuonConfig().replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld));
     Muon muon(reference_matrices(model), options);
@@ -440,8 +445,9 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, OneDimensionalMeshIsTodayBitwiseBytesIncluded
     SCOPED_TRACE(to_string(mode));
     Model on_mesh = make_model(61, &mesh);
     Model today = make_model(61, nullptr);
-    const MuonOptions options =
-        MuonOptions(0.02).normalization(Normalization::kNorMuon).ns_dtype(at::kFloat);
+    const MuonOptions options = MuonOptions(0.02)
+                                    .normalization(Normalization::kNorMuon)
+                                    .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
     const FsdpMuonConfig config = FsdpMuonConfig().replica_newton_schulz(mode);
     FsdpMuon a(sharded_matrices(on_mesh), options, config);
     FsdpMuon b(sharded_matrices(today), options, config);

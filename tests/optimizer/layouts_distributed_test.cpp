@@ -147,19 +147,22 @@ struct Case {
 };
 
 std::vector<Case> cases() {
-  const MuonOptions fp32 = MuonOptions(0.02).ns_dtype(at::kFloat);
+  const MuonOptions fp32 =
+      MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   return {
       {"fp32 defaults", fp32, FsdpMuonConfig()},
       {"fp32 spectral wd, holders-only, one matrix per round, no overlap",
-       MuonOptions(0.03).ns_dtype(at::kFloat).scale_mode(ScaleMode::kSpectral).weight_decay(0.1),
+       MuonOptions(0.03)
+           .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+           .scale_mode(ScaleMode::kSpectral)
+           .weight_decay(0.1),
        FsdpMuonConfig()
            .owner_policy(OwnerPolicy::kHoldersOnly)
            .prefetch_budget_bytes(0)
            .overlap_communication(false)},
       {"fp32 gram unit_rms, any rank, never batched",
        MuonOptions(0.02)
-           .ns_dtype(at::kFloat)
-           .ns_method(NsMethod::kGram)
+           .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat).method(NsMethod::kGram))
            .scale_mode(ScaleMode::kUnitRmsNorm),
        FsdpMuonConfig()
            .owner_policy(OwnerPolicy::kAnyRank)
@@ -200,7 +203,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonLayouts, EveryBlockIsAMatrixOfItsOwn) {
   const int me = world().rank();
   const int w = world().size();
   Model model = make_model(5);
-  const MuonOptions options = MuonOptions().ns_dtype(at::kFloat);
+  const MuonOptions options =
+      MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   FsdpMuon fsdp(param_groups(model, true, options), options,
                 FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly));
   // Plan order: FSDP group, then parameter, then block.
@@ -333,7 +337,10 @@ std::string env_dir() {
 }
 
 const MuonOptions& checkpoint_options() {
-  static const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat).weight_decay(0.05);
+  static const MuonOptions options =
+      MuonOptions(0.02)
+          .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+          .weight_decay(0.05);
   return options;
 }
 

@@ -38,7 +38,8 @@ class FsdpParameterGroup;
 enum class NewtonSchulzBatching {
   // Batch only where the batched kernel is known to give every matrix the 2-D call's bits, so
   // the result stays equal to single-device Muon at any world size: on the CPU with fp32
-  // Newton–Schulz (MuonOptions::ns_dtype) and one intra-op thread. Everywhere else, one by one.
+  // Newton–Schulz (MuonOptions::newton_schulz().compute_dtype()) and one intra-op thread.
+  // Everywhere else, one by one.
   kWhereBitwise,
   // Always batch: faster, but a matrix's last bits may then differ from single-device Muon's
   // and between world sizes (bf16 on the CPU; CUDA until scripts/gpu-check shows otherwise).

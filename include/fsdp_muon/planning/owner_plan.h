@@ -38,7 +38,7 @@ struct FSDP_MUON_API PlanMatrix {
   std::string name;  // for reports and errors only
   int64_t rows = 0;
   int64_t cols = 0;
-  // The Newton–Schulz options that run on it (MuonOptions::newton_schulz_options()): steps,
+  // The Newton–Schulz options that run on it (MuonOptions::newton_schulz()): steps,
   // schedule, method (kAuto resolved per shape), restarts and preconditioning decide its cost.
   NewtonSchulzOptions newton_schulz;
   // One entry per (shard) rank: elements [first, second) of the flattened matrix that the rank
