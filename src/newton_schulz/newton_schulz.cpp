@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -234,6 +235,12 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
 }
 
 int64_t ns_coefficients_count() { return static_cast<int64_t>(presets().size()); }
+
+int64_t ns_method_count() { return static_cast<int64_t>(std::size(kNsMethodNames)); }
+
+int64_t ns_preconditioning_count() {
+  return static_cast<int64_t>(std::size(kNsPreconditioningNames));
+}
 
 void check_newton_schulz_input(const at::Tensor& x, const NewtonSchulzOptions& options) {
   TORCH_CHECK(x.defined(), "fsdp_muon::newton_schulz: the input tensor is undefined");

@@ -28,50 +28,12 @@ MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t in
   return *options;
 }
 
-std::string exact_double(double value) {
-  std::ostringstream out;
-  out << std::hexfloat << value << std::defaultfloat << " (" << value << ")";
-  return out.str();
-}
-
 std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& o) {
-  const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
-  std::ostringstream custom;
-  custom << "{";
-  for (size_t i = 0; i < o.newton_schulz().custom_coefficients().size(); ++i) {
-    const auto& abc = o.newton_schulz().custom_coefficients()[i];
-    custom << (i ? ", " : "") << "(" << std::hexfloat << abc[0] << ", " << abc[1] << ", " << abc[2]
-           << ")";
+  std::vector<std::pair<std::string, std::string>> entries;
+  for (const MuonOptionField& field : muon_option_fields()) {
+    entries.emplace_back(field.name, field.text(o));
   }
-  custom << "}";
-  std::ostringstream restarts;
-  restarts << "{";
-  for (size_t i = 0; i < o.newton_schulz().gram_restarts().size(); ++i) {
-    restarts << (i ? ", " : "") << o.newton_schulz().gram_restarts()[i];
-  }
-  restarts << "}";
-  return {
-      {"lr", exact_double(o.lr())},
-      {"momentum", exact_double(o.momentum())},
-      {"nesterov", flag(o.nesterov())},
-      {"weight_decay", exact_double(o.weight_decay())},
-      {"weight_decay_method", to_string(o.weight_decay_method())},
-      {"newton_schulz.steps", std::to_string(o.newton_schulz().steps())},
-      {"newton_schulz.coefficients", to_string(o.newton_schulz().coefficients())},
-      {"newton_schulz.custom_coefficients", custom.str()},
-      {"scale_mode", to_string(o.scale_mode())},
-      {"extra_scale_factor", exact_double(o.extra_scale_factor())},
-      {"newton_schulz.eps", exact_double(o.newton_schulz().eps())},
-      {"newton_schulz.compute_dtype", c10::toString(o.newton_schulz().compute_dtype())},
-      {"skip_non_matrix", flag(o.skip_non_matrix())},
-      {"newton_schulz.method", to_string(o.newton_schulz().method())},
-      {"newton_schulz.gram_restarts", restarts.str()},
-      {"newton_schulz.preconditioning", to_string(o.newton_schulz().preconditioning())},
-      {"normalization", to_string(o.normalization())},
-      {"normuon_beta2", exact_double(o.normuon_beta2())},
-      {"normuon_eps", exact_double(o.normuon_eps())},
-      {"matrix_layout", o.matrix_layout().to_string()},
-  };
+  return entries;
 }
 
 }  // namespace detail

@@ -14,6 +14,7 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
+#include "muon/muon_option_fields.h"
 #include "optimizer/exchange_layout.h"
 #include "optimizer/phase_timer.h"
 #include "optimizer/rate_calibration.h"
@@ -30,12 +31,9 @@ MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t in
 bool batches_newton_schulz(NewtonSchulzBatching mode, const c10::Device& device,
                            c10::ScalarType compute_dtype, MatrixLayout::Kind layout);
 
-// "<hexfloat> (<decimal>)": exact, so a one-ulp difference between ranks shows, and readable.
-std::string exact_double(double value);
-
-// Every field of `options` as (name, value), values exact (doubles by exact_double), in the
-// order of muon_options.h: what the construction agreement compares and what the step's
-// fingerprint hashes. A field added to MuonOptions belongs here.
+// Every field of `options` as (name, value), values exact (doubles by exact_double), generated
+// from the table of muon/muon_option_fields.h in its order: what the construction agreement
+// compares and what the step's fingerprint hashes.
 std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& options);
 
 // A parameter accepted at construction (a matrix, or the matrices of its layout), before its
