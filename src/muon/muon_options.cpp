@@ -254,8 +254,8 @@ detail::MuonOptionField row(const char* key, const char* spelled, Kind kind, Get
       key, #path, kind, [](auto& o) -> auto& { return o.path; })
 
 std::vector<detail::MuonOptionField> make_fields() {
-  const auto ns_methods = detail::ns_method_count();
-  const auto preconditionings = detail::ns_preconditioning_count();
+  const auto methods = detail::newton_schulz_method_count();
+  const auto preconditionings = detail::newton_schulz_preconditioning_count();
   return {
       FSDP_MUON_FIELD("lr", Real{}, lr()),
       FSDP_MUON_FIELD("momentum", Real{}, momentum()),
@@ -271,7 +271,7 @@ std::vector<detail::MuonOptionField> make_fields() {
       FSDP_MUON_FIELD("custom_coefficients", Tuples{}, newton_schulz().custom_coefficients()),
       FSDP_MUON_FIELD("eps", Real{}, newton_schulz().eps()),
       FSDP_MUON_FIELD("ns_dtype", Dtype{}, newton_schulz().compute_dtype()),
-      FSDP_MUON_FIELD("ns_method", Enumerated<NsMethod>{ns_methods}, newton_schulz().method()),
+      FSDP_MUON_FIELD("ns_method", Enumerated<NsMethod>{methods}, newton_schulz().method()),
       FSDP_MUON_FIELD("gram_restarts", Indices{}, newton_schulz().gram_restarts()),
       FSDP_MUON_FIELD("ns_preconditioning", Enumerated<NsPreconditioning>{preconditionings},
                       newton_schulz().preconditioning()),

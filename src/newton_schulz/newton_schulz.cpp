@@ -236,9 +236,9 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
 
 int64_t ns_coefficients_count() { return static_cast<int64_t>(presets().size()); }
 
-int64_t ns_method_count() { return static_cast<int64_t>(std::size(kNsMethodNames)); }
+int64_t newton_schulz_method_count() { return static_cast<int64_t>(std::size(kNsMethodNames)); }
 
-int64_t ns_preconditioning_count() {
+int64_t newton_schulz_preconditioning_count() {
   return static_cast<int64_t>(std::size(kNsPreconditioningNames));
 }
 

@@ -23,8 +23,8 @@ constexpr double kLargestEps = 3.3895313892515355e38;
 // any other integer is rejected.
 int64_t ns_coefficients_count();
 // How many NsMethod and NsPreconditioning values exist (their name tables' rows).
-int64_t ns_method_count();
-int64_t ns_preconditioning_count();
+int64_t newton_schulz_method_count();
+int64_t newton_schulz_preconditioning_count();
 
 // newton_schulz_schedule() with errors that start with `api` (e.g. "fsdp_muon::MuonOptions") and
 // spell each option with `prefix` before its name (e.g. "newton_schulz()." for
