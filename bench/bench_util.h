@@ -51,7 +51,7 @@ int run_main(int argc, char** argv, const char* program, const char* usage,
 // printf into a std::string.
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
-// FsdpMuonConfig::max_bytes_ratio as the tables print it: "by cost" for kBytesRatioByCost.
+// OwnerPlanOptions::max_bytes_ratio as the tables print it: "by cost" for kBytesRatioByCost.
 std::string bytes_ratio_name(double max_bytes_ratio);
 
 // The PlanGroups FsdpMuon would build for `model` at `world_size` (docs/DESIGN.md §2 layout of the

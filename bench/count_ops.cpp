@@ -119,7 +119,7 @@ OpCount count_one_step(const std::string& label, const ModelShapes& model,
             fsdp_muon::MuonOptions(options).matrix_layout(fsdp_muon::MatrixLayout::batched())));
   }
   fsdp_muon::FsdpMuon muon(param_groups, options,
-                           fsdp_muon::FsdpMuonConfig().calibrate_rates(false));
+                           fsdp_muon::FsdpMuonConfig().rates(fsdp_muon::CostRates()));
   const auto fill_gradients = [&] {
     for (const auto& g : groups) {
       g->zero_grad();

@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -152,7 +155,7 @@ struct MeasureArgs {
   int64_t layers = 0, experts = 16, steps = 5, warmup = 1;
   std::string newton_schulz_dtype_name, policy_name, prefetch, schedule_name, scale_flag;
   bool compare = false;
-  double ns_gflops = 0, gbps = 0, latency_us = 0;
+  std::optional<fsdp_muon::CostRates> rates;  // std::nullopt: measured at construction
 };
 
 // One mesh's figures for the side-by-side table (max over ranks; filled on rank 0 only).
@@ -174,7 +177,6 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
                     &policy_name = args.policy_name, &prefetch = args.prefetch,
                     &schedule_name = args.schedule_name, &scale_flag = args.scale_flag;
   const bool compare = args.compare;
-  const double ns_gflops = args.ns_gflops, gbps = args.gbps, latency_us = args.latency_us;
   const c10::ScalarType newton_schulz_dtype =
       newton_schulz_dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
   const c10::Device device = comm->device();
@@ -215,15 +217,15 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
                                                  : static_cast<int64_t>(std::stoll(prefetch)) << 20;
   const fsdp_muon::FsdpMuonConfig config =
       fsdp_muon::FsdpMuonConfig()
-          .owner_policy(policy_name == "any-rank"   ? fsdp_muon::OwnerPolicy::kAnyRank
-                        : policy_name == "balanced" ? fsdp_muon::OwnerPolicy::kBalanced
-                                                    : fsdp_muon::OwnerPolicy::kHoldersOnly)
-          .owner_schedule(schedule_name == "windows" ? fsdp_muon::OwnerSchedule::kWindows
-                                                     : fsdp_muon::OwnerSchedule::kRounds)
-          .prefetch_budget_bytes(budget)
-          .newton_schulz_flops_per_second(ns_gflops * 1e9)
-          .bytes_per_second(gbps * 1e9)
-          .exchange_latency_seconds(latency_us * 1e-6);
+          .planner(
+              fsdp_muon::OwnerPlanOptions()
+                  .owner_policy(policy_name == "any-rank"   ? fsdp_muon::OwnerPolicy::kAnyRank
+                                : policy_name == "balanced" ? fsdp_muon::OwnerPolicy::kBalanced
+                                                            : fsdp_muon::OwnerPolicy::kHoldersOnly)
+                  .owner_schedule(schedule_name == "windows" ? fsdp_muon::OwnerSchedule::kWindows
+                                                             : fsdp_muon::OwnerSchedule::kRounds)
+                  .prefetch_budget_bytes(budget))
+          .rates(args.rates);
   fsdp_muon::FsdpMuon muon(matrices,
                            fsdp_muon::MuonOptions(0.02).newton_schulz(
                                fsdp_muon::NewtonSchulzOptions().compute_dtype(newton_schulz_dtype)),
@@ -319,16 +321,17 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
   for (const bool check : {true, false}) {
     for (const bool overlap : {false, true}) {
       fsdp_muon::FsdpMuonConfig setting =
-          fsdp_muon::FsdpMuonConfig(config).overlap_communication(overlap).check_gradient_agreement(
-              check);
+          fsdp_muon::FsdpMuonConfig(config).check_gradient_agreement(check);
+      setting.planner().overlap_communication(overlap);
       if (!check) setting.non_finite_gradients(fsdp_muon::NonFiniteGradients::kIgnore);
       settings.push_back(setting);
     }
   }
   // Overlap on, check on, in the fewest rounds that fit the budget (what FsdpMuon ran before the
-  // cost model chose the number of rounds): a prohibitive exchange latency makes every split
-  // cost more than it hides.
-  settings.push_back(fsdp_muon::FsdpMuonConfig(config).exchange_latency_seconds(1e3));
+  // cost model chose the number of rounds): a prohibitive exchange latency, with the other rates
+  // those the first optimizer planned with, makes every split cost more than it hides.
+  settings.push_back(fsdp_muon::FsdpMuonConfig(config).rates(
+      fsdp_muon::CostRates(muon.owner_plan().rates).exchange_latency_seconds(1e3)));
   std::vector<size_t> setting_rounds;
   std::vector<double> setting_predicted;  // the same on every rank (one plan)
   comm->barrier();
@@ -530,14 +533,20 @@ int run_measure(Flags& flags) {
   const std::vector<int64_t> shard_sizes = flags.get_ints("shard-size", {0});
   const bool compare = flags.has("compare");
   const std::string scale_flag = flags.get("scale", "");
-  // The cost model's rates (FsdpMuonConfig's defaults when not given): with overlap they decide
-  // how many rounds a step has.
-  const fsdp_muon::FsdpMuonConfig rate_defaults;
-  const double ns_gflops =
-      flags.get_double("ns-gflops", rate_defaults.newton_schulz_flops_per_second() / 1e9);
-  const double gbps = flags.get_double("gbps", rate_defaults.bytes_per_second() / 1e9);
-  const double latency_us =
-      flags.get_double("latency-us", rate_defaults.exchange_latency_seconds() * 1e6);
+  // The cost model's rates, which with overlap decide how many rounds a step has: measured at
+  // construction, unless one is given; then the plan is made at those given and CostRates'
+  // defaults for the others, and nothing is measured.
+  const double absent = std::numeric_limits<double>::quiet_NaN();
+  const double ns_gflops = flags.get_double("ns-gflops", absent);
+  const double gbps = flags.get_double("gbps", absent);
+  const double latency_us = flags.get_double("latency-us", absent);
+  std::optional<fsdp_muon::CostRates> rates;
+  if (!std::isnan(ns_gflops) || !std::isnan(gbps) || !std::isnan(latency_us)) {
+    rates = fsdp_muon::CostRates();
+    if (!std::isnan(ns_gflops)) rates->newton_schulz_flops_per_second(ns_gflops * 1e9);
+    if (!std::isnan(gbps)) rates->bytes_per_second(gbps * 1e9);
+    if (!std::isnan(latency_us)) rates->exchange_latency_seconds(latency_us * 1e-6);
+  }
   flags.finish();
 
   TORCH_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
@@ -556,9 +565,8 @@ int run_measure(Flags& flags) {
 
   const auto comm = fsdp_muon::init_from_env();
   const MeasureArgs args{
-      preset,      layers,    experts,       steps,      warmup,  newton_schulz_dtype_name,
-      policy_name, prefetch,  schedule_name, scale_flag, compare, ns_gflops,
-      gbps,        latency_us};
+      preset,      layers,   experts,       steps,      warmup,  newton_schulz_dtype_name,
+      policy_name, prefetch, schedule_name, scale_flag, compare, rates};
   // Several shard sizes run one after the other in this process, each with its own groups and
   // optimizer, so that their figures come from the same launch and the same machine state.
   std::vector<MeshRow> rows;

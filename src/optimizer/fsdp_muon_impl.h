@@ -122,7 +122,8 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   std::vector<std::vector<detail::MatrixPlacement>> round_placement;
   std::unordered_map<const c10::TensorImpl*, size_t> matrix_of;
   OwnerPlan plan;
-  // The rates measured at construction (FsdpMuonConfig::calibrate_rates), before planning.
+  // The rates measured at construction (FsdpMuonConfig::rates left std::nullopt), before
+  // planning; measured == false when the config gave them.
   detail::MeasuredRates measured;
   // Parameter identities per optimizer group as constructed: step() compares against them.
   std::vector<std::vector<const c10::TensorImpl*>> frozen;
@@ -163,8 +164,8 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   // ---- construction (fsdp_muon.cpp) ----
   std::vector<detail::AcceptedMatrix> accept_parameters(FsdpMuon& self);
   void plan_matrices(FsdpMuon& self, std::vector<detail::AcceptedMatrix> accepted);
-  // What the owner plan is made with: the one place the planner's options come from.
-  OwnerPlanOptions plan_options() const;
+  // The rates the owner plan is made at: the config's, or those measured (detail::planned_rates).
+  CostRates plan_rates() const;
   // One "<key> = <value>" line per setting, option and parameter every rank must have alike.
   std::vector<std::string> describe_parameters(const FsdpMuon& self) const;
 

@@ -56,7 +56,7 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
     d.advance_states(*this, s);
     d.live_full_bytes = 0;
     s.stats.rounds = static_cast<int64_t>(d.plan.rounds.size());
-    if (d.config.overlap_communication()) {
+    if (d.config.planner().overlap_communication()) {
       d.run_pipelined(*this, s);
     } else {
       d.run_sequential(*this, s);

@@ -135,8 +135,7 @@ struct Sharded {
         if (is_matrix(specs[g][i])) matrices.push_back(groups[g]->sharded_parameter(i));
       }
     }
-    muon = std::make_unique<FsdpMuon>(matrices, options_of(c),
-                                      FsdpMuonConfig().calibrate_rates(false));
+    muon = std::make_unique<FsdpMuon>(matrices, options_of(c), FsdpMuonConfig().rates(CostRates()));
   }
   std::vector<torch::optim::Optimizer*> optimizers() { return {muon.get()}; }
 };

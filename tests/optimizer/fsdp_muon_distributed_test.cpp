@@ -319,23 +319,35 @@ std::string plan_name(const FsdpMuon& fsdp, size_t g, size_t j) {
   return "";
 }
 
+// The four rates, in CostRates' order.
+std::vector<double> values_of(const CostRates& rates) {
+  return {rates.newton_schulz_flops_per_second(), rates.bytes_per_second(),
+          rates.inter_node_bytes_per_second(), rates.exchange_latency_seconds()};
+}
+
 // The plan FsdpMuon caches is the planner's on the groups' own layout.
 FSDP_MUON_WORLD_TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
   Model model = make_model(5);
   for (const FsdpMuonConfig& config :
-       {FsdpMuonConfig(), FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly),
-        FsdpMuonConfig().owner_policy(OwnerPolicy::kAnyRank).prefetch_budget_bytes(300),
-        FsdpMuonConfig().max_bytes_ratio(1.0).prefetch_budget_bytes(0).overlap_communication(false),
-        FsdpMuonConfig().max_bytes_ratio(kBytesRatioByCost).bytes_per_second(1e15),
-        FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows),
+       {FsdpMuonConfig(),
+        FsdpMuonConfig().planner(OwnerPlanOptions().owner_policy(OwnerPolicy::kHoldersOnly)),
+        FsdpMuonConfig().planner(
+            OwnerPlanOptions().owner_policy(OwnerPolicy::kAnyRank).prefetch_budget_bytes(300)),
+        FsdpMuonConfig().planner(
+            OwnerPlanOptions().max_bytes_ratio(1.0).prefetch_budget_bytes(0).overlap_communication(
+                false)),
         FsdpMuonConfig()
-            .owner_schedule(OwnerSchedule::kWindows)
-            .owner_policy(OwnerPolicy::kHoldersOnly)
-            .prefetch_budget_bytes(256),
-        FsdpMuonConfig()
-            .owner_schedule(OwnerSchedule::kWindows)
-            .owner_policy(OwnerPolicy::kAnyRank)
-            .prefetch_budget_bytes(0)}) {
+            .planner(OwnerPlanOptions().max_bytes_ratio(kBytesRatioByCost))
+            .rates(CostRates().bytes_per_second(1e15)),
+        FsdpMuonConfig().planner(OwnerPlanOptions().owner_schedule(OwnerSchedule::kWindows)),
+        FsdpMuonConfig().planner(OwnerPlanOptions()
+                                     .owner_schedule(OwnerSchedule::kWindows)
+                                     .owner_policy(OwnerPolicy::kHoldersOnly)
+                                     .prefetch_budget_bytes(256)),
+        FsdpMuonConfig().planner(OwnerPlanOptions()
+                                     .owner_schedule(OwnerSchedule::kWindows)
+                                     .owner_policy(OwnerPolicy::kAnyRank)
+                                     .prefetch_budget_bytes(0))}) {
     // The plan counts what runs (docs/DESIGN.md §7): Gram where kAuto picks it, NorMuon's rows.
     for (const MuonOptions& options :
          {MuonOptions(), MuonOptions()
@@ -343,9 +355,10 @@ FSDP_MUON_WORLD_TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
                                                 .method(NsMethod::kAuto)
                                                 .preconditioning(NsPreconditioning::kAol))
                              .normalization(Normalization::kNorMuon)}) {
-      const OwnerPolicy policy = config.owner_policy();
-      SCOPED_TRACE(std::string(to_string(policy)) + " " + to_string(config.owner_schedule()) +
-                   " budget " + std::to_string(config.prefetch_budget_bytes()) + " " +
+      const OwnerPolicy policy = config.planner().owner_policy();
+      SCOPED_TRACE(std::string(to_string(policy)) + " " +
+                   to_string(config.planner().owner_schedule()) + " budget " +
+                   std::to_string(config.planner().prefetch_budget_bytes()) + " " +
                    to_string(options.newton_schulz().method()));
       FsdpMuon fsdp(sharded_matrices(model), options, config);
       std::vector<PlanGroup> groups;
@@ -358,22 +371,20 @@ FSDP_MUON_WORLD_TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
           pm.per_row_state = options.normalization() == Normalization::kNorMuon;
         }
       }
-      // The planning API is the single source of truth for what runs, at the rates planned with
-      // (measured at construction where the config leaves them at their defaults).
+      // The planning API is the single source of truth for what runs: the config's planner() at
+      // the rates planned with (measured at construction where the config gives none).
       const OwnerPlan& planned = fsdp.owner_plan();
+      if (config.rates()) {
+        EXPECT_EQ(values_of(planned.rates), values_of(*config.rates()));
+      }
       const OwnerPlan expected =
-          plan_owners(groups, world().size(),
-                      config.owner_plan_options()
-                          .newton_schulz_flops_per_second(planned.newton_schulz_flops_per_second)
-                          .bytes_per_second(planned.bytes_per_second)
-                          .inter_node_bytes_per_second(planned.inter_node_bytes_per_second)
-                          .exchange_latency_seconds(planned.exchange_latency_seconds));
+          plan_owners(groups, world().size(), config.planner(), planned.rates);
       EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
       EXPECT_EQ(fsdp.owner_plan().windows, expected.windows);
       EXPECT_EQ(fsdp.owner_plan().rounds, expected.rounds);
       EXPECT_EQ(fsdp.owner_plan().refresh_after_round, expected.refresh_after_round);
       EXPECT_EQ(fsdp.owner_plan().critical_path_planned(), expected.critical_path_planned());
-      EXPECT_EQ(fsdp.owner_plan().schedule, config.owner_schedule());
+      EXPECT_EQ(fsdp.owner_plan().schedule, config.planner().owner_schedule());
       EXPECT_EQ(fsdp.owner_plan().critical_path_ratio_planned(),
                 expected.critical_path_ratio_planned());
       EXPECT_EQ(fsdp.owner_plan().cost_per_rank, expected.cost_per_rank);
@@ -432,12 +443,13 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBit
         NewtonSchulzOptions().compute_dtype(at::kFloat));
     FsdpMuon fsdp(sharded_matrices(model), options,
                   FsdpMuonConfig()
-                      .owner_schedule(run.schedule)
-                      .owner_policy(run.policy)
-                      .prefetch_budget_bytes(run.budget)
-                      .overlap_communication(run.overlap)
-                      .max_bytes_ratio(run.max_bytes_ratio)
-                      .bytes_per_second(1e15));
+                      .planner(OwnerPlanOptions()
+                                   .owner_schedule(run.schedule)
+                                   .owner_policy(run.policy)
+                                   .prefetch_budget_bytes(run.budget)
+                                   .overlap_communication(run.overlap)
+                                   .max_bytes_ratio(run.max_bytes_ratio))
+                      .rates(CostRates().bytes_per_second(1e15)));
     Muon muon(reference_matrices(model), options);
     const OwnerPlan& plan = fsdp.owner_plan();
     if (run.schedule == windows) {
@@ -605,7 +617,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMod
     const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).newton_schulz(
         NewtonSchulzOptions().compute_dtype(run.compute_dtype));
     FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options,
-                  FsdpMuonConfig().batch_newton_schulz(run.mode).prefetch_budget_bytes(run.budget));
+                  FsdpMuonConfig().batch_newton_schulz(run.mode).planner(
+                      OwnerPlanOptions().prefetch_budget_bytes(run.budget)));
     Muon muon(split_groups(reference_matrices(model), options), options);
     int64_t owned = 0;
     int64_t classes = 0;  // distinct (rows, cols, optimizer group) this rank owns, per round
@@ -672,8 +685,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) 
     FsdpMuonConfig config;
     bool moe = false;
   };
-  const auto holders_rounds =
-      FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly).prefetch_budget_bytes(300);
+  const auto holders_rounds = FsdpMuonConfig().planner(
+      OwnerPlanOptions().owner_policy(OwnerPolicy::kHoldersOnly).prefetch_budget_bytes(300));
   std::vector<Run> runs = {
       {"defaults", normuon, FsdpMuonConfig()},
       {"beta2_eps_holders_only_rounds",
@@ -682,10 +695,10 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) 
        MuonOptions(normuon).newton_schulz(NewtonSchulzOptions(normuon.newton_schulz())
                                               .method(NsMethod::kGram)
                                               .gram_restarts({1, 3})),
-       FsdpMuonConfig()
-           .owner_policy(OwnerPolicy::kAnyRank)
-           .owner_schedule(OwnerSchedule::kWindows)
-           .prefetch_budget_bytes(0)},
+       FsdpMuonConfig().planner(OwnerPlanOptions()
+                                    .owner_policy(OwnerPolicy::kAnyRank)
+                                    .owner_schedule(OwnerSchedule::kWindows)
+                                    .prefetch_budget_bytes(0))},
       {"gram_aol_turbo_4_steps_no_overlap",
        MuonOptions(normuon).newton_schulz(NewtonSchulzOptions(normuon.newton_schulz())
                                               .method(NsMethod::kGram)
@@ -695,7 +708,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) 
                                                                     {2.7763, -2.3190, 0.5523},
                                                                     {2.4231, -2.2861, 0.8193}})
                                               .steps(4)),
-       FsdpMuonConfig().overlap_communication(false).prefetch_budget_bytes(400)},
+       FsdpMuonConfig().planner(
+           OwnerPlanOptions().overlap_communication(false).prefetch_budget_bytes(400))},
       {"auto_aol_bf16",
        MuonOptions(normuon).newton_schulz(NewtonSchulzOptions(normuon.newton_schulz())
                                               .method(NsMethod::kAuto)
@@ -707,7 +721,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) 
        MuonOptions(normuon).newton_schulz(NewtonSchulzOptions(normuon.newton_schulz())
                                               .method(NsMethod::kGram)
                                               .preconditioning(NsPreconditioning::kAol)),
-       FsdpMuonConfig().prefetch_budget_bytes(2000), true},
+       FsdpMuonConfig().planner(OwnerPlanOptions().prefetch_budget_bytes(2000)), true},
   };
   for (const Run& run : runs) {
     SCOPED_TRACE(run.name);
@@ -736,7 +750,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) 
       const FsdpMuonStepStats& stats = fsdp.last_step_stats();
       EXPECT_EQ(stats.gather_bytes, fsdp.owner_plan().gather_bytes_per_rank[me]);
       EXPECT_EQ(stats.scatter_bytes, fsdp.owner_plan().scatter_bytes_per_rank[me]);
-      if (run.config.owner_policy() == OwnerPolicy::kHoldersOnly) {
+      if (run.config.planner().owner_policy() == OwnerPolicy::kHoldersOnly) {
         EXPECT_EQ(stats.gather_bytes, gather_min);
         EXPECT_EQ(stats.scatter_bytes, scatter_min);
       }
@@ -806,8 +820,10 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, OverlapOnAndOffGiveTheSameBits) {
                    std::to_string(budget));
       Model model = make_model(31);
       const MuonOptions options = MuonOptions(0.02).weight_decay(0.05);
-      FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options,
-                    FsdpMuonConfig().overlap_communication(overlap).prefetch_budget_bytes(budget));
+      FsdpMuon fsdp(
+          split_groups(sharded_matrices(model), options), options,
+          FsdpMuonConfig().planner(
+              OwnerPlanOptions().overlap_communication(overlap).prefetch_budget_bytes(budget)));
       Muon muon(split_groups(reference_matrices(model), options), options);
       if (budget == 0) {
         EXPECT_GT(fsdp.owner_plan().rounds.size(), 1u);  // something to overlap
@@ -850,8 +866,9 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
   const std::vector<at::Tensor> params = {groups[0]->sharded_parameter(0),
                                           groups[1]->sharded_parameter(0)};
   try {
-    FsdpMuon fsdp(params, MuonOptions(),
-                  FsdpMuonConfig().prefetch_budget_bytes(kUnlimitedPrefetch));
+    FsdpMuon fsdp(
+        params, MuonOptions(),
+        FsdpMuonConfig().planner(OwnerPlanOptions().prefetch_budget_bytes(kUnlimitedPrefetch)));
     ADD_FAILURE() << "expected an error: one round mixes fp32 and fp64 groups";
   } catch (const c10::Error& e) {
     const std::string what = e.what();
@@ -861,7 +878,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
   }
   FsdpMuon windows(
       params, MuonOptions(),
-      FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows).prefetch_budget_bytes(0));
+      FsdpMuonConfig().planner(
+          OwnerPlanOptions().owner_schedule(OwnerSchedule::kWindows).prefetch_budget_bytes(0)));
   EXPECT_EQ(windows.owner_plan().rounds.size(), 2u);
 }
 
@@ -869,9 +887,10 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
 // ranks own nothing.
 FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, RanksOwningNothingAllocateNothing) {
   Model model = make_model(21, {{{"x", {3, 4}}}, {{"y", {2, 5}}}});
-  FsdpMuon fsdp(sharded_matrices(model),
-                MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)),
-                FsdpMuonConfig().prefetch_budget_bytes(kUnlimitedPrefetch));
+  FsdpMuon fsdp(
+      sharded_matrices(model),
+      MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)),
+      FsdpMuonConfig().planner(OwnerPlanOptions().prefetch_budget_bytes(kUnlimitedPrefetch)));
   Muon muon(reference_matrices(model),
             MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
   feed_gradients(model, 2100);
@@ -988,15 +1007,15 @@ FSDP_MUON_WORLD_TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW)
   }
 }
 
-// ---- the cost model's rates, measured at construction (docs/DESIGN.md §7) ----
+// ---- the cost model's rates: measured at construction, or given (docs/DESIGN.md §7) ----
 
 // The rates a FsdpMuon planned with, as every rank sees them: rank 0's, after checking that
-// every rank has exactly the same.
+// every rank has exactly the same, and that the stats report the plan's.
 std::vector<double> rates_alike(const FsdpMuon& fsdp) {
   const FsdpMuonStepStats& st = fsdp.last_step_stats();
-  const std::vector<double> mine = {st.newton_schulz_flops_per_second, st.bytes_per_second,
-                                    st.inter_node_bytes_per_second, st.exchange_latency_seconds,
-                                    st.rates_measured ? 1.0 : 0.0};
+  EXPECT_EQ(values_of(st.rates), values_of(fsdp.owner_plan().rates));
+  std::vector<double> mine = values_of(st.rates);
+  mine.push_back(st.rates_measured ? 1.0 : 0.0);
   const at::Tensor send = at::tensor(mine, at::kDouble);
   const at::Tensor all = at::empty({world().size() * send.numel()}, at::kDouble);
   world().all_gather(send, all);
@@ -1008,56 +1027,81 @@ std::vector<double> rates_alike(const FsdpMuon& fsdp) {
   return mine;
 }
 
+// FsdpMuonConfig::rates left std::nullopt: measured, alike on every rank; what nothing measures
+// keeps CostRates' default, and describe() says which.
 FSDP_MUON_WORLD_TEST(FsdpMuonCalibration, RatesMeasuredAlikeOnEveryRank) {
   Model model = make_model(61);
-  const FsdpMuonConfig defaults;
-  {
-    FsdpMuon fsdp(sharded_matrices(model), MuonOptions());
-    const std::vector<double> rates = rates_alike(fsdp);
-    const FsdpMuonStepStats& st = fsdp.last_step_stats();
-    EXPECT_TRUE(st.rates_measured);
-    EXPECT_GT(rates[0], 0);
-    EXPECT_NE(rates[0], defaults.newton_schulz_flops_per_second());
-    if (world().size() > 1) {
-      EXPECT_GT(rates[1], 0);
-      EXPECT_NE(rates[1], defaults.bytes_per_second());
-      EXPECT_GE(rates[3], 0);
-      EXPECT_NE(rates[3], defaults.exchange_latency_seconds());
-    } else {  // nothing moves: the link rates stay the config's
-      EXPECT_EQ(rates[1], defaults.bytes_per_second());
-      EXPECT_EQ(rates[3], defaults.exchange_latency_seconds());
-    }
-    EXPECT_EQ(rates[2], defaults.inter_node_bytes_per_second());  // one replica
-    EXPECT_EQ(st.predicted_seconds, fsdp.owner_plan().pipelined_seconds());
-    EXPECT_GT(st.predicted_seconds, 0);
+  const CostRates defaults;
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions());
+  EXPECT_FALSE(fsdp.config().rates().has_value());
+  const std::vector<double> rates = rates_alike(fsdp);
+  const FsdpMuonStepStats& st = fsdp.last_step_stats();
+  EXPECT_TRUE(st.rates_measured);
+  EXPECT_GT(rates[0], 0);
+  EXPECT_NE(rates[0], defaults.newton_schulz_flops_per_second());
+  const std::string described = fsdp.describe();
+  EXPECT_NE(described.find("rates measured at construction"), std::string::npos) << described;
+  if (world().size() > 1) {
+    EXPECT_GT(rates[1], 0);
+    EXPECT_NE(rates[1], defaults.bytes_per_second());
+    EXPECT_GE(rates[3], 0);
+    EXPECT_NE(rates[3], defaults.exchange_latency_seconds());
+    EXPECT_NE(described.find("nothing to measure it on: inter_node_bytes_per_second)"),
+              std::string::npos)
+        << described;
+  } else {  // nothing moves: the link rates are CostRates' defaults
+    EXPECT_EQ(rates[1], defaults.bytes_per_second());
+    EXPECT_EQ(rates[3], defaults.exchange_latency_seconds());
+    EXPECT_NE(described.find("nothing to measure it on: bytes_per_second, "
+                             "inter_node_bytes_per_second, exchange_latency_seconds)"),
+              std::string::npos)
+        << described;
   }
-  {
-    // A rate set by hand is kept; the others are measured.
-    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), FsdpMuonConfig().bytes_per_second(1e9));
-    const std::vector<double> rates = rates_alike(fsdp);
-    EXPECT_TRUE(fsdp.last_step_stats().rates_measured);
-    EXPECT_EQ(rates[1], 1e9);
-    EXPECT_NE(rates[0], defaults.newton_schulz_flops_per_second());
-  }
-  // calibrate_rates(false), or every rate set: nothing measured, the config's rates exactly.
-  for (const FsdpMuonConfig& config :
-       {FsdpMuonConfig().calibrate_rates(false), FsdpMuonConfig()
-                                                     .newton_schulz_flops_per_second(1e12)
-                                                     .bytes_per_second(2e9)
-                                                     .inter_node_bytes_per_second(3e8)
-                                                     .exchange_latency_seconds(1e-3)}) {
+  EXPECT_EQ(rates[2], defaults.inter_node_bytes_per_second());  // one replica
+  EXPECT_EQ(st.predicted_seconds, fsdp.owner_plan().pipelined_seconds());
+  EXPECT_GT(st.predicted_seconds, 0);
+}
+
+// FsdpMuonConfig::rates given: the plan is made at exactly those rates (the others CostRates'
+// defaults, not measured), nothing is measured, and the stats, describe() and the plan say so.
+FSDP_MUON_WORLD_TEST(FsdpMuonCalibration, GivenRatesArePlannedWithExactly) {
+  Model model = make_model(61);
+  const CostRates one_rate = CostRates().bytes_per_second(1e9);
+  const CostRates every_rate = CostRates()
+                                   .newton_schulz_flops_per_second(1e12)
+                                   .bytes_per_second(2e9)
+                                   .inter_node_bytes_per_second(3e8)
+                                   .exchange_latency_seconds(1e-3);
+  for (const CostRates& given : {one_rate, every_rate, CostRates()}) {
+    const FsdpMuonConfig config = FsdpMuonConfig().rates(given);
     FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), config);
-    EXPECT_EQ(rates_alike(fsdp),
-              (std::vector<double>{config.newton_schulz_flops_per_second(),
-                                   config.bytes_per_second(), config.inter_node_bytes_per_second(),
-                                   config.exchange_latency_seconds(), 0.0}));
+    std::vector<double> expected = values_of(given);
+    expected.push_back(0.0);  // not measured
+    EXPECT_EQ(rates_alike(fsdp), expected);
+    EXPECT_FALSE(fsdp.last_step_stats().rates_measured);
+    EXPECT_EQ(values_of(fsdp.owner_plan().rates), values_of(given));
+    const std::string described = fsdp.describe();
+    EXPECT_NE(described.find("rates given by FsdpMuonConfig::rates"), std::string::npos)
+        << described;
+    // The plan is the planner's at those rates.
+    std::vector<PlanGroup> groups;
+    for (const auto& specs : model_specs()) {
+      std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+      for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
+      groups.push_back(plan_group_from_shapes("", shapes, world().size(), NewtonSchulzOptions()));
+    }
+    const OwnerPlan expected_plan = plan_owners(groups, world().size(), config.planner(), given);
+    EXPECT_EQ(fsdp.owner_plan().owner, expected_plan.owner);
+    EXPECT_EQ(fsdp.owner_plan().rounds, expected_plan.rounds);
+    EXPECT_EQ(fsdp.owner_plan().round_gather_seconds, expected_plan.round_gather_seconds);
+    EXPECT_EQ(fsdp.owner_plan().pipelined_seconds(), expected_plan.pipelined_seconds());
   }
-  // Some ranks measure, others not: the same error on every rank, no hang.
+  // Given on some ranks, measured on the others: the same error on every rank, no hang.
   if (world().size() > 1) {
     expect_error(
         [&] {
           FsdpMuon(sharded_matrices(model), MuonOptions(),
-                   FsdpMuonConfig().calibrate_rates(world().rank() != 0));
+                   world().rank() == 0 ? FsdpMuonConfig().rates(one_rate) : FsdpMuonConfig());
         },
         {"fsdp_muon::FsdpMuon: " + std::to_string(world().size() - 1) + " of " +
          std::to_string(world().size()) +
@@ -1323,16 +1367,18 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
   // The HSDP settings (issue 21): the ranks must plan alike even on a 1-D mesh.
   {
     FsdpMuonConfig config;
-    if (here) config.replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld);
-    expect_error(
-        [&] { FsdpMuon(params, MuonOptions(), config); },
-        {"first difference, replica_newton_schulz: rank 0 has by_cost, " + r + "once_per_world"});
+    if (here) config.planner().replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld);
+    expect_error([&] { FsdpMuon(params, MuonOptions(), config); },
+                 {"first difference, planner.replica_newton_schulz: rank 0 has by_cost, " + r +
+                  "once_per_world"});
   }
   {
-    FsdpMuonConfig config;
-    if (here) config.inter_node_bytes_per_second(5e10);
+    // Given rates (given on every rank or on none: see GivenRatesArePlannedWithExactly).
+    FsdpMuonConfig config = FsdpMuonConfig().rates(CostRates());
+    if (here) config.rates()->inter_node_bytes_per_second(5e10);
     expect_error([&] { FsdpMuon(params, MuonOptions(), config); },
-                 {"first difference, inter_node_bytes_per_second: rank 0 has 0x1.74876e8p+34 "
+                 {"first difference, rates.inter_node_bytes_per_second: rank 0 has "
+                  "0x1.74876e8p+34 "
                   "(2.5e+10), " +
                   r + "0x1.74876e8p+35 (5e+10)"});
   }
@@ -1543,7 +1589,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OneRankSkippingZeroOneReduceScatterIsNamed)
   Model model = make_model(42);
   FsdpMuon fsdp(sharded_matrices(model),
                 MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)),
-                FsdpMuonConfig().calibrate_rates(false));
+                FsdpMuonConfig().rates(CostRates()));
   const bool skips = world().rank() == 1;
   backward_through(model);
   model.groups[0]->reduce_scatter_grads();

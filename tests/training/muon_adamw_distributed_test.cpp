@@ -108,7 +108,7 @@ MuonOptions muon_options() {
 torch::optim::AdamWOptions adamw_options() {
   return torch::optim::AdamWOptions(kAdamWLr).weight_decay(0.01);
 }
-FsdpMuonConfig fsdp_config() { return FsdpMuonConfig().calibrate_rates(false); }
+FsdpMuonConfig fsdp_config() { return FsdpMuonConfig().rates(CostRates()); }
 
 ShardModuleOptions strategy_options(ShardingStrategy strategy) {
   return ShardModuleOptions().group_options(
