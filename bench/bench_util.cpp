@@ -124,13 +124,14 @@ std::string format(const char* fmt, ...) {
 }
 
 std::vector<fsdp_muon::PlanGroup> plan_groups(const ModelShapes& model, int world_size,
-                                              int64_t ns_steps, c10::ScalarType compute_dtype) {
+                                              int64_t newton_schulz_steps,
+                                              c10::ScalarType compute_dtype) {
   std::vector<fsdp_muon::PlanGroup> groups;
   groups.reserve(model.groups.size());
   for (const auto& [name, shapes] : model.groups) {
     groups.push_back(fsdp_muon::plan_group_from_shapes(
-        name, shapes, world_size, fsdp_muon::NewtonSchulzOptions().steps(ns_steps), compute_dtype,
-        16));
+        name, shapes, world_size, fsdp_muon::NewtonSchulzOptions().steps(newton_schulz_steps),
+        compute_dtype, 16));
   }
   return groups;
 }

@@ -51,13 +51,13 @@ int run_main(int argc, char** argv, const char* program, const char* usage,
 // printf into a std::string.
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
-// FsdpMuonConfig::max_bytes_ratio as the tables print it: "by cost" for kBytesRatioByCost.
+// OwnerPlanOptions::max_bytes_ratio as the tables print it: "by cost" for kBytesRatioByCost.
 std::string bytes_ratio_name(double max_bytes_ratio);
 
 // The PlanGroups FsdpMuon would build for `model` at `world_size` (docs/DESIGN.md §2 layout of the
 // compute dtype, 16-byte alignment; gathers move fp32).
 std::vector<fsdp_muon::PlanGroup> plan_groups(const ModelShapes& model, int world_size,
-                                              int64_t ns_steps = 5,
+                                              int64_t newton_schulz_steps = 5,
                                               c10::ScalarType compute_dtype = at::kBFloat16);
 
 // The naive baseline: matrix k (counting every matrix of every group in order) goes to rank

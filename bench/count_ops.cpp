@@ -108,7 +108,8 @@ OpCount count_one_step(const std::string& label, const ModelShapes& model,
       if (dims == 3) expert_tensors.push_back(groups.back()->sharded_parameter(i));
     }
   }
-  const auto options = fsdp_muon::MuonOptions(0.02).ns_dtype(at::kFloat);
+  const auto options = fsdp_muon::MuonOptions(0.02).newton_schulz(
+      fsdp_muon::NewtonSchulzOptions().compute_dtype(at::kFloat));
   std::vector<torch::optim::OptimizerParamGroup> param_groups;
   param_groups.emplace_back(matrices, std::make_unique<fsdp_muon::MuonOptions>(options));
   if (!expert_tensors.empty()) {
@@ -118,7 +119,7 @@ OpCount count_one_step(const std::string& label, const ModelShapes& model,
             fsdp_muon::MuonOptions(options).matrix_layout(fsdp_muon::MatrixLayout::batched())));
   }
   fsdp_muon::FsdpMuon muon(param_groups, options,
-                           fsdp_muon::FsdpMuonConfig().calibrate_rates(false));
+                           fsdp_muon::FsdpMuonConfig().rates(fsdp_muon::CostRates()));
   const auto fill_gradients = [&] {
     for (const auto& g : groups) {
       g->zero_grad();

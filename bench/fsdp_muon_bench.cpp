@@ -29,8 +29,9 @@ const char* kUsage = R"(usage:
   Presets (full size on a GPU; on a CPU --scale defaults to 8 for llama3-layer and moe and
   gpt2 runs 2 layers): gpt2 = GPT-2 124M layers; llama3-layer = one Llama-3-8B layer (widths
   divided by --scale); moe = one Qwen3-30B-A3B layer with --experts experts (default 16).
-  --ns-gflops/--gbps/--latency-us: the cost model's rates (default FsdpMuonConfig's), which
-  decide how many rounds a step has with overlap.
+  --ns-gflops/--gbps/--latency-us: the cost model's rates, which decide how many rounds a step
+  has with overlap (default: measured at construction; one given: the plan is made at those
+  given and CostRates' defaults for the rest, nothing measured).
   --shard-size N: HSDP, groups sharded over N ranks and replicated over W/N (default: W).
   A list (--shard-size 2,4) measures each mesh in turn in this one run and ends with a table
   of the meshes side by side: bytes per communicator, gradient reduction and step times.

@@ -28,6 +28,7 @@ namespace {
 
 using fsdp_muon::MatrixLayout;
 using fsdp_muon::MuonOptions;
+using fsdp_muon::NewtonSchulzOptions;
 
 struct Param {
   std::string name;
@@ -43,7 +44,7 @@ struct Run {
   int64_t calls = 0, matrices = 0, sent = 0;
 
   Run(const std::vector<Param>& params, const std::vector<MatrixLayout>& layouts,
-      const std::shared_ptr<fsdp_muon::Communicator>& comm, c10::ScalarType ns_dtype) {
+      const std::shared_ptr<fsdp_muon::Communicator>& comm, c10::ScalarType newton_schulz_dtype) {
     torch::manual_seed(1);
     std::vector<std::pair<std::string, at::Tensor>> named;
     for (const Param& p : params) {
@@ -58,9 +59,12 @@ struct Run {
     std::vector<torch::optim::OptimizerParamGroup> groups;
     for (size_t g = 0; g < layouts.size(); ++g) {
       if (members[g].empty()) continue;
-      groups.emplace_back(members[g],
-                          std::make_unique<MuonOptions>(
-                              MuonOptions(0.02).ns_dtype(ns_dtype).matrix_layout(layouts[g])));
+      groups.emplace_back(
+          members[g],
+          std::make_unique<MuonOptions>(
+              MuonOptions(0.02)
+                  .newton_schulz(NewtonSchulzOptions().compute_dtype(newton_schulz_dtype))
+                  .matrix_layout(layouts[g])));
     }
     muon = std::make_unique<fsdp_muon::FsdpMuon>(groups);
   }

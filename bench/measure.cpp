@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -101,13 +104,16 @@ double median(std::vector<double> values) {
 
 std::vector<SettingTimes> time_settings(
     const std::vector<std::shared_ptr<fsdp_muon::FsdpParameterGroup>>& groups,
-    const std::vector<at::Tensor>& matrices, c10::ScalarType ns_dtype,
+    const std::vector<at::Tensor>& matrices, c10::ScalarType newton_schulz_dtype,
     const std::vector<fsdp_muon::FsdpMuonConfig>& configs, int64_t warmup, int64_t steps,
     const c10::Device& device) {
   std::vector<std::unique_ptr<fsdp_muon::FsdpMuon>> optimizers;
   for (const auto& config : configs) {
     optimizers.push_back(std::make_unique<fsdp_muon::FsdpMuon>(
-        matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype), config));
+        matrices,
+        fsdp_muon::MuonOptions(0.02).newton_schulz(
+            fsdp_muon::NewtonSchulzOptions().compute_dtype(newton_schulz_dtype)),
+        config));
   }
   // [setting][quantity][step]: step, compute, exposed, check.
   std::vector<std::vector<std::vector<double>>> samples(configs.size(),
@@ -147,9 +153,9 @@ std::vector<SettingTimes> time_settings(
 struct MeasureArgs {
   std::string preset;
   int64_t layers = 0, experts = 16, steps = 5, warmup = 1;
-  std::string ns_dtype_name, policy_name, prefetch, schedule_name, scale_flag;
+  std::string newton_schulz_dtype_name, policy_name, prefetch, schedule_name, scale_flag;
   bool compare = false;
-  double ns_gflops = 0, gbps = 0, latency_us = 0;
+  std::optional<fsdp_muon::CostRates> rates;  // std::nullopt: measured at construction
 };
 
 // One mesh's figures for the side-by-side table (max over ranks; filled on rank 0 only).
@@ -167,12 +173,12 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
   const std::string& preset = args.preset;
   const int64_t layers = args.layers, experts = args.experts, steps = args.steps,
                 warmup = args.warmup;
-  const std::string &ns_dtype_name = args.ns_dtype_name, &policy_name = args.policy_name,
-                    &prefetch = args.prefetch, &schedule_name = args.schedule_name,
-                    &scale_flag = args.scale_flag;
+  const std::string &newton_schulz_dtype_name = args.newton_schulz_dtype_name,
+                    &policy_name = args.policy_name, &prefetch = args.prefetch,
+                    &schedule_name = args.schedule_name, &scale_flag = args.scale_flag;
   const bool compare = args.compare;
-  const double ns_gflops = args.ns_gflops, gbps = args.gbps, latency_us = args.latency_us;
-  const c10::ScalarType ns_dtype = ns_dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
+  const c10::ScalarType newton_schulz_dtype =
+      newton_schulz_dtype_name == "bf16" ? at::kBFloat16 : at::kFloat;
   const c10::Device device = comm->device();
   const int rank = comm->rank(), world = comm->size();
   const fsdp_muon::DeviceMesh mesh =
@@ -211,16 +217,19 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
                                                  : static_cast<int64_t>(std::stoll(prefetch)) << 20;
   const fsdp_muon::FsdpMuonConfig config =
       fsdp_muon::FsdpMuonConfig()
-          .owner_policy(policy_name == "any-rank"   ? fsdp_muon::OwnerPolicy::kAnyRank
-                        : policy_name == "balanced" ? fsdp_muon::OwnerPolicy::kBalanced
-                                                    : fsdp_muon::OwnerPolicy::kHoldersOnly)
-          .owner_schedule(schedule_name == "windows" ? fsdp_muon::OwnerSchedule::kWindows
-                                                     : fsdp_muon::OwnerSchedule::kRounds)
-          .prefetch_budget_bytes(budget)
-          .newton_schulz_flops_per_second(ns_gflops * 1e9)
-          .bytes_per_second(gbps * 1e9)
-          .exchange_latency_seconds(latency_us * 1e-6);
-  fsdp_muon::FsdpMuon muon(matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype), config);
+          .planner(
+              fsdp_muon::OwnerPlanOptions()
+                  .owner_policy(policy_name == "any-rank"   ? fsdp_muon::OwnerPolicy::kAnyRank
+                                : policy_name == "balanced" ? fsdp_muon::OwnerPolicy::kBalanced
+                                                            : fsdp_muon::OwnerPolicy::kHoldersOnly)
+                  .owner_schedule(schedule_name == "windows" ? fsdp_muon::OwnerSchedule::kWindows
+                                                             : fsdp_muon::OwnerSchedule::kRounds)
+                  .prefetch_budget_bytes(budget))
+          .rates(args.rates);
+  fsdp_muon::FsdpMuon muon(matrices,
+                           fsdp_muon::MuonOptions(0.02).newton_schulz(
+                               fsdp_muon::NewtonSchulzOptions().compute_dtype(newton_schulz_dtype)),
+                           config);
   const fsdp_muon::OwnerPlan& plan = muon.owner_plan();
   // The plan's ranks: world ranks when owners span the replicas, else shard ranks.
   const int plan_rank = plan.world_size == world ? rank : mesh.shard->rank();
@@ -275,7 +284,7 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
     }
   }
   comm->barrier();
-  const double gemm_rate = gemm_flops_per_second(big_m, big_n, ns_dtype, device);
+  const double gemm_rate = gemm_flops_per_second(big_m, big_n, newton_schulz_dtype, device);
 
   // Single-device Muon on the same full matrices, every rank at once (what each rank of a
   // replicated data-parallel job would do).
@@ -291,7 +300,9 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
         full.push_back(t);
       }
     }
-    fsdp_muon::Muon reference(full, fsdp_muon::MuonOptions(0.02).ns_dtype(ns_dtype));
+    fsdp_muon::Muon reference(
+        full, fsdp_muon::MuonOptions(0.02).newton_schulz(
+                  fsdp_muon::NewtonSchulzOptions().compute_dtype(newton_schulz_dtype)));
     comm->barrier();
     for (int64_t s = 0; s < warmup + steps; ++s) {
       sync(device);
@@ -310,22 +321,23 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
   for (const bool check : {true, false}) {
     for (const bool overlap : {false, true}) {
       fsdp_muon::FsdpMuonConfig setting =
-          fsdp_muon::FsdpMuonConfig(config).overlap_communication(overlap).check_gradient_agreement(
-              check);
+          fsdp_muon::FsdpMuonConfig(config).check_gradient_agreement(check);
+      setting.planner().overlap_communication(overlap);
       if (!check) setting.non_finite_gradients(fsdp_muon::NonFiniteGradients::kIgnore);
       settings.push_back(setting);
     }
   }
   // Overlap on, check on, in the fewest rounds that fit the budget (what FsdpMuon ran before the
-  // cost model chose the number of rounds): a prohibitive exchange latency makes every split
-  // cost more than it hides.
-  settings.push_back(fsdp_muon::FsdpMuonConfig(config).exchange_latency_seconds(1e3));
+  // cost model chose the number of rounds): a prohibitive exchange latency, with the other rates
+  // those the first optimizer planned with, makes every split cost more than it hides.
+  settings.push_back(fsdp_muon::FsdpMuonConfig(config).rates(
+      fsdp_muon::CostRates(muon.owner_plan().rates).exchange_latency_seconds(1e3)));
   std::vector<size_t> setting_rounds;
   std::vector<double> setting_predicted;  // the same on every rank (one plan)
   comm->barrier();
   std::vector<double> setting_local;
   for (const SettingTimes& t :
-       time_settings(groups, matrices, ns_dtype, settings, warmup, steps, device)) {
+       time_settings(groups, matrices, newton_schulz_dtype, settings, warmup, steps, device)) {
     setting_local.insert(setting_local.end(), {t.step, t.compute, t.exposed, t.check});
     setting_rounds.push_back(t.rounds);
     setting_predicted.push_back(t.predicted);
@@ -374,7 +386,7 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
       " NS %s, policy %s, prefetch %s MiB, %lld steps after %lld warm-up\n",
       model.name.c_str(), static_cast<long long>(model.groups.size()),
       static_cast<long long>(model.num_matrices()), model.num_elements() / 1e6, world,
-      device.str().c_str(), comm->backend_name().c_str(), ns_dtype_name.c_str(),
+      device.str().c_str(), comm->backend_name().c_str(), newton_schulz_dtype_name.c_str(),
       policy_name.c_str(), prefetch.c_str(), static_cast<long long>(steps),
       static_cast<long long>(warmup));
   std::printf("mesh %s (replicas x shard): %s\n", mesh.shape().c_str(), muon.describe().c_str());
@@ -512,7 +524,7 @@ int run_measure(Flags& flags) {
   const int64_t experts = flags.get_int("experts", 16);
   const int64_t steps = flags.get_int("steps", 5);
   const int64_t warmup = flags.get_int("warmup", 1);
-  const std::string ns_dtype_name = flags.get("ns-dtype", "bf16");
+  const std::string newton_schulz_dtype_name = flags.get("ns-dtype", "bf16");
   const std::string policy_name = flags.get("policy", "holders-only");
   const std::string prefetch = flags.get("prefetch-mib", "1024");
   const std::string schedule_name = flags.get("schedule", "rounds");
@@ -521,18 +533,25 @@ int run_measure(Flags& flags) {
   const std::vector<int64_t> shard_sizes = flags.get_ints("shard-size", {0});
   const bool compare = flags.has("compare");
   const std::string scale_flag = flags.get("scale", "");
-  // The cost model's rates (FsdpMuonConfig's defaults when not given): with overlap they decide
-  // how many rounds a step has.
-  const fsdp_muon::FsdpMuonConfig rate_defaults;
-  const double ns_gflops =
-      flags.get_double("ns-gflops", rate_defaults.newton_schulz_flops_per_second() / 1e9);
-  const double gbps = flags.get_double("gbps", rate_defaults.bytes_per_second() / 1e9);
-  const double latency_us =
-      flags.get_double("latency-us", rate_defaults.exchange_latency_seconds() * 1e6);
+  // The cost model's rates, which with overlap decide how many rounds a step has: measured at
+  // construction, unless one is given; then the plan is made at those given and CostRates'
+  // defaults for the others, and nothing is measured.
+  const double absent = std::numeric_limits<double>::quiet_NaN();
+  const double ns_gflops = flags.get_double("ns-gflops", absent);
+  const double gbps = flags.get_double("gbps", absent);
+  const double latency_us = flags.get_double("latency-us", absent);
+  std::optional<fsdp_muon::CostRates> rates;
+  if (!std::isnan(ns_gflops) || !std::isnan(gbps) || !std::isnan(latency_us)) {
+    rates = fsdp_muon::CostRates();
+    if (!std::isnan(ns_gflops)) rates->newton_schulz_flops_per_second(ns_gflops * 1e9);
+    if (!std::isnan(gbps)) rates->bytes_per_second(gbps * 1e9);
+    if (!std::isnan(latency_us)) rates->exchange_latency_seconds(latency_us * 1e-6);
+  }
   flags.finish();
 
   TORCH_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
-  TORCH_CHECK(ns_dtype_name == "bf16" || ns_dtype_name == "fp32", "--ns-dtype: bf16 or fp32");
+  TORCH_CHECK(newton_schulz_dtype_name == "bf16" || newton_schulz_dtype_name == "fp32",
+              "--ns-dtype: bf16 or fp32");
   TORCH_CHECK(
       policy_name == "holders-only" || policy_name == "any-rank" || policy_name == "balanced",
       "--policy: holders-only, any-rank or balanced");
@@ -545,9 +564,9 @@ int run_measure(Flags& flags) {
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
 
   const auto comm = fsdp_muon::init_from_env();
-  const MeasureArgs args{preset,        layers,      experts,  steps,         warmup,
-                         ns_dtype_name, policy_name, prefetch, schedule_name, scale_flag,
-                         compare,       ns_gflops,   gbps,     latency_us};
+  const MeasureArgs args{
+      preset,      layers,   experts,       steps,      warmup,  newton_schulz_dtype_name,
+      policy_name, prefetch, schedule_name, scale_flag, compare, rates};
   // Several shard sizes run one after the other in this process, each with its own groups and
   // optimizer, so that their figures come from the same launch and the same machine state.
   std::vector<MeshRow> rows;

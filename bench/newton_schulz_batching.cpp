@@ -155,7 +155,9 @@ struct PhaseRun {
       }
     }
     muon = std::make_unique<fsdp_muon::FsdpMuon>(
-        matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(dtype),
+        matrices,
+        fsdp_muon::MuonOptions(0.02).newton_schulz(
+            fsdp_muon::NewtonSchulzOptions().compute_dtype(dtype)),
         fsdp_muon::FsdpMuonConfig().batch_newton_schulz(mode));
   }
 
@@ -205,7 +207,7 @@ int run(int argc, char** argv) {
   const int64_t threads = flags.get_int("threads", 0);
   const int64_t steps = flags.get_int("steps", quick ? 3 : 5);
   const int64_t warmup = flags.get_int("warmup", 1);
-  const int64_t ns_steps = flags.get_int("ns-steps", 5);
+  const int64_t newton_schulz_steps = flags.get_int("ns-steps", 5);
   const double min_seconds = flags.get_double("min-seconds", quick ? 0.2 : 0.3);
   const std::string scale_flag = flags.get("scale", "");
   const std::string experts_flag = flags.get("experts", "");
@@ -225,7 +227,7 @@ int run(int argc, char** argv) {
       "newton_schulz_batching: %s, one layer, on %s, %d intra-op thread(s), %lld quintic "
       "steps\n",
       model.name.c_str(), device.str().c_str(), at::get_num_threads(),
-      static_cast<long long>(ns_steps));
+      static_cast<long long>(newton_schulz_steps));
 
   // 1. The kernel, per same-shape class of the layer (classes of one matrix are left out).
   std::map<std::pair<int64_t, int64_t>, int64_t> classes;
@@ -246,8 +248,8 @@ int run(int argc, char** argv) {
   for (c10::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
     for (const auto& [shape, count] : classes) {
       if (count < 2) continue;
-      const KernelRow r =
-          measure_kernel(count, shape.first, shape.second, dtype, ns_steps, device, min_seconds);
+      const KernelRow r = measure_kernel(count, shape.first, shape.second, dtype,
+                                         newton_schulz_steps, device, min_seconds);
       const std::string label = format("%lldx%lld", static_cast<long long>(shape.first),
                                        static_cast<long long>(shape.second));
       std::printf("%-12s %5lld %5s %10.1f %9.0f%% %9.0f%% %9.2f %14s\n", label.c_str(),

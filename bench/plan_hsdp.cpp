@@ -39,11 +39,11 @@ MeshShape parse_mesh(const std::string& text) {
 // The 1-D plan over all W ranks of `mesh` with its bytes split by node (ranks [n*S, (n+1)*S) are
 // node n): a piece sent between two nodes is inter-node. Planned as FsdpMuon on a 1-D mesh of W
 // ranks plans it; its estimated_seconds() then prices both levels.
-OwnerPlan one_dimensional(const ModelShapes& model, MeshShape mesh, int64_t ns_steps,
-                          const OwnerPlanOptions& options) {
+OwnerPlan one_dimensional(const ModelShapes& model, MeshShape mesh, int64_t newton_schulz_steps,
+                          const OwnerPlanOptions& options, const fsdp_muon::CostRates& rates) {
   const int world = mesh.world_size();
-  const auto groups = plan_groups(model, world, ns_steps);
-  OwnerPlan plan = fsdp_muon::plan_owners(groups, world, options);
+  const auto groups = plan_groups(model, world, newton_schulz_steps);
+  OwnerPlan plan = fsdp_muon::plan_owners(groups, world, options, rates);
   plan.inter_node_bytes_per_rank.assign(world, 0);
   for (size_t g = 0; g < groups.size(); ++g) {
     const int64_t eb = fsdp_muon::detail::group_element_bytes(groups[g], plan);
@@ -101,21 +101,23 @@ int run_plan_hsdp(Flags& flags) {
   for (const std::string& m : split_list(flags.get("meshes", "8x8,32x8,128x8"))) {
     meshes.push_back(parse_mesh(m));
   }
-  const int64_t ns_steps = flags.get_int("ns-steps", 5);
-  const fsdp_muon::FsdpMuonConfig defaults;
-  const double intra = flags.get_double("intra-gbps", defaults.bytes_per_second() / 1e9) * 1e9;
+  const int64_t newton_schulz_steps = flags.get_int("ns-steps", 5);
+  const OwnerPlanOptions defaults;  // FsdpMuonConfig().planner()
+  const fsdp_muon::CostRates rate_defaults;
+  const double intra = flags.get_double("intra-gbps", rate_defaults.bytes_per_second() / 1e9) * 1e9;
   const double inter =
-      flags.get_double("inter-gbps", defaults.inter_node_bytes_per_second() / 1e9) * 1e9;
+      flags.get_double("inter-gbps", rate_defaults.inter_node_bytes_per_second() / 1e9) * 1e9;
   const double flops =
-      flags.get_double("ns-tflops", defaults.newton_schulz_flops_per_second() / 1e12) * 1e12;
+      flags.get_double("ns-tflops", rate_defaults.newton_schulz_flops_per_second() / 1e12) * 1e12;
   flags.finish();
-  const OwnerPlanOptions options = defaults.owner_plan_options()
-                                       .newton_schulz_flops_per_second(flops)
-                                       .bytes_per_second(intra)
-                                       .inter_node_bytes_per_second(inter);
+  const OwnerPlanOptions& options = defaults;
+  const fsdp_muon::CostRates rates = fsdp_muon::CostRates(rate_defaults)
+                                         .newton_schulz_flops_per_second(flops)
+                                         .bytes_per_second(intra)
+                                         .inter_node_bytes_per_second(inter);
   std::printf(
       "HSDP owner plans (no processes), replicas x shard size, one FSDP group per layer, bf16\n"
-      "layout, %lld NS steps, fp32 exchange, FsdpMuonConfig's defaults (policy %s, schedule %s,\n"
+      "layout, %lld NS steps, fp32 exchange, OwnerPlanOptions' defaults (policy %s, schedule %s,\n"
       "max_bytes_ratio %s, %lld MiB budget, overlap). Rates: Newton-Schulz %.0f TFLOP/s,\n"
       "within a node %.0f GB/s per rank (H200 NVLink estimate), across nodes %.0f GB/s per rank\n"
       "(InfiniBand estimate: 400 Gb/s per GPU under all-to-all). Per plan, per rank per step:\n"
@@ -135,11 +137,11 @@ int run_plan_hsdp(Flags& flags) {
       "  rounds   by_cost's rounds and pipelined ms (OwnerPlan::pipelined_seconds: the step's\n"
       "           timeline with overlap, %.0f us per exchange) in the fewest rounds that fit ->\n"
       "           as many as the cost model chose\n",
-      static_cast<long long>(ns_steps), fsdp_muon::to_string(defaults.owner_policy()),
+      static_cast<long long>(newton_schulz_steps), fsdp_muon::to_string(defaults.owner_policy()),
       fsdp_muon::to_string(defaults.owner_schedule()),
       bytes_ratio_name(defaults.max_bytes_ratio()).c_str(),
       static_cast<long long>(defaults.prefetch_budget_bytes() >> 20), flops / 1e12, intra / 1e9,
-      inter / 1e9, defaults.exchange_latency_seconds() * 1e6);
+      inter / 1e9, rates.exchange_latency_seconds() * 1e6);
   const std::string cols = "   inter    intra  NS/fl   #r       ms";
   const auto title = [&](const char* plan) {
     const std::string t = std::string(" ") + plan + " ";
@@ -157,15 +159,15 @@ int run_plan_hsdp(Flags& flags) {
   for (const std::string& name : models) {
     const ModelShapes model = model_by_name(name);
     for (const MeshShape mesh : meshes) {
-      const auto groups = plan_groups(model, mesh.shard_size, ns_steps);
+      const auto groups = plan_groups(model, mesh.shard_size, newton_schulz_steps);
       const auto with = [&](ReplicaNewtonSchulz mode) {
         return fsdp_muon::plan_owners(groups, mesh,
-                                      OwnerPlanOptions(options).replica_newton_schulz(mode));
+                                      OwnerPlanOptions(options).replica_newton_schulz(mode), rates);
       };
       const OwnerPlan world = with(ReplicaNewtonSchulz::kOncePerWorld);
       const OwnerPlan replica = with(ReplicaNewtonSchulz::kOncePerReplica);
       const OwnerPlan by_cost = with(ReplicaNewtonSchulz::kByCost);
-      const OwnerPlan flat = one_dimensional(model, mesh, ns_steps, options);
+      const OwnerPlan flat = one_dimensional(model, mesh, newton_schulz_steps, options, rates);
       const double floor = std::max(static_cast<double>(world.total_cost()) / mesh.world_size(),
                                     static_cast<double>(world.largest_matrix_cost()));
       const double chosen = by_cost.estimated_seconds();

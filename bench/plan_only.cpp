@@ -49,12 +49,11 @@ struct Row {
 };
 
 fsdp_muon::OwnerPlanOptions windows_options(fsdp_muon::OwnerPolicy policy, int64_t budget_bytes) {
-  return fsdp_muon::FsdpMuonConfig()
+  return fsdp_muon::OwnerPlanOptions()
       .owner_policy(policy)
       .owner_schedule(fsdp_muon::OwnerSchedule::kWindows)
       .overlap_communication(false)
-      .prefetch_budget_bytes(budget_bytes)
-      .owner_plan_options();
+      .prefetch_budget_bytes(budget_bytes);
 }
 
 Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
@@ -67,11 +66,10 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
   const auto budgeted = plan(windows_options(policy, budget_bytes));
   const fsdp_muon::OwnerPlan rr = round_robin_plan(groups, world_size);
   // What FsdpMuon runs with this policy and budget (the config's defaults otherwise).
-  const auto rounds = plan(fsdp_muon::FsdpMuonConfig()
+  const auto rounds = plan(fsdp_muon::OwnerPlanOptions()
                                .owner_policy(policy)
                                .prefetch_budget_bytes(budget_bytes)
-                               .owner_schedule(fsdp_muon::OwnerSchedule::kRounds)
-                               .owner_plan_options());
+                               .owner_schedule(fsdp_muon::OwnerSchedule::kRounds));
   Row row;
   // seed-1: owners balanced across all groups, but one group run at a time.
   row.seed_budget0 = fsdp_muon::detail::critical_path_ratio_budget0(unlimited);
@@ -96,11 +94,10 @@ Row plan_row(const std::vector<fsdp_muon::PlanGroup>& groups, int world_size,
   row.num_rounds = rounds.rounds.size();
   if (policy == fsdp_muon::OwnerPolicy::kBalanced) {
     const auto with_ratio = [&](double ratio) {
-      return plan(fsdp_muon::FsdpMuonConfig()
+      return plan(fsdp_muon::OwnerPlanOptions()
                       .owner_policy(policy)
                       .prefetch_budget_bytes(budget_bytes)
-                      .max_bytes_ratio(ratio)
-                      .owner_plan_options());
+                      .max_bytes_ratio(ratio));
     };
     const auto bytes_ratio = [](const fsdp_muon::OwnerPlan& p) {
       return static_cast<double>(p.max_bytes_per_rank()) /
@@ -156,12 +153,13 @@ int run_plan_only(Flags& flags) {
       flags.get("models", "llama3-8b,qwen3-30b-a3b,gpt2,dense-70b,moe-8x,moe-64x");
   const std::vector<int64_t> world_sizes = flags.get_ints("world-sizes", {8, 16, 32, 64, 128, 256});
   const int64_t budget_mib = flags.get_int("prefetch-mib", 1024);
-  const int64_t ns_steps = flags.get_int("ns-steps", 5);
+  const int64_t newton_schulz_steps = flags.get_int("ns-steps", 5);
   flags.finish();
   TORCH_CHECK(budget_mib >= 0, "--prefetch-mib must be >= 0");
   const std::vector<std::string> models = split_list(models_flag);
 
-  const fsdp_muon::FsdpMuonConfig defaults;
+  const fsdp_muon::OwnerPlanOptions defaults;  // FsdpMuonConfig().planner()
+  const fsdp_muon::CostRates rate_defaults;
   std::printf(
       "Owner plan only (no processes): Newton-Schulz critical path of the orthogonalize phase\n"
       "over the ideal (total NS FLOPs / W), one FSDP group per layer, bf16 layout with 16-byte\n"
@@ -191,13 +189,14 @@ int run_plan_only(Flags& flags) {
       "          NVLink node), its rounds / floor and B/min, and the estimated ms of NS critical\n"
       "          path + busiest rank's bytes for the 1.5x limit's plan (the default before the\n"
       "          cost model became it) -> the cost model's plan\n"
-      "Default FsdpMuonConfig: policy %s, schedule %s.\n",
-      static_cast<long long>(ns_steps), format("%lldM", static_cast<long long>(budget_mib)).c_str(),
+      "Default FsdpMuonConfig().planner(): policy %s, schedule %s.\n",
+      static_cast<long long>(newton_schulz_steps),
+      format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       static_cast<long long>(budget_mib),
       format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       format("%lldM", static_cast<long long>(budget_mib)).c_str(),
       bytes_ratio_name(defaults.max_bytes_ratio()).c_str(),
-      defaults.newton_schulz_flops_per_second() / 1e12, defaults.bytes_per_second() / 1e9,
+      rate_defaults.newton_schulz_flops_per_second() / 1e12, rate_defaults.bytes_per_second() / 1e9,
       fsdp_muon::to_string(defaults.owner_policy()),
       fsdp_muon::to_string(defaults.owner_schedule()));
 
@@ -208,7 +207,7 @@ int run_plan_only(Flags& flags) {
     const ModelShapes model = model_by_name(name);
     double total_flops = 0;
     {
-      const auto groups = plan_groups(model, 1, ns_steps);
+      const auto groups = plan_groups(model, 1, newton_schulz_steps);
       for (const auto& g : groups) {
         for (const auto& m : g.matrices) {
           total_flops += fsdp_muon::plan_matrix_flops(m);
@@ -229,7 +228,7 @@ int run_plan_only(Flags& flags) {
         "free", "need", "cost: ratio /floor B/min ms->ms");
     for (int64_t w : world_sizes) {
       TORCH_CHECK(w >= 1, "--world-sizes must be positive");
-      const auto groups = plan_groups(model, static_cast<int>(w), ns_steps);
+      const auto groups = plan_groups(model, static_cast<int>(w), newton_schulz_steps);
       for (auto policy : {fsdp_muon::OwnerPolicy::kHoldersOnly, fsdp_muon::OwnerPolicy::kAnyRank,
                           fsdp_muon::OwnerPolicy::kBalanced}) {
         const Row r = plan_row(groups, static_cast<int>(w), policy, budget_mib << 20);

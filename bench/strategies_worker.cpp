@@ -152,7 +152,8 @@ class Trainer {
     }
     muon_ = std::make_unique<fsdp_muon::FsdpMuon>(
         muon_params,
-        fsdp_muon::MuonOptions(setup.lr).coefficients(fsdp_muon::NsCoefficients::kSimple));
+        fsdp_muon::MuonOptions(setup.lr).newton_schulz(
+            fsdp_muon::NewtonSchulzOptions().coefficients(fsdp_muon::NsCoefficients::kSimple)));
     adamw_ = std::make_unique<torch::optim::AdamW>(adamw_params,
                                                    torch::optim::AdamWOptions(setup.adamw_lr)
                                                        .betas(std::make_tuple(0.9, 0.95))

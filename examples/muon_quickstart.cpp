@@ -40,7 +40,9 @@ int main() {
   std::vector<torch::Tensor> others{model->fc1->bias, model->fc2->bias, model->head->weight,
                                     model->head->bias};
   // fp32 Newton-Schulz: most CPUs have no fast bf16 GEMM (on a GPU keep the bf16 default).
-  fsdp_muon::Muon muon(matrices, fsdp_muon::MuonOptions(0.02).ns_dtype(torch::kFloat));
+  fsdp_muon::Muon muon(matrices,
+                       fsdp_muon::MuonOptions(0.02).newton_schulz(
+                           fsdp_muon::NewtonSchulzOptions().compute_dtype(torch::kFloat)));
   torch::optim::AdamW adamw(others, torch::optim::AdamWOptions(3e-3).weight_decay(0.0));
 
   const int steps = 200;

@@ -66,12 +66,8 @@ struct Flags {
   double adamw_lr = 3e-3;
   int64_t warmup = 20;
   double cooldown = 0.4;
-  std::string ns_dtype = "bf16";
-  fsdp_muon::NsMethod ns_method = fsdp_muon::NsMethod::kStandard;
-  fsdp_muon::NsPreconditioning ns_preconditioning = fsdp_muon::NsPreconditioning::kNone;
-  int64_t ns_steps = 5;
-  fsdp_muon::NsCoefficients ns_coefficients = fsdp_muon::NsCoefficients::kQuintic;
-  fsdp_muon::NsCoefficientList ns_custom_coefficients;  // turbo_muon
+  // MuonOptions::newton_schulz, from the --ns-* flags (turbo_muon: custom_coefficients).
+  fsdp_muon::NewtonSchulzOptions newton_schulz;
   fsdp_muon::Normalization normalization = fsdp_muon::Normalization::kNone;
   std::string qkv_layout = "qkv";
   int64_t moe = 0;
@@ -99,8 +95,8 @@ Flags parse_flags(int argc, char** argv) {
       "mpirun, srun or alone)",
       "char_gpt");
   app.option_defaults()->always_capture_default();
-  std::string sharding, ns_method = "standard", ns_preconditioning = "none";
-  std::string ns_coefficients = "quintic", normalization = "none";
+  std::string sharding, compute_dtype = "bf16", method = "standard", preconditioning = "none";
+  std::string coefficients = "quintic", normalization = "none";
   const auto names = [](auto... values) {
     return std::vector<std::string>{fsdp_muon::to_string(values)...};
   };
@@ -132,12 +128,12 @@ Flags parse_flags(int argc, char** argv) {
   app.add_option("--warmup", f.warmup, "linear warm-up steps");
   app.add_option("--cooldown", f.cooldown, "fraction of steps over which lr decays to 0")
       ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--ns-dtype", f.ns_dtype, "Newton-Schulz compute dtype")
+  app.add_option("--ns-dtype", compute_dtype, "NewtonSchulzOptions::compute_dtype")
       ->check(CLI::IsMember({"bf16", "fp32"}));
-  app.add_option("--ns-method", ns_method, "MuonOptions::ns_method")
+  app.add_option("--ns-method", method, "NewtonSchulzOptions::method")
       ->check(CLI::IsMember(names(fsdp_muon::NsMethod::kStandard, fsdp_muon::NsMethod::kGram,
                                   fsdp_muon::NsMethod::kAuto)));
-  app.add_option("--ns-preconditioning", ns_preconditioning, "MuonOptions::ns_preconditioning")
+  app.add_option("--ns-preconditioning", preconditioning, "NewtonSchulzOptions::preconditioning")
       ->check(CLI::IsMember(
           names(fsdp_muon::NsPreconditioning::kNone, fsdp_muon::NsPreconditioning::kAol)));
   std::vector<std::string> schedules = {
@@ -145,11 +141,11 @@ Flags parse_flags(int argc, char** argv) {
       FSDP_MUON_NS_PRESETS(CHAR_GPT_PRESET_NAME)
 #undef CHAR_GPT_PRESET_NAME
           "turbo_muon"};
-  app.add_option("--ns-coefficients", ns_coefficients,
+  app.add_option("--ns-coefficients", coefficients,
                  "the (a, b, c) schedule: a preset, or turbo_muon (Turbo-Muon's 4 tuples, built "
                  "for --ns-preconditioning aol)")
       ->check(CLI::IsMember(schedules));
-  app.add_option("--ns-steps", f.ns_steps,
+  app.add_option("--ns-steps", f.newton_schulz.steps(),
                  "Newton-Schulz iterations (with aol, one fewer is validated only for "
                  "turbo_muon --ns-steps 4)")
       ->check(CLI::PositiveNumber);
@@ -198,15 +194,16 @@ Flags parse_flags(int argc, char** argv) {
   }
 
   if (!sharding.empty()) f.sharding = *fsdp_muon::parse_sharding_strategy(sharding);
-  f.ns_method = *fsdp_muon::parse_ns_method(ns_method);
-  f.ns_preconditioning = *fsdp_muon::parse_ns_preconditioning(ns_preconditioning);
-  if (ns_coefficients == "turbo_muon") {
-    f.ns_custom_coefficients = {{4.6051, -9.6552, 5.6769},
-                                {4.7505, -6.0861, 2.1790},
-                                {2.7763, -2.3190, 0.5523},
-                                {2.4231, -2.2861, 0.8193}};
+  f.newton_schulz.compute_dtype(compute_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
+      .method(*fsdp_muon::parse_ns_method(method))
+      .preconditioning(*fsdp_muon::parse_ns_preconditioning(preconditioning));
+  if (coefficients == "turbo_muon") {
+    f.newton_schulz.custom_coefficients({{4.6051, -9.6552, 5.6769},
+                                         {4.7505, -6.0861, 2.1790},
+                                         {2.7763, -2.3190, 0.5523},
+                                         {2.4231, -2.2861, 0.8193}});
   } else {
-    f.ns_coefficients = *fsdp_muon::parse_ns_coefficients(ns_coefficients);
+    f.newton_schulz.coefficients(*fsdp_muon::parse_ns_coefficients(coefficients));
   }
   f.normalization = normalization == fsdp_muon::to_string(fsdp_muon::Normalization::kNorMuon)
                         ? fsdp_muon::Normalization::kNorMuon
@@ -431,12 +428,7 @@ RunResult train(const Flags& flags, const std::string& optimizer_name, const Cor
   fsdp_muon::MuonAdamW optimizer(
       sharded,
       fsdp_muon::MuonOptions(flags.lr)
-          .ns_dtype(flags.ns_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
-          .ns_method(flags.ns_method)
-          .ns_preconditioning(flags.ns_preconditioning)
-          .ns_steps(flags.ns_steps)
-          .coefficients(flags.ns_coefficients)
-          .custom_coefficients(flags.ns_custom_coefficients)
+          .newton_schulz(flags.newton_schulz)
           .normalization(flags.normalization),
       torch::optim::AdamWOptions(adamw_lr).betas(std::make_tuple(0.9, 0.95)).weight_decay(0.0),
       routing);

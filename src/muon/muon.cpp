@@ -71,7 +71,8 @@ at::Tensor blockwise_update(const at::Tensor& u, const std::vector<MatrixBlock>&
   constexpr int64_t kMaxBatchElements = int64_t{1} << 25;
   const at::Tensor flat = u.reshape({-1});
   at::Tensor update = at::zeros_like(flat);
-  const bool may_batch = detail::batched_newton_schulz_is_bitwise(u.device(), options.ns_dtype());
+  const bool may_batch =
+      detail::batched_newton_schulz_is_bitwise(u.device(), options.newton_schulz().compute_dtype());
   std::vector<std::vector<const MatrixBlock*>> batches;
   std::map<std::pair<int64_t, int64_t>, size_t> open_batch;  // shape -> batch still filling
   for (const MatrixBlock& block : blocks) {

@@ -174,7 +174,7 @@ at::Tensor muon_orthogonalized_update(const at::Tensor& full_u, const MuonOption
                   "expected a 2-D matrix or a 3-D batch of matrices, got shape ", full_u.sizes());
   const double scale = muon_scale(full_u.size(-2), full_u.size(-1), options.scale_mode()) *
                        options.extra_scale_factor();
-  at::Tensor update = newton_schulz(full_u, options.newton_schulz_options());
+  at::Tensor update = newton_schulz(full_u, options.newton_schulz());
   if (update.scalar_type() != full_u.scalar_type()) {
     update = update.to(full_u.scalar_type());
   }

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <iterator>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <utility>
@@ -104,7 +106,7 @@ std::optional<NsPreconditioning> parse_ns_preconditioning(std::string_view name)
 
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options) {
   FSDP_MUON_API_SCOPE("NewtonSchulzOptions");
-  return detail::newton_schulz_schedule(options, "steps");
+  return detail::newton_schulz_schedule(options, "");
 }
 
 namespace {
@@ -172,13 +174,15 @@ double newton_schulz_flops(int64_t rows, int64_t cols, const NewtonSchulzOptions
 namespace detail {
 
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options,
-                                                          const char* steps_option) {
+                                                          const char* prefix) {
+  const std::string steps_option = std::string(prefix) + "steps";
+  const std::string restarts_option = std::string(prefix) + "gram_restarts";
   const int64_t steps = options.steps();
   FSDP_MUON_CHECK(steps >= 1, steps_option, " must be at least 1, got ", steps);
   const auto& custom = options.custom_coefficients();
   const Preset* preset = custom.empty() ? find_preset(options.coefficients()) : nullptr;
-  FSDP_MUON_CHECK(!custom.empty() || preset != nullptr, "coefficients has an unknown value ",
-                  static_cast<int>(options.coefficients()));
+  FSDP_MUON_CHECK(!custom.empty() || preset != nullptr, prefix,
+                  "coefficients has an unknown value ", static_cast<int>(options.coefficients()));
   if (preset != nullptr && preset->rule == Rule::kExactSteps) {
     // Checked before the steps are materialized, so a nonsensical step count fails loudly.
     const auto defined = static_cast<int64_t>(preset->tuples.size());
@@ -200,20 +204,20 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
     // silently ignored, so a Gram run never differs from what its options say.
     const auto& restarts = options.gram_restarts();
     for (size_t r = 0; r < restarts.size(); ++r) {
-      FSDP_MUON_CHECK(restarts[r] >= 1 && restarts[r] < steps, "gram_restarts[", r,
+      FSDP_MUON_CHECK(restarts[r] >= 1 && restarts[r] < steps, restarts_option, "[", r,
                       "] = ", restarts[r], " is not an iteration a restart can precede with ",
                       steps_option, " = ", steps, "; each entry must lie in [1, ", steps_option,
-                      " - 1] (e.g. gram_restarts({2}) for 5 steps, gram_restarts({}) for none)");
-      FSDP_MUON_CHECK(r == 0 || restarts[r] > restarts[r - 1],
-                      "gram_restarts must be strictly increasing, got ", restarts[r - 1], " then ",
-                      restarts[r]);
+                      " - 1] (e.g. ", restarts_option, "({2}) for 5 steps, ", restarts_option,
+                      "({}) for none)");
+      FSDP_MUON_CHECK(r == 0 || restarts[r] > restarts[r - 1], restarts_option,
+                      " must be strictly increasing, got ", restarts[r - 1], " then ", restarts[r]);
     }
   }
   for (size_t t = 0; t < custom.size(); ++t) {
     const Tuple& tuple = custom[t];
     FSDP_MUON_CHECK(std::isfinite(tuple[0]) && std::isfinite(tuple[1]) && std::isfinite(tuple[2]),
-                    "custom_coefficients[", t, "] = (", tuple[0], ", ", tuple[1], ", ", tuple[2],
-                    ") is not finite; every (a, b, c) must be finite numbers");
+                    prefix, "custom_coefficients[", t, "] = (", tuple[0], ", ", tuple[1], ", ",
+                    tuple[2], ") is not finite; every (a, b, c) must be finite numbers");
   }
 
   std::vector<Tuple> schedule;
@@ -232,6 +236,12 @@ std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOpti
 }
 
 int64_t ns_coefficients_count() { return static_cast<int64_t>(presets().size()); }
+
+int64_t newton_schulz_method_count() { return static_cast<int64_t>(std::size(kNsMethodNames)); }
+
+int64_t newton_schulz_preconditioning_count() {
+  return static_cast<int64_t>(std::size(kNsPreconditioningNames));
+}
 
 void check_newton_schulz_input(const at::Tensor& x, const NewtonSchulzOptions& options) {
   FSDP_MUON_CHECK(x.defined(), "the input tensor is undefined");

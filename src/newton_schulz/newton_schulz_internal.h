@@ -22,12 +22,15 @@ constexpr double kLargestEps = 3.3895313892515355e38;
 // How many NsCoefficients values exist (the rows of FSDP_MUON_NS_PRESETS); an archive holding
 // any other integer is rejected.
 int64_t ns_coefficients_count();
+// How many NsMethod and NsPreconditioning values exist (their name tables' rows).
+int64_t newton_schulz_method_count();
+int64_t newton_schulz_preconditioning_count();
 
-// newton_schulz_schedule() with errors that call the step count `steps_option` (e.g.
-// "ns_steps"), for callers that configure it under another name; they name the calling API
-// (common/check.h).
+// newton_schulz_schedule() with errors that spell each option with `prefix` before its name
+// (e.g. "newton_schulz()." for "newton_schulz().steps"), for callers that hold the options inside
+// their own; they name the calling API (common/check.h).
 std::vector<std::array<double, 3>> newton_schulz_schedule(const NewtonSchulzOptions& options,
-                                                          const char* steps_option);
+                                                          const char* prefix);
 
 // The iterate in canonical form: wide (rows <= cols), contiguous, normalized in fp32 and cast to
 // the compute dtype; always 3-D (a 2-D input becomes a batch of one).

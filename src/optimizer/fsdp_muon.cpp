@@ -3,6 +3,7 @@
 #include <fsdp_muon/optimizer/fsdp_muon.h>
 
 #include <algorithm>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
@@ -29,50 +30,12 @@ MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t in
   return *options;
 }
 
-std::string exact_double(double value) {
-  std::ostringstream out;
-  out << std::hexfloat << value << std::defaultfloat << " (" << value << ")";
-  return out.str();
-}
-
 std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& o) {
-  const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
-  std::ostringstream custom;
-  custom << "{";
-  for (size_t i = 0; i < o.custom_coefficients().size(); ++i) {
-    const auto& abc = o.custom_coefficients()[i];
-    custom << (i ? ", " : "") << "(" << std::hexfloat << abc[0] << ", " << abc[1] << ", " << abc[2]
-           << ")";
+  std::vector<std::pair<std::string, std::string>> entries;
+  for (const MuonOptionField& field : muon_option_fields()) {
+    entries.emplace_back(field.name, field.text(o));
   }
-  custom << "}";
-  std::ostringstream restarts;
-  restarts << "{";
-  for (size_t i = 0; i < o.gram_restarts().size(); ++i) {
-    restarts << (i ? ", " : "") << o.gram_restarts()[i];
-  }
-  restarts << "}";
-  return {
-      {"lr", exact_double(o.lr())},
-      {"momentum", exact_double(o.momentum())},
-      {"nesterov", flag(o.nesterov())},
-      {"weight_decay", exact_double(o.weight_decay())},
-      {"weight_decay_method", to_string(o.weight_decay_method())},
-      {"ns_steps", std::to_string(o.ns_steps())},
-      {"coefficients", to_string(o.coefficients())},
-      {"custom_coefficients", custom.str()},
-      {"scale_mode", to_string(o.scale_mode())},
-      {"extra_scale_factor", exact_double(o.extra_scale_factor())},
-      {"eps", exact_double(o.eps())},
-      {"ns_dtype", c10::toString(o.ns_dtype())},
-      {"skip_non_matrix", flag(o.skip_non_matrix())},
-      {"ns_method", to_string(o.ns_method())},
-      {"gram_restarts", restarts.str()},
-      {"ns_preconditioning", to_string(o.ns_preconditioning())},
-      {"normalization", to_string(o.normalization())},
-      {"normuon_beta2", exact_double(o.normuon_beta2())},
-      {"normuon_eps", exact_double(o.normuon_eps())},
-      {"matrix_layout", o.matrix_layout().to_string()},
-  };
+  return entries;
 }
 
 }  // namespace detail
@@ -132,33 +95,19 @@ static_assert(detail::rows_in_enumerator_order(kBatchingNames));
 const char* to_string(NewtonSchulzBatching mode) { return detail::name_of(kBatchingNames, mode); }
 
 bool detail::batches_newton_schulz(NewtonSchulzBatching mode, const c10::Device& device,
-                                   c10::ScalarType ns_dtype, MatrixLayout::Kind layout) {
+                                   c10::ScalarType compute_dtype, MatrixLayout::Kind layout) {
   switch (mode) {
     case NewtonSchulzBatching::kAlways:
       return true;
     case NewtonSchulzBatching::kNever:
       return false;
     case NewtonSchulzBatching::kWhereBitwise:
-      return detail::batched_newton_schulz_is_bitwise(device, ns_dtype);
+      return detail::batched_newton_schulz_is_bitwise(device, compute_dtype);
     case NewtonSchulzBatching::kAuto:
-      return detail::batched_newton_schulz_is_bitwise(device, ns_dtype) ||
+      return detail::batched_newton_schulz_is_bitwise(device, compute_dtype) ||
              (device.is_cuda() && layout == MatrixLayout::Kind::kBatched);
   }
   FSDP_MUON_CHECK(false, "batch_newton_schulz has an unknown value ", static_cast<int>(mode));
-}
-
-OwnerPlanOptions FsdpMuonConfig::owner_plan_options() const {
-  return OwnerPlanOptions()
-      .owner_policy(owner_policy())
-      .owner_schedule(owner_schedule())
-      .max_bytes_ratio(max_bytes_ratio())
-      .newton_schulz_flops_per_second(newton_schulz_flops_per_second())
-      .bytes_per_second(bytes_per_second())
-      .prefetch_budget_bytes(prefetch_budget_bytes())
-      .overlap_communication(overlap_communication())
-      .replica_newton_schulz(replica_newton_schulz())
-      .inter_node_bytes_per_second(inter_node_bytes_per_second())
-      .exchange_latency_seconds(exchange_latency_seconds());
 }
 
 FsdpMuon::FsdpMuon(std::vector<at::Tensor> sharded_params, MuonOptions defaults,
@@ -176,9 +125,10 @@ FsdpMuon::FsdpMuon(const std::vector<torch::optim::OptimizerParamGroup>& param_g
   impl_->config = std::move(config);
   const auto construct = [&] {
     defaults.validate();
-    FSDP_MUON_CHECK(impl_->config.prefetch_budget_bytes() >= 0,
-                    "prefetch_budget_bytes must be >= 0, got ",
-                    impl_->config.prefetch_budget_bytes(), " (kUnlimitedPrefetch for no limit)");
+    FSDP_MUON_CHECK(impl_->config.planner().prefetch_budget_bytes() >= 0,
+                    "planner().prefetch_budget_bytes() must be >= 0, got ",
+                    impl_->config.planner().prefetch_budget_bytes(),
+                    " (kUnlimitedPrefetch for no limit)");
     FSDP_MUON_CHECK(
         impl_->config.check_gradient_agreement() ||
             impl_->config.non_finite_gradients() == NonFiniteGradients::kIgnore,
@@ -382,7 +332,7 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       pm.name = m.name;
       pm.rows = m.rows;
       pm.cols = m.cols;
-      pm.newton_schulz = options.newton_schulz_options();
+      pm.newton_schulz = options.newton_schulz();
       pm.per_row_state = detail::update_rule(options).per_row_state;
       // docs/DESIGN.md §3, "Layouts": a block is a contiguous element range of its parameter, so
       // what each rank holds of it is the parameter's held range clipped to the block; the
@@ -405,7 +355,8 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
       plan_groups[a.group_ordinal].matrices.push_back(std::move(pm));
     }
   }
-  plan = plan_owners(plan_groups, MeshShape{replicas(), shard_size}, plan_options());
+  plan =
+      plan_owners(plan_groups, MeshShape{replicas(), shard_size}, config.planner(), plan_rates());
   // kOncePerWorld: owners are world ranks, and the exchange spans the replicas.
   if (replicas() > 1 && plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld) {
     exchange_comm = world_comm;
@@ -447,36 +398,45 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   }
 }
 
-OwnerPlanOptions FsdpMuon::Impl::plan_options() const {
-  return detail::calibrated_plan_options(config, measured);
-}
+CostRates FsdpMuon::Impl::plan_rates() const { return detail::planned_rates(config, measured); }
 
 // What every rank must have built identically, one "<key> = <value>" line each: the world and
 // mesh shape, every FsdpMuonConfig setting, per optimizer group every MuonOptions field (exact)
 // and its parameters (FSDP group, position, name, shape), and the replica mode the plan chose.
 std::vector<std::string> FsdpMuon::Impl::describe_parameters(const FsdpMuon& self) const {
   const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
+  const OwnerPlanOptions& planner = config.planner();
   std::vector<std::string> lines{
       "world = " + std::to_string(world_comm->size()),
       "mesh = " + mesh.shape(),
-      std::string("owner_policy = ") + to_string(config.owner_policy()),
-      "max_bytes_ratio = " + detail::exact_double(config.max_bytes_ratio()),
-      "newton_schulz_flops_per_second = " +
-          detail::exact_double(config.newton_schulz_flops_per_second()),
-      "bytes_per_second = " + detail::exact_double(config.bytes_per_second()),
-      "inter_node_bytes_per_second = " + detail::exact_double(config.inter_node_bytes_per_second()),
-      std::string("replica_newton_schulz = ") + to_string(config.replica_newton_schulz()),
-      "exchange_latency_seconds = " + detail::exact_double(config.exchange_latency_seconds()),
-      "calibrate_rates = " + flag(config.calibrate_rates()),
-      std::string("owner_schedule = ") + to_string(config.owner_schedule()),
-      "prefetch_budget_bytes = " + std::to_string(config.prefetch_budget_bytes()),
-      "overlap_communication = " + flag(config.overlap_communication()),
-      std::string("non_finite_gradients = ") + to_string(config.non_finite_gradients()),
-      "check_gradient_agreement = " + flag(config.check_gradient_agreement()),
-      "check_replicas_every = " + std::to_string(config.check_replicas_every()),
-      std::string("batch_newton_schulz = ") + to_string(config.batch_newton_schulz()),
-      "parameter groups = " + std::to_string(self.param_groups_.size()),
+      std::string("planner.owner_policy = ") + to_string(planner.owner_policy()),
+      std::string("planner.owner_schedule = ") + to_string(planner.owner_schedule()),
+      "planner.max_bytes_ratio = " + detail::exact_double(planner.max_bytes_ratio()),
+      "planner.prefetch_budget_bytes = " + std::to_string(planner.prefetch_budget_bytes()),
+      "planner.overlap_communication = " + flag(planner.overlap_communication()),
+      std::string("planner.replica_newton_schulz = ") + to_string(planner.replica_newton_schulz()),
+      "planner.element_bytes = " + std::to_string(planner.element_bytes()),
   };
+  if (const std::optional<CostRates>& rates = config.rates()) {
+    lines.push_back("rates.newton_schulz_flops_per_second = " +
+                    detail::exact_double(rates->newton_schulz_flops_per_second()));
+    lines.push_back("rates.bytes_per_second = " + detail::exact_double(rates->bytes_per_second()));
+    lines.push_back("rates.inter_node_bytes_per_second = " +
+                    detail::exact_double(rates->inter_node_bytes_per_second()));
+    lines.push_back("rates.exchange_latency_seconds = " +
+                    detail::exact_double(rates->exchange_latency_seconds()));
+  } else {
+    lines.push_back("rates = measured at construction");
+  }
+  lines.insert(
+      lines.end(),
+      {
+          std::string("non_finite_gradients = ") + to_string(config.non_finite_gradients()),
+          "check_gradient_agreement = " + flag(config.check_gradient_agreement()),
+          "check_replicas_every = " + std::to_string(config.check_replicas_every()),
+          std::string("batch_newton_schulz = ") + to_string(config.batch_newton_schulz()),
+          "parameter groups = " + std::to_string(self.param_groups_.size()),
+      });
   for (size_t gi = 0; gi < self.param_groups_.size(); ++gi) {
     const std::string group = "parameter group " + std::to_string(gi) + " ";
     const auto& options = static_cast<const MuonOptions&>(self.param_groups_[gi].options());
@@ -531,7 +491,7 @@ std::string FsdpMuon::describe() const {
   std::ostringstream out;
   out << "FsdpMuon on mesh " << d.mesh.shape() << " (" << d.replicas() << " replica(s) x "
       << d.shard_size << " shard rank(s)): replica_newton_schulz "
-      << to_string(d.config.replica_newton_schulz()) << " -> "
+      << to_string(d.config.planner().replica_newton_schulz()) << " -> "
       << to_string(plan.replica_newton_schulz) << ", each matrix orthogonalized "
       << (world_owners
               ? "once in the world, by one of its " + std::to_string(d.world()) + " ranks"
@@ -539,13 +499,16 @@ std::string FsdpMuon::describe() const {
       << "; " << d.matrices.size() << " matrices in " << plan.rounds.size() << " round(s).";
   if (plan.policy == OwnerPolicy::kBalanced) {
     out << " Bytes per rank within " << plan.max_bytes_ratio << "x of holders-only ("
-        << (d.config.max_bytes_ratio() == kBytesRatioByCost ? "the limit the cost model chose"
-                                                            : "max_bytes_ratio")
+        << (d.config.planner().max_bytes_ratio() == kBytesRatioByCost
+                ? "the limit the cost model chose"
+                : "max_bytes_ratio")
         << ").";
   }
-  out << " Cost model: Newton-Schulz " << plan.newton_schulz_flops_per_second
-      << " FLOP/s, intra-node " << plan.bytes_per_second << " B/s, inter-node "
-      << plan.inter_node_bytes_per_second << " B/s per rank; predicted "
+  const CostRates& rates = plan.rates;
+  out << " Cost model, rates " << detail::rates_source(d.config, d.measured) << ": Newton-Schulz "
+      << rates.newton_schulz_flops_per_second() << " FLOP/s, intra-node "
+      << rates.bytes_per_second() << " B/s, inter-node " << rates.inter_node_bytes_per_second()
+      << " B/s per rank, " << rates.exchange_latency_seconds() << " s per exchange; predicted "
       << plan.estimated_seconds() * 1e3 << " ms per step (Newton-Schulz critical path "
       << plan.critical_path_planned() << " FLOPs, busiest rank "
       << plan.max_intra_node_bytes_per_rank() << " B intra-node, "
@@ -558,10 +521,7 @@ const FsdpMuonStepStats& FsdpMuon::last_step_stats() const {
   const OwnerPlan& plan = impl_->plan;
   impl_->stats.predicted_seconds = plan.pipelined_seconds();
   impl_->stats.rates_measured = impl_->measured.measured;
-  impl_->stats.newton_schulz_flops_per_second = plan.newton_schulz_flops_per_second;
-  impl_->stats.bytes_per_second = plan.bytes_per_second;
-  impl_->stats.inter_node_bytes_per_second = plan.inter_node_bytes_per_second;
-  impl_->stats.exchange_latency_seconds = plan.exchange_latency_seconds;
+  impl_->stats.rates = plan.rates;
   return impl_->stats;
 }
 

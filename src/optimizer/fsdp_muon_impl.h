@@ -14,6 +14,7 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
+#include "muon/muon_option_fields.h"
 #include "optimizer/exchange_layout.h"
 #include "optimizer/phase_timer.h"
 #include "optimizer/rate_calibration.h"
@@ -26,16 +27,13 @@ namespace detail {
 MuonOptions& muon_options_of(torch::optim::OptimizerParamGroup& group, size_t index);
 
 // Whether an owner batches same-shape matrices of a group with this layout (docs/DESIGN.md §4,
-// "Batching"); Newton–Schulz computes in `ns_dtype` on `device`.
+// "Batching"); Newton–Schulz computes in `compute_dtype` on `device`.
 bool batches_newton_schulz(NewtonSchulzBatching mode, const c10::Device& device,
-                           c10::ScalarType ns_dtype, MatrixLayout::Kind layout);
+                           c10::ScalarType compute_dtype, MatrixLayout::Kind layout);
 
-// "<hexfloat> (<decimal>)": exact, so a one-ulp difference between ranks shows, and readable.
-std::string exact_double(double value);
-
-// Every field of `options` as (name, value), values exact (doubles by exact_double), in the
-// order of muon_options.h: what the construction agreement compares and what the step's
-// fingerprint hashes. A field added to MuonOptions belongs here.
+// Every field of `options` as (name, value), values exact (doubles by exact_double), generated
+// from the table of muon/muon_option_fields.h in its order: what the construction agreement
+// compares and what the step's fingerprint hashes.
 std::vector<std::pair<std::string, std::string>> option_entries(const MuonOptions& options);
 
 // A parameter accepted at construction (a matrix, or the matrices of its layout), before its
@@ -124,7 +122,8 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   std::vector<std::vector<detail::MatrixPlacement>> round_placement;
   std::unordered_map<const c10::TensorImpl*, size_t> matrix_of;
   OwnerPlan plan;
-  // The rates measured at construction (FsdpMuonConfig::calibrate_rates), before planning.
+  // The rates measured at construction (FsdpMuonConfig::rates left std::nullopt), before
+  // planning; measured == false when the config gave them.
   detail::MeasuredRates measured;
   // Parameter identities per optimizer group as constructed: step() compares against them.
   std::vector<std::vector<const c10::TensorImpl*>> frozen;
@@ -165,8 +164,8 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   // ---- construction (fsdp_muon.cpp) ----
   std::vector<detail::AcceptedMatrix> accept_parameters(FsdpMuon& self);
   void plan_matrices(FsdpMuon& self, std::vector<detail::AcceptedMatrix> accepted);
-  // What the owner plan is made with: the one place the planner's options come from.
-  OwnerPlanOptions plan_options() const;
+  // The rates the owner plan is made at: the config's, or those measured (detail::planned_rates).
+  CostRates plan_rates() const;
   // One "<key> = <value>" line per setting, option and parameter every rank must have alike.
   std::vector<std::string> describe_parameters(const FsdpMuon& self) const;
 

@@ -58,7 +58,7 @@ at::Tensor FsdpMuon::step(LossClosure closure) {
     d.advance_states(*this, s);
     d.live_full_bytes = 0;
     s.stats.rounds = static_cast<int64_t>(d.plan.rounds.size());
-    if (d.config.overlap_communication()) {
+    if (d.config.planner().overlap_communication()) {
       d.run_pipelined(*this, s);
     } else {
       d.run_sequential(*this, s);
@@ -674,7 +674,8 @@ void FsdpMuon::Impl::assemble_owned(RoundInFlight& f, StepRun& s) {
     if (!f.active[j] || where_all[j].owner != me) continue;
     const FsdpMuonMatrix& mat = matrices[mine[j]];
     const MuonOptions& options = s.options_of(mat);
-    const bool batch = detail::batches_newton_schulz(mode, f.send.device(), options.ns_dtype(),
+    const bool batch = detail::batches_newton_schulz(mode, f.send.device(),
+                                                     options.newton_schulz().compute_dtype(),
                                                      frozen_layouts[mat.param_group].kind());
     const Key key{mat.rows, mat.cols, f.send.scalar_type(), mat.param_group};
     auto open = batch ? open_batch.find(key) : open_batch.end();

@@ -14,6 +14,7 @@
 #include <fsdp_muon/muon/muon_options.h>
 
 #include "comm/agreement.h"
+#include "common/check.h"
 
 namespace fsdp_muon::detail {
 namespace {
@@ -89,8 +90,8 @@ CalibrationShape representative_shape(std::vector<CalibrationShape> shapes, int6
 
 MeasuredRates measure_rates(const DeviceMesh& mesh, const CalibrationShape& shape,
                             int64_t bytes_per_peer) {
-  TORCH_CHECK(bytes_per_peer >= 4, "fsdp_muon::measure_rates: bytes_per_peer must be >= 4, got ",
-              bytes_per_peer);
+  FSDP_MUON_API_SCOPE("measure_rates");
+  FSDP_MUON_CHECK(bytes_per_peer >= 4, "bytes_per_peer must be >= 4, got ", bytes_per_peer);
   const auto start = Clock::now();
   const int64_t per_peer = bytes_per_peer / 4;
   // [Newton–Schulz, shard latency, shard bulk, replicate latency, replicate bulk] seconds.
@@ -135,27 +136,37 @@ MeasuredRates measure_rates(const DeviceMesh& mesh, const CalibrationShape& shap
   return rates;
 }
 
-OwnerPlanOptions calibrated_plan_options(const FsdpMuonConfig& config,
-                                         const MeasuredRates& measured) {
-  OwnerPlanOptions options = config.owner_plan_options();
-  if (!measured.measured) return options;
-  const FsdpMuonConfig defaults;
-  if (measured.newton_schulz_flops_per_second > 0 &&
-      config.newton_schulz_flops_per_second() == defaults.newton_schulz_flops_per_second()) {
-    options.newton_schulz_flops_per_second(measured.newton_schulz_flops_per_second);
+CostRates planned_rates(const FsdpMuonConfig& config, const MeasuredRates& measured) {
+  if (config.rates()) return *config.rates();
+  CostRates rates;
+  if (!measured.measured) return rates;
+  if (measured.newton_schulz_flops_per_second > 0) {
+    rates.newton_schulz_flops_per_second(measured.newton_schulz_flops_per_second);
   }
-  if (measured.bytes_per_second > 0 && config.bytes_per_second() == defaults.bytes_per_second()) {
-    options.bytes_per_second(measured.bytes_per_second);
+  if (measured.bytes_per_second > 0) rates.bytes_per_second(measured.bytes_per_second);
+  if (measured.inter_node_bytes_per_second > 0) {
+    rates.inter_node_bytes_per_second(measured.inter_node_bytes_per_second);
   }
-  if (measured.inter_node_bytes_per_second > 0 &&
-      config.inter_node_bytes_per_second() == defaults.inter_node_bytes_per_second()) {
-    options.inter_node_bytes_per_second(measured.inter_node_bytes_per_second);
+  if (measured.exchange_latency_seconds >= 0) {
+    rates.exchange_latency_seconds(measured.exchange_latency_seconds);
   }
-  if (measured.exchange_latency_seconds >= 0 &&
-      config.exchange_latency_seconds() == defaults.exchange_latency_seconds()) {
-    options.exchange_latency_seconds(measured.exchange_latency_seconds);
-  }
-  return options;
+  return rates;
+}
+
+std::string rates_source(const FsdpMuonConfig& config, const MeasuredRates& measured) {
+  if (config.rates()) return "given by FsdpMuonConfig::rates";
+  if (!measured.measured) return "CostRates' defaults (nothing to measure with)";
+  std::string defaulted;
+  const auto add = [&](bool missing, const char* name) {
+    if (missing) defaulted += (defaulted.empty() ? "" : ", ") + std::string(name);
+  };
+  add(measured.newton_schulz_flops_per_second <= 0, "newton_schulz_flops_per_second");
+  add(measured.bytes_per_second <= 0, "bytes_per_second");
+  add(measured.inter_node_bytes_per_second <= 0, "inter_node_bytes_per_second");
+  add(measured.exchange_latency_seconds < 0, "exchange_latency_seconds");
+  return "measured at construction" +
+         (defaulted.empty() ? std::string()
+                            : " (CostRates' default, nothing to measure it on: " + defaulted + ")");
 }
 
 MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
@@ -169,13 +180,7 @@ MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& pa
   }
   if (!found) return {};  // nobody to measure with; FsdpMuon reports the error
   const DeviceMesh& mesh = *found;
-  const FsdpMuonConfig defaults;
-  const bool wants =
-      config.calibrate_rates() &&
-      (config.newton_schulz_flops_per_second() == defaults.newton_schulz_flops_per_second() ||
-       config.bytes_per_second() == defaults.bytes_per_second() ||
-       config.inter_node_bytes_per_second() == defaults.inter_node_bytes_per_second() ||
-       config.exchange_latency_seconds() == defaults.exchange_latency_seconds());
+  const bool wants = !config.rates().has_value();
   std::vector<CalibrationShape> shapes;
   const std::vector<int64_t> calibrating =
       agree_on_sum(*mesh.world, 1, [&](std::vector<int64_t>& mine) {
@@ -201,16 +206,15 @@ MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& pa
             if (!info) continue;
             const std::vector<int64_t>& shape = info->slot().shape;
             if (shape.size() < 2 || shape.size() > 3) continue;
-            shapes.push_back(
-                {shape[shape.size() - 2], shape.back(), options->newton_schulz_options()});
+            shapes.push_back({shape[shape.size() - 2], shape.back(), options->newton_schulz()});
           }
         }
       });
   const int64_t world = mesh.world->size();
-  TORCH_CHECK(calibrating[0] == 0 || calibrating[0] == world,
-              "fsdp_muon::FsdpMuon: ", calibrating[0], " of ", world,
-              " ranks measure the cost model's rates at construction and the others do not; "
-              "give every rank the same FsdpMuonConfig (calibrate_rates and the four rates)");
+  FSDP_MUON_CHECK(calibrating[0] == 0 || calibrating[0] == world, calibrating[0], " of ", world,
+                  " ranks measure the cost model's rates at construction and the others do not; "
+                  "give every rank the same FsdpMuonConfig::rates (std::nullopt: measured, a "
+                  "CostRates: planned at as given)");
   if (calibrating[0] == 0) return {};
   const bool cuda = mesh.world->device().is_cuda();
   // On the CPU 2^18 elements (e.g. 296 x 887 for a 768 x 2304 matrix) keep the GEMMs near the

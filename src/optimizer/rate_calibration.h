@@ -5,6 +5,7 @@
 // identical numbers. Internal header.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <fsdp_muon/comm/device_mesh.h>
@@ -47,20 +48,21 @@ CalibrationShape representative_shape(std::vector<CalibrationShape> shapes, int6
 MeasuredRates measure_rates(const DeviceMesh& mesh, const CalibrationShape& shape,
                             int64_t bytes_per_peer);
 
-// The options FsdpMuon plans with: config.owner_plan_options(), where each of
-// newton_schulz_flops_per_second, bytes_per_second, inter_node_bytes_per_second and
-// exchange_latency_seconds that is still at FsdpMuonConfig's default is replaced by its
-// measured value (when measured). A rate set to anything else is the user's, and kept.
-OwnerPlanOptions calibrated_plan_options(const FsdpMuonConfig& config,
-                                         const MeasuredRates& measured);
+// The rates FsdpMuon plans at: config.rates() exactly when it has a value (nothing was
+// measured); otherwise CostRates() with each rate `measured` has replaced by its measurement.
+CostRates planned_rates(const FsdpMuonConfig& config, const MeasuredRates& measured);
+
+// Where those rates came from, for describe(): "given by FsdpMuonConfig::rates", or "measured at
+// construction", naming the rates that kept CostRates' defaults for want of anything to measure.
+std::string rates_source(const FsdpMuonConfig& config, const MeasuredRates& measured);
 
 // FsdpMuon's calibration, collective over mesh.world, the mesh of the first sharded parameter's
 // group (FsdpParameterGroup::mesh; none: nothing measured): a rank measures when
-// config.calibrate_rates() and some rate is still at its default. The ranks first agree on that
-// (one all-reduce; ranks that differ are an error on every rank), then measure_rates() times the
-// median 2-D parameter (the last two sides of a 3-D one) by Newton–Schulz FLOPs, within 2^18
-// elements on the CPU and 2^22 on CUDA, and all-to-alls of 256 KiB (CPU) or 8 MiB (CUDA) per
-// peer. Nothing measured (measured == false) when no rank calibrates.
+// config.rates() is std::nullopt. The ranks first agree on that (one all-reduce; ranks that
+// differ are an error on every rank), then measure_rates() times the median 2-D parameter (the
+// last two sides of a 3-D one) by Newton–Schulz FLOPs, within 2^18 elements on the CPU and 2^22
+// on CUDA, and all-to-alls of 256 KiB (CPU) or 8 MiB (CUDA) per peer. Nothing measured
+// (measured == false) when no rank calibrates.
 // `defaults`: the options of a parameter group given without its own.
 MeasuredRates calibrate(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                         const MuonOptions& defaults, const FsdpMuonConfig& config);

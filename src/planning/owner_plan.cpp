@@ -55,7 +55,7 @@ void validate_matrix(const PlanMatrix& m, size_t g, size_t i, int world_size) {
 
 // The plan before any owner is chosen: every matrix validated and costed, totals at zero.
 OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
-                          const OwnerPlanOptions& options) {
+                          const OwnerPlanOptions& options, const CostRates& rates) {
   const size_t num_groups = groups.size();
   OwnerPlan plan;
   plan.world_size = world_size;
@@ -70,10 +70,7 @@ OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
   plan.scatter_bytes_per_rank.assign(world_size, 0);
   plan.inter_node_bytes_per_rank.assign(world_size, 0);
   plan.mesh = MeshShape{1, world_size};
-  plan.newton_schulz_flops_per_second = options.newton_schulz_flops_per_second();
-  plan.bytes_per_second = options.bytes_per_second();
-  plan.inter_node_bytes_per_second = options.inter_node_bytes_per_second();
-  plan.exchange_latency_seconds = options.exchange_latency_seconds();
+  plan.rates = rates;
 
   for (size_t g = 0; g < num_groups; ++g) {
     FSDP_MUON_CHECK(groups[g].element_bytes >= 0, "group '", groups[g].name,
@@ -90,7 +87,7 @@ OwnerPlan unassigned_plan(const std::vector<PlanGroup>& groups, int world_size,
   return plan;
 }
 
-void check_options(const OwnerPlanOptions& options) {
+void check_options(const OwnerPlanOptions& options, const CostRates& rates) {
   const int64_t budget = options.prefetch_budget_bytes();
   FSDP_MUON_CHECK(budget >= 0, "the prefetch budget must be >= 0 bytes, got ", budget,
                   " (use kUnlimitedPrefetch for no limit)");
@@ -99,16 +96,16 @@ void check_options(const OwnerPlanOptions& options) {
       "max_bytes_ratio must be >= 1 (1: holders-only bytes, "
       "infinity: no limit) or kBytesRatioByCost, got ",
       options.max_bytes_ratio());
-  FSDP_MUON_CHECK(options.newton_schulz_flops_per_second() > 0 && options.bytes_per_second() > 0 &&
-                      options.inter_node_bytes_per_second() > 0,
+  FSDP_MUON_CHECK(rates.newton_schulz_flops_per_second() > 0 && rates.bytes_per_second() > 0 &&
+                      rates.inter_node_bytes_per_second() > 0,
                   "the cost model's rates must be positive, got ",
-                  options.newton_schulz_flops_per_second(),
-                  " FLOP/s (newton_schulz_flops_per_second), ", options.bytes_per_second(),
-                  " B/s (bytes_per_second) and ", options.inter_node_bytes_per_second(),
+                  rates.newton_schulz_flops_per_second(),
+                  " FLOP/s (CostRates::newton_schulz_flops_per_second), ", rates.bytes_per_second(),
+                  " B/s (bytes_per_second) and ", rates.inter_node_bytes_per_second(),
                   " B/s (inter_node_bytes_per_second)");
-  FSDP_MUON_CHECK(options.exchange_latency_seconds() >= 0,
-                  "exchange_latency_seconds must be >= 0, got ",
-                  options.exchange_latency_seconds());
+  FSDP_MUON_CHECK(rates.exchange_latency_seconds() >= 0,
+                  "CostRates::exchange_latency_seconds must be >= 0, got ",
+                  rates.exchange_latency_seconds());
 }
 
 // kRounds (docs/DESIGN.md §3): each rank's owned matrices of `plan` packed into rounds within
@@ -149,17 +146,17 @@ OwnerPlan rounds_by_cost(const std::vector<PlanGroup>& groups, const OwnerPlan& 
 }
 
 OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_size,
-                               const OwnerPlanOptions& options);
+                               const OwnerPlanOptions& options, const CostRates& rates);
 
 // docs/DESIGN.md §7: one plan per candidate limit, the cheapest wins, the smaller limit on a
 // tie. Every rank computes the same plans, so every rank picks the same one.
 OwnerPlan cheapest_by_cost_model(const std::vector<PlanGroup>& groups, int world_size,
-                                 const OwnerPlanOptions& options) {
+                                 const OwnerPlanOptions& options, const CostRates& rates) {
   std::optional<OwnerPlan> best;
   double best_seconds = 0;
   for (const double ratio : detail::kCostModelBytesRatios) {
-    OwnerPlan candidate =
-        plan_one_dimensional(groups, world_size, OwnerPlanOptions(options).max_bytes_ratio(ratio));
+    OwnerPlan candidate = plan_one_dimensional(
+        groups, world_size, OwnerPlanOptions(options).max_bytes_ratio(ratio), rates);
     const double seconds = candidate.estimated_seconds();
     if (!best || seconds < best_seconds) {
       best = std::move(candidate);
@@ -249,12 +246,12 @@ OwnerPlan plan_in_windows(const std::vector<PlanGroup>& groups, const OwnerPlan&
 
 // The plan over `world_size` ranks of one replica (the 1-D plan of docs/DESIGN.md §3).
 OwnerPlan plan_shard_ranks(const std::vector<PlanGroup>& groups, int world_size,
-                           const OwnerPlanOptions& options) {
-  OwnerPlan plan = unassigned_plan(groups, world_size, options);
-  check_options(options);
+                           const OwnerPlanOptions& options, const CostRates& rates) {
+  OwnerPlan plan = unassigned_plan(groups, world_size, options, rates);
+  check_options(options, rates);
   if (options.owner_policy() == OwnerPolicy::kBalanced &&
       options.max_bytes_ratio() == kBytesRatioByCost) {
-    return cheapest_by_cost_model(groups, world_size, options);
+    return cheapest_by_cost_model(groups, world_size, options, rates);
   }
   // Two exchanges in flight share the budget (docs/DESIGN.md §3).
   const int64_t budget = options.prefetch_budget_bytes();
@@ -284,8 +281,8 @@ OwnerPlan plan_shard_ranks(const std::vector<PlanGroup>& groups, int world_size,
 }
 
 OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_size,
-                               const OwnerPlanOptions& options) {
-  OwnerPlan plan = plan_shard_ranks(groups, world_size, options);
+                               const OwnerPlanOptions& options, const CostRates& rates) {
+  OwnerPlan plan = plan_shard_ranks(groups, world_size, options, rates);
   detail::transfer_seconds(groups, plan);
   return plan;
 }
@@ -297,15 +294,15 @@ OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_s
 // says. A matrix's inter-node bytes are (replicas - 1) x its size whoever owns it, so only the
 // Newton–Schulz balance and the intra-node bytes depend on the spread.
 OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape mesh,
-                              const OwnerPlanOptions& options) {
+                              const OwnerPlanOptions& options, const CostRates& rates) {
   if (options.owner_policy() == OwnerPolicy::kBalanced &&
       options.max_bytes_ratio() == kBytesRatioByCost) {
     // The byte limit of the shard plan, chosen by the two-level cost of the world plan.
     std::optional<OwnerPlan> best;
     double best_seconds = 0;
     for (const double ratio : detail::kCostModelBytesRatios) {
-      OwnerPlan candidate =
-          plan_once_per_world(groups, mesh, OwnerPlanOptions(options).max_bytes_ratio(ratio));
+      OwnerPlan candidate = plan_once_per_world(
+          groups, mesh, OwnerPlanOptions(options).max_bytes_ratio(ratio), rates);
       const double seconds = candidate.estimated_seconds();
       if (!best || seconds < best_seconds) {
         best = std::move(candidate);
@@ -314,17 +311,14 @@ OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape me
     }
     return *best;
   }
-  const OwnerPlan shard = plan_one_dimensional(groups, mesh.shard_size, options);
+  const OwnerPlan shard = plan_one_dimensional(groups, mesh.shard_size, options, rates);
   const int world_size = mesh.world_size();
   const size_t num_groups = groups.size();
   OwnerPlan plan;
   plan.world_size = world_size;
   plan.mesh = mesh;
   plan.replica_newton_schulz = ReplicaNewtonSchulz::kOncePerWorld;
-  plan.newton_schulz_flops_per_second = shard.newton_schulz_flops_per_second;
-  plan.bytes_per_second = shard.bytes_per_second;
-  plan.inter_node_bytes_per_second = shard.inter_node_bytes_per_second;
-  plan.exchange_latency_seconds = shard.exchange_latency_seconds;
+  plan.rates = shard.rates;
   plan.policy = shard.policy;
   plan.schedule = shard.schedule;
   plan.element_bytes = shard.element_bytes;
@@ -420,22 +414,20 @@ int64_t plan_matrix_flops(const PlanMatrix& m) {
 }
 
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
-                      const OwnerPlanOptions& options) {
-  FSDP_MUON_API_SCOPE("plan_owners");
+                      const OwnerPlanOptions& options, const CostRates& rates) {
   FSDP_MUON_CHECK(world_size >= 1, "world size must be at least 1, got ", world_size);
-  return plan_owners(groups, MeshShape{1, world_size}, options);
+  return plan_owners(groups, MeshShape{1, world_size}, options, rates);
 }
 
 OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
-                      const OwnerPlanOptions& options) {
-  FSDP_MUON_API_SCOPE("plan_owners");
+                      const OwnerPlanOptions& options, const CostRates& rates) {
   FSDP_MUON_CHECK(mesh.replicas >= 1 && mesh.shard_size >= 1,
                   "the mesh needs at least one replica and one shard rank, got ", mesh.replicas,
                   "x", mesh.shard_size, " (replicas x shard size)");
   FSDP_MUON_CHECK(options.element_bytes() >= 1, "element_bytes must be >= 1");
   const ReplicaNewtonSchulz mode = options.replica_newton_schulz();
   const auto once_per_replica = [&] {
-    OwnerPlan plan = plan_one_dimensional(groups, mesh.shard_size, options);
+    OwnerPlan plan = plan_one_dimensional(groups, mesh.shard_size, options, rates);
     plan.mesh = mesh;
     plan.replica_newton_schulz = ReplicaNewtonSchulz::kOncePerReplica;
     return plan;
@@ -447,11 +439,13 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
     return plan;
   }
   if (mode == ReplicaNewtonSchulz::kOncePerReplica) return once_per_replica();
-  if (mode == ReplicaNewtonSchulz::kOncePerWorld) return plan_once_per_world(groups, mesh, options);
+  if (mode == ReplicaNewtonSchulz::kOncePerWorld) {
+    return plan_once_per_world(groups, mesh, options, rates);
+  }
   FSDP_MUON_CHECK(mode == ReplicaNewtonSchulz::kByCost, "unknown replica_newton_schulz value ",
                   static_cast<int>(mode));
   OwnerPlan replica = once_per_replica();
-  OwnerPlan world = plan_once_per_world(groups, mesh, options);
+  OwnerPlan world = plan_once_per_world(groups, mesh, options, rates);
   // Every rank computes both from the same numbers, so every rank picks the same one.
   return world.estimated_seconds() < replica.estimated_seconds() ? world : replica;
 }

@@ -12,17 +12,13 @@ namespace fsdp_muon {
 
 using detail::ratio;
 
-double OwnerPlan::estimated_seconds(double flops_per_second, double bytes_per_second,
-                                    double inter_node_bytes_per_second) const {
-  return static_cast<double>(critical_path_planned()) / flops_per_second +
-         static_cast<double>(max_intra_node_bytes_per_rank()) / bytes_per_second +
-         static_cast<double>(max_inter_node_bytes_per_rank()) / inter_node_bytes_per_second;
+double OwnerPlan::estimated_seconds(const CostRates& at) const {
+  return static_cast<double>(critical_path_planned()) / at.newton_schulz_flops_per_second() +
+         static_cast<double>(max_intra_node_bytes_per_rank()) / at.bytes_per_second() +
+         static_cast<double>(max_inter_node_bytes_per_rank()) / at.inter_node_bytes_per_second();
 }
 
-double OwnerPlan::estimated_seconds() const {
-  return estimated_seconds(newton_schulz_flops_per_second, bytes_per_second,
-                           inter_node_bytes_per_second);
-}
+double OwnerPlan::estimated_seconds() const { return estimated_seconds(rates); }
 
 double OwnerPlan::pipelined_seconds() const {
   const size_t count = rounds.size();
@@ -30,7 +26,7 @@ double OwnerPlan::pipelined_seconds() const {
   const auto ns = [&](size_t t) {
     const auto& per_rank = round_cost_per_rank[t];
     const int64_t most = per_rank.empty() ? 0 : *std::max_element(per_rank.begin(), per_rank.end());
-    return static_cast<double>(most) / newton_schulz_flops_per_second;
+    return static_cast<double>(most) / rates.newton_schulz_flops_per_second();
   };
   const bool pipelined =
       std::any_of(overlap_with_next.begin(), overlap_with_next.end(), [](bool b) { return b; });
@@ -157,12 +153,13 @@ std::string OwnerPlan::summary() const {
       << to_string(replica_newton_schulz) << "; busiest rank's bytes within a replica "
       << max_intra_node_bytes_per_rank() << ", across replicas " << max_inter_node_bytes_per_rank()
       << "\n";
-  if (newton_schulz_flops_per_second > 0 && bytes_per_second > 0 &&
-      inter_node_bytes_per_second > 0) {
+  if (rates.newton_schulz_flops_per_second() > 0 && rates.bytes_per_second() > 0 &&
+      rates.inter_node_bytes_per_second() > 0) {
     out << "  estimated " << estimated_seconds() * 1e3 << " ms at "
-        << newton_schulz_flops_per_second / 1e12 << " TFLOP/s, " << bytes_per_second / 1e9
-        << " GB/s within and " << inter_node_bytes_per_second / 1e9
-        << " GB/s across replicas; pipelined " << pipelined_seconds() * 1e3 << " ms\n";
+        << rates.newton_schulz_flops_per_second() / 1e12 << " TFLOP/s, "
+        << rates.bytes_per_second() / 1e9 << " GB/s within and "
+        << rates.inter_node_bytes_per_second() / 1e9 << " GB/s across replicas; pipelined "
+        << pipelined_seconds() * 1e3 << " ms\n";
   }
   out << "  critical path / ideal: planned (" << rounds.size() << " exchanges) "
       << critical_path_ratio_planned() << ", one group at a time "

@@ -241,16 +241,19 @@ void transfer_seconds(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
     double g_seconds = 0, s_seconds = 0;
     bool g_moves = false, s_moves = false;
     for (int r = 0; r < plan.world_size; ++r) {
-      g_seconds = std::max(g_seconds, static_cast<double>(gather[r]) / plan.bytes_per_second);
-      s_seconds =
-          std::max(s_seconds, static_cast<double>(scatter[r]) / plan.bytes_per_second +
-                                  static_cast<double>(inter[r]) / plan.inter_node_bytes_per_second);
+      g_seconds =
+          std::max(g_seconds, static_cast<double>(gather[r]) / plan.rates.bytes_per_second());
+      s_seconds = std::max(
+          s_seconds, static_cast<double>(scatter[r]) / plan.rates.bytes_per_second() +
+                         static_cast<double>(inter[r]) / plan.rates.inter_node_bytes_per_second());
       g_moves = g_moves || gather[r] > 0;
       s_moves = s_moves || scatter[r] + inter[r] > 0;
     }
     // FsdpMuon skips an exchange where nothing moves.
-    plan.round_gather_seconds[t] = g_moves ? g_seconds + plan.exchange_latency_seconds : 0.0;
-    plan.round_scatter_seconds[t] = s_moves ? s_seconds + plan.exchange_latency_seconds : 0.0;
+    plan.round_gather_seconds[t] =
+        g_moves ? g_seconds + plan.rates.exchange_latency_seconds() : 0.0;
+    plan.round_scatter_seconds[t] =
+        s_moves ? s_seconds + plan.rates.exchange_latency_seconds() : 0.0;
   }
 }
 

@@ -96,7 +96,8 @@ std::vector<std::vector<Spec>> specs(bool renamed = false, bool reshaped = false
 
 bool muon_param(const std::string& name, size_t dim) { return dim == 2 && name != "head.embed"; }
 
-const MuonOptions kMuon = MuonOptions(0.02).weight_decay(0.01).ns_dtype(at::kFloat);
+const MuonOptions kMuon = MuonOptions(0.02).weight_decay(0.01).newton_schulz(
+    NewtonSchulzOptions().compute_dtype(at::kFloat));
 const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(0.01).weight_decay(0.01);
 
 // FSDP_MUON_CHECKPOINT_NORMUON=1 (the NorMuon fixtures): NorMuon in both Muon groups, with Gram
@@ -113,8 +114,9 @@ std::vector<torch::optim::OptimizerParamGroup> muon_groups(const std::vector<at:
   second.lr(0.01).nesterov(false);
   if (with_normuon()) {
     first.normalization(Normalization::kNorMuon)
-        .ns_method(NsMethod::kGram)
-        .ns_preconditioning(NsPreconditioning::kAol);
+        .newton_schulz()
+        .method(NsMethod::kGram)
+        .preconditioning(NsPreconditioning::kAol);
     second.normalization(Normalization::kNorMuon).normuon_beta2(0.9);
   }
   return {torch::optim::OptimizerParamGroup({p.begin(), p.begin() + half},
@@ -920,19 +922,21 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, EveryMuonOptionTravelsWithTheCheckpoint
   Sharded s = make_sharded(8);
   // Changed alike on every rank after construction, as a schedule would.
   static_cast<MuonOptions&>(s.muon->param_groups()[0].options())
-      .ns_method(NsMethod::kGram)
-      .gram_restarts({1, 3})
-      .ns_preconditioning(NsPreconditioning::kAol)
-      .ns_steps(4)
       .normuon_beta2(0.9)
       .normuon_eps(1e-6)
       .scale_mode(ScaleMode::kSpectral)
-      .extra_scale_factor(0.75);
+      .extra_scale_factor(0.75)
+      .newton_schulz()
+      .method(NsMethod::kGram)
+      .gram_restarts({1, 3})
+      .preconditioning(NsPreconditioning::kAol)
+      .steps(4);
   static_cast<MuonOptions&>(s.muon->param_groups()[1].options())
-      .ns_method(NsMethod::kAuto)
-      .custom_coefficients({{3.0, -3.2, 1.2}, {2.5, -2.0, 0.5}})
       .weight_decay_method(WeightDecayMethod::kPalm)
       .momentum(0.9)
+      .newton_schulz()
+      .method(NsMethod::kAuto)
+      .custom_coefficients({{3.0, -3.2, 1.2}, {2.5, -2.0, 0.5}})
       .eps(1e-6);
   train_step(&s, nullptr, 1);
   save_checkpoint(dir, s.groups, s.optimizers());
@@ -945,10 +949,10 @@ FSDP_MUON_WORLD_TEST(CheckpointFailures, EveryMuonOptionTravelsWithTheCheckpoint
   for (size_t g = 0; g < 2; ++g) {
     EXPECT_TRUE(options_of(*t.muon, g) == options_of(*s.muon, g)) << "param group " << g;
   }
-  EXPECT_EQ(options_of(*t.muon, 0).gram_restarts(), (NsRestartList{1, 3}));
-  EXPECT_EQ(options_of(*t.muon, 0).ns_preconditioning(), NsPreconditioning::kAol);
+  EXPECT_EQ(options_of(*t.muon, 0).newton_schulz().gram_restarts(), (NsRestartList{1, 3}));
+  EXPECT_EQ(options_of(*t.muon, 0).newton_schulz().preconditioning(), NsPreconditioning::kAol);
   EXPECT_EQ(options_of(*t.muon, 0).normuon_eps(), 1e-6);
-  EXPECT_EQ(options_of(*t.muon, 1).custom_coefficients().size(), 2u);
+  EXPECT_EQ(options_of(*t.muon, 1).newton_schulz().custom_coefficients().size(), 2u);
   // The loaded run and the saved one take the same next step (FsdpMuon's per-step option check
   // passes: every rank installed the same options).
   train_step(&s, nullptr, 2);

@@ -86,10 +86,11 @@ struct Model {
         (g->slot(i).shape.size() == 2 ? matrices : rest).push_back(g->sharded_parameter(i));
       }
     }
-    muon = std::make_unique<FsdpMuon>(matrices, MuonOptions(0.02)
-                                                    .weight_decay(0.01)
-                                                    .ns_dtype(at::kFloat)
-                                                    .normalization(Normalization::kNorMuon));
+    muon = std::make_unique<FsdpMuon>(
+        matrices, MuonOptions(0.02)
+                      .weight_decay(0.01)
+                      .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+                      .normalization(Normalization::kNorMuon));
     adamw = std::make_unique<torch::optim::AdamW>(
         rest, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   }

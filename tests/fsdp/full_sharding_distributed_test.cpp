@@ -83,8 +83,9 @@ struct Training {
         (g->slot(i).shape.size() == 2 ? matrices : others).push_back(g->sharded_parameter(i));
       }
     }
-    muon = std::make_unique<FsdpMuon>(matrices,
-                                      MuonOptions(0.02).weight_decay(0.01).ns_dtype(at::kFloat));
+    muon =
+        std::make_unique<FsdpMuon>(matrices, MuonOptions(0.02).weight_decay(0.01).newton_schulz(
+                                                 NewtonSchulzOptions().compute_dtype(at::kFloat)));
     adamw = std::make_unique<torch::optim::AdamW>(
         others, torch::optim::AdamWOptions(0.01).weight_decay(0.01));
   }

@@ -8,9 +8,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "comm/agreement.h"
 #include "common/local_communicator.h"
 #include "common/test_util.h"
-#include "comm/agreement.h"
 #include "fsdp/group_agreement.h"
 
 namespace fsdp_muon {
@@ -98,8 +98,10 @@ TEST(GroupAgreement, FirstDifferenceOfBadDescriptions) {
 
 // FsdpMuon's descriptions: one "<key> = <value>" per line, the first differing key named.
 TEST(GroupAgreement, FirstDifferentEntryNamesTheKeyAndBothValues) {
-  const Lines zero{"world = 2", "group 0 lr = 0x1p-6 (0.015625)", "group 0 ns_steps = 5"};
-  const Lines other{"world = 2", "group 0 lr = 0x1p-7 (0.0078125)", "group 0 ns_steps = 6"};
+  const Lines zero{"world = 2", "group 0 lr = 0x1p-6 (0.015625)",
+                   "group 0 newton_schulz.steps = 5"};
+  const Lines other{"world = 2", "group 0 lr = 0x1p-7 (0.0078125)",
+                    "group 0 newton_schulz.steps = 6"};
   EXPECT_EQ(detail::first_different_entry(zero, other, 3),
             "group 0 lr: rank 0 has 0x1p-6 (0.015625), rank 3 has 0x1p-7 (0.0078125)");
   // Shifted lines (a parameter group more on one rank) are quoted whole; a missing one is

@@ -67,7 +67,8 @@ struct Moe {
         (g->slot(i).shape.size() == 2 ? matrices : vectors).push_back(g->sharded_parameter(i));
       }
     }
-    muon = std::make_unique<FsdpMuon>(matrices, MuonOptions(0.02).ns_dtype(at::kFloat));
+    muon = std::make_unique<FsdpMuon>(
+        matrices, MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
     adamw = std::make_unique<torch::optim::AdamW>(vectors, torch::optim::AdamWOptions(0.01));
   }
 

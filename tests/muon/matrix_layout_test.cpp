@@ -28,17 +28,17 @@ struct Case {
 // on the block's shape, weight decay, NorMuon (per-row state), Gram.
 std::vector<Case> cases() {
   return {
-      {"fp32", MuonOptions(0.05).ns_dtype(at::kFloat)},
+      {"fp32", MuonOptions(0.05).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))},
       {"bf16 spectral wd", MuonOptions(0.05).scale_mode(ScaleMode::kSpectral).weight_decay(0.1)},
       {"fp32 normuon unit_rms", MuonOptions(0.05)
-                                    .ns_dtype(at::kFloat)
+                                    .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
                                     .normalization(Normalization::kNorMuon)
                                     .scale_mode(ScaleMode::kUnitRmsNorm)
                                     .nesterov(false)},
-      {"fp32 gram match_rms", MuonOptions(0.05)
-                                  .ns_dtype(at::kFloat)
-                                  .ns_method(NsMethod::kGram)
-                                  .scale_mode(ScaleMode::kMatchRmsAdamW)},
+      {"fp32 gram match_rms",
+       MuonOptions(0.05)
+           .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat).method(NsMethod::kGram))
+           .scale_mode(ScaleMode::kMatchRmsAdamW)},
   };
 }
 

@@ -192,7 +192,9 @@ TEST(MuonMath, OrthogonalizedUpdateOfABatchIsEachMatrixsUpdate) {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   for (ScaleMode mode : {ScaleMode::kSpectral, ScaleMode::kShapeScaling, ScaleMode::kUnitRmsNorm}) {
-    const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat).scale_mode(mode);
+    const MuonOptions options = MuonOptions(0.02)
+                                    .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+                                    .scale_mode(mode);
     for (const std::vector<int64_t>& shape :
          std::vector<std::vector<int64_t>>{{5, 3, 7}, {4, 7, 3}, {3, 1, 9}, {6, 16, 24}}) {
       at::manual_seed(shape[1] * 31 + shape[2]);

@@ -112,7 +112,7 @@ TEST(MuonParity, TorchOptimMuonFiveSteps) {
   const std::string log((std::istreambuf_iterator<char>(log_file)), {});
   ASSERT_EQ(rc, 0) << "reference script failed:\n" << log;
 
-  const auto run = [&](c10::ScalarType ns_dtype) {
+  const auto run = [&](c10::ScalarType compute_dtype) {
     std::vector<torch::Tensor> p;
     for (const auto& t : params) p.push_back(t.detach().clone().set_requires_grad(true));
     Muon opt(p, MuonOptions(lr)
@@ -120,11 +120,12 @@ TEST(MuonParity, TorchOptimMuonFiveSteps) {
                     .weight_decay_method(WeightDecayMethod::kDecoupled)
                     .momentum(0.95)
                     .nesterov(true)
-                    .coefficients(NsCoefficients::kSimple)
-                    .ns_steps(5)
-                    .eps(1e-7)
-                    .scale_mode(ScaleMode::kShapeScaling)
-                    .ns_dtype(ns_dtype));
+                    .newton_schulz(NewtonSchulzOptions()
+                                       .coefficients(NsCoefficients::kSimple)
+                                       .steps(5)
+                                       .eps(1e-7)
+                                       .compute_dtype(compute_dtype))
+                    .scale_mode(ScaleMode::kShapeScaling));
     for (int s = 0; s < steps; ++s) {
       for (size_t i = 0; i < p.size(); ++i) p[i].mutable_grad() = grads[s][i].clone();
       opt.step();

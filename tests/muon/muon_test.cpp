@@ -45,8 +45,9 @@ std::vector<Tuple> textbook_schedule(NsCoefficients c, int64_t steps) {
 torch::Tensor textbook_ns(const torch::Tensor& u, const MuonOptions& o) {
   const bool tall = u.size(0) > u.size(1);
   torch::Tensor x = tall ? u.t() : u;
-  x = x / std::max(x.norm().item<double>(), o.eps());
-  for (const Tuple& t : textbook_schedule(o.coefficients(), o.ns_steps())) {
+  x = x / std::max(x.norm().item<double>(), o.newton_schulz().eps());
+  for (const Tuple& t :
+       textbook_schedule(o.newton_schulz().coefficients(), o.newton_schulz().steps())) {
     const torch::Tensor a = x.mm(x.t());
     const torch::Tensor b = t[1] * a + t[2] * a.mm(a);
     x = t[0] * x + b.mm(x);
@@ -141,7 +142,9 @@ TEST_P(MuonVsTextbook, FiveStepsMatchFloat64) {
 }
 
 std::vector<RefCase> ref_cases() {
-  const MuonOptions base = MuonOptions(0.02).ns_dtype(torch::kFloat).weight_decay(0.1);
+  const MuonOptions base = MuonOptions(0.02)
+                               .newton_schulz(NewtonSchulzOptions().compute_dtype(torch::kFloat))
+                               .weight_decay(0.1);
   std::vector<RefCase> cases;
   for (auto m : {WeightDecayMethod::kDecoupled, WeightDecayMethod::kIndependent,
                  WeightDecayMethod::kL2, WeightDecayMethod::kPalm}) {
@@ -156,7 +159,10 @@ std::vector<RefCase> ref_cases() {
   }
   cases.push_back(
       {"simple_extra_scale",
-       MuonOptions(base).coefficients(NsCoefficients::kSimple).extra_scale_factor(0.5)});
+       MuonOptions(base)
+           .newton_schulz(
+               NewtonSchulzOptions(base.newton_schulz()).coefficients(NsCoefficients::kSimple))
+           .extra_scale_factor(0.5)});
   cases.push_back({"momentum_0_nesterov", MuonOptions(base).momentum(0.0)});
   return cases;
 }
@@ -237,8 +243,9 @@ TEST(Muon, ParamGroupsKeepTheirOwnOptions) {
                                  .weight_decay(0.05)
                                  .weight_decay_method(WeightDecayMethod::kIndependent)
                                  .scale_mode(ScaleMode::kSpectral)
-                                 .ns_dtype(torch::kFloat);
-  const MuonOptions opts_b = MuonOptions(0.003).coefficients(NsCoefficients::kSimple).ns_steps(3);
+                                 .newton_schulz(NewtonSchulzOptions().compute_dtype(torch::kFloat));
+  const MuonOptions opts_b = MuonOptions(0.003).newton_schulz(
+      NewtonSchulzOptions().coefficients(NsCoefficients::kSimple).steps(3));
   const MuonOptions defaults = MuonOptions(0.05).momentum(0.5);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<torch::Tensor>{a}, std::make_unique<MuonOptions>(opts_a));

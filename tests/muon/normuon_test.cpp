@@ -96,12 +96,12 @@ TEST(NorMuonNormalize, HandCasesWithClosedFormAnswers) {
 // the learning rate in float64.
 TEST(MuonNorMuon, StepsMatchTheReferenceInFloat64) {
   for (NsMethod method : {NsMethod::kStandard, NsMethod::kGram}) {
-    const MuonOptions options = MuonOptions(0.05)
-                                    .momentum(0.9)
-                                    .ns_dtype(at::kFloat)
-                                    .ns_method(method)
-                                    .normalization(Normalization::kNorMuon)
-                                    .normuon_beta2(0.9);
+    const MuonOptions options =
+        MuonOptions(0.05)
+            .momentum(0.9)
+            .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat).method(method))
+            .normalization(Normalization::kNorMuon)
+            .normuon_beta2(0.9);
     torch::manual_seed(3);
     std::vector<torch::Tensor> params{torch::randn({6, 4}, torch::kDouble),
                                       torch::randn({4, 6}, torch::kDouble),
@@ -125,7 +125,7 @@ TEST(MuonNorMuon, StepsMatchTheReferenceInFloat64) {
         momentum[i].mul_(0.9);
         momentum[i].add_(g_scaled);
         const torch::Tensor u = g_scaled.add(momentum[i].mul(0.9));
-        const torch::Tensor o = newton_schulz(u, options.newton_schulz_options());
+        const torch::Tensor o = newton_schulz(u, options.newton_schulz());
         const torch::Tensor n = reference_normuon(o, variance[i], 0.9, 1e-8);
         const double scale = std::sqrt(
             std::max(1.0, static_cast<double>(u.size(0)) / static_cast<double>(u.size(1))));
@@ -167,11 +167,12 @@ TEST(MuonNorMuon, VarianceIsLazyPerRowInTheParameterDtypeAndOnlyWithNorMuon) {
 
 TEST(MuonNorMuon, SaveLoadRoundTripContinuesIdentically) {
   const MuonOptions options = MuonOptions(0.03)
-                                  .ns_dtype(at::kFloat)
-                                  .normalization(Normalization::kNorMuon)
-                                  .ns_method(NsMethod::kGram)
-                                  .ns_preconditioning(NsPreconditioning::kAol)
-                                  .ns_steps(4);
+                                  .newton_schulz(NewtonSchulzOptions()
+                                                     .compute_dtype(at::kFloat)
+                                                     .method(NsMethod::kGram)
+                                                     .preconditioning(NsPreconditioning::kAol)
+                                                     .steps(4))
+                                  .normalization(Normalization::kNorMuon);
   torch::manual_seed(4);
   const torch::Tensor init = torch::randn({6, 9});
   std::vector<torch::Tensor> grads;
@@ -240,8 +241,9 @@ TEST(NorMuonNormalize, ABatchIsEachMatrixBitwiseOnOneThread) {
 TEST(MuonNorMuon, BatchedUpdateEqualsOneMatrixAtATime) {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);  // where batches are bitwise (docs/DESIGN.md §4, "Batching")
-  const MuonOptions options =
-      MuonOptions().ns_dtype(at::kFloat).normalization(Normalization::kNorMuon);
+  const MuonOptions options = MuonOptions()
+                                  .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+                                  .normalization(Normalization::kNorMuon);
   torch::manual_seed(5);
   const torch::Tensor u = torch::randn({3, 4, 7});
   torch::Tensor v_batch = torch::rand({3, 4});

@@ -49,7 +49,7 @@ NewtonSchulzOptions opts(NsCoefficients preset, int64_t steps, c10::ScalarType d
 }
 
 // Turbo-Muon's 4-step schedule for AOL-preconditioned input (σ up to 1, so p(1) > 0), the
-// schedule README documents for ns_preconditioning(kAol) with one step fewer.
+// schedule README documents for preconditioning(kAol) with one step fewer.
 const NsCoefficientList kTurboAol{{4.6051, -9.6552, 5.6769},
                                   {4.7505, -6.0861, 2.1790},
                                   {2.7763, -2.3190, 0.5523},

@@ -1,9 +1,9 @@
 // Every feature in combination with every other (issue 32): layout {whole, row_blocks, batched
-// with a one-row expert and an empty expert tensor} x normalization {none, NorMuon} x ns_method
-// {standard, gram, auto} x strategy {ZeRO-1, ZeRO-3} x mesh {W = 3 1-D, 2x2}, the full product
-// (72 runs, in-process). Each run trains two steps and must equal single-device Muon bit for bit
-// (fp32 Newton–Schulz), saves a checkpoint and exports; the other mesh (the other world size)
-// then loads the checkpoint, imports the export, and both continue a third step bit for bit.
+// with a one-row expert and an empty expert tensor} x normalization {none, NorMuon} x Newton–Schulz
+// method {standard, gram, auto} x strategy {ZeRO-1, ZeRO-3} x mesh {W = 3 1-D, 2x2}, the full
+// product (72 runs, in-process). Each run trains two steps and must equal single-device Muon bit
+// for bit (fp32 Newton–Schulz), saves a checkpoint and exports; the other mesh (the other world
+// size) then loads the checkpoint, imports the export, and both continue a third step bit for bit.
 // Launched (torchrun W = 4 on 2x2, mpirun W = 3 on 1-D), a corner of each factor runs the whole
 // round trip at the launcher's world size.
 
@@ -104,8 +104,7 @@ MuonOptions options_of(const Combo& c) {
   return MuonOptions()
       .lr(0.02)
       .weight_decay(0.01)
-      .ns_dtype(at::kFloat)
-      .ns_method(c.ns)
+      .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat).method(c.ns))
       .normalization(c.normuon ? Normalization::kNorMuon : Normalization::kNone)
       .matrix_layout(matrix_layout_of(c.layout));
 }
@@ -136,8 +135,7 @@ struct Sharded {
         if (is_matrix(specs[g][i])) matrices.push_back(groups[g]->sharded_parameter(i));
       }
     }
-    muon = std::make_unique<FsdpMuon>(matrices, options_of(c),
-                                      FsdpMuonConfig().calibrate_rates(false));
+    muon = std::make_unique<FsdpMuon>(matrices, options_of(c), FsdpMuonConfig().rates(CostRates()));
   }
   std::vector<torch::optim::Optimizer*> optimizers() { return {muon.get()}; }
 };

@@ -66,7 +66,8 @@ TEST(FsdpMuonCuda, MatchesSingleDeviceMuonBitwiseAndTimesPhasesWithEvents) {
   }
   for (const bool fp32 : {true, false}) {
     SCOPED_TRACE(fp32 ? "fp32 Newton-Schulz" : "bf16 Newton-Schulz");
-    const MuonOptions options = MuonOptions(0.02).ns_dtype(fp32 ? at::kFloat : at::kBFloat16);
+    const MuonOptions options = MuonOptions(0.02).newton_schulz(
+        NewtonSchulzOptions().compute_dtype(fp32 ? at::kFloat : at::kBFloat16));
     std::vector<at::Tensor> ref_params;
     for (const at::Tensor& r : reference) ref_params.push_back(r.detach().clone().requires_grad_());
     // Both start from the same weights.

@@ -143,22 +143,26 @@ struct Case {
 
 std::vector<Case> exactness_cases() {
   std::vector<Case> cases;
-  cases.push_back({"defaults_fp32", MuonOptions(0.02).ns_dtype(at::kFloat)});
+  cases.push_back({"defaults_fp32", MuonOptions(0.02).newton_schulz(
+                                        NewtonSchulzOptions().compute_dtype(at::kFloat))});
   cases.push_back({"no_nesterov_decoupled_spectral_simple",
                    MuonOptions(0.01)
                        .nesterov(false)
                        .weight_decay(0.1)
                        .weight_decay_method(WeightDecayMethod::kDecoupled)
                        .scale_mode(ScaleMode::kSpectral)
-                       .coefficients(NsCoefficients::kSimple)
-                       .ns_dtype(at::kFloat)});
-  cases.push_back({"l2_unit_rms_polar_express", MuonOptions(0.03)
-                                                    .weight_decay(0.05)
-                                                    .weight_decay_method(WeightDecayMethod::kL2)
-                                                    .scale_mode(ScaleMode::kUnitRmsNorm)
-                                                    .coefficients(NsCoefficients::kPolarExpress)
-                                                    .ns_steps(8)
-                                                    .ns_dtype(at::kFloat)});
+                       .newton_schulz(NewtonSchulzOptions()
+                                          .coefficients(NsCoefficients::kSimple)
+                                          .compute_dtype(at::kFloat))});
+  cases.push_back({"l2_unit_rms_polar_express",
+                   MuonOptions(0.03)
+                       .weight_decay(0.05)
+                       .weight_decay_method(WeightDecayMethod::kL2)
+                       .scale_mode(ScaleMode::kUnitRmsNorm)
+                       .newton_schulz(NewtonSchulzOptions()
+                                          .coefficients(NsCoefficients::kPolarExpress)
+                                          .steps(8)
+                                          .compute_dtype(at::kFloat))});
   cases.push_back(
       {"independent_match_rms_cans", MuonOptions(0.02)
                                          .nesterov(false)
@@ -166,41 +170,50 @@ std::vector<Case> exactness_cases() {
                                          .weight_decay(0.01)
                                          .weight_decay_method(WeightDecayMethod::kIndependent)
                                          .scale_mode(ScaleMode::kMatchRmsAdamW)
-                                         .coefficients(NsCoefficients::kCans)
-                                         .ns_dtype(at::kFloat)});
-  cases.push_back({"palm_none_aol", MuonOptions(0.05)
-                                        .weight_decay(0.2)
-                                        .weight_decay_method(WeightDecayMethod::kPalm)
-                                        .scale_mode(ScaleMode::kNone)
-                                        .coefficients(NsCoefficients::kAol)
-                                        .extra_scale_factor(0.5)
-                                        .ns_dtype(at::kFloat)});
+                                         .newton_schulz(NewtonSchulzOptions()
+                                                            .coefficients(NsCoefficients::kCans)
+                                                            .compute_dtype(at::kFloat))});
   cases.push_back(
-      {"deepseek_v4_cubic5_shape_scaling", MuonOptions(0.02)
-                                               .coefficients(NsCoefficients::kDeepseekV4)
-                                               .ns_steps(10)
-                                               .scale_mode(ScaleMode::kShapeScaling)
-                                               .ns_dtype(at::kFloat)});
+      {"palm_none_aol",
+       MuonOptions(0.05)
+           .weight_decay(0.2)
+           .weight_decay_method(WeightDecayMethod::kPalm)
+           .scale_mode(ScaleMode::kNone)
+           .newton_schulz(
+               NewtonSchulzOptions().coefficients(NsCoefficients::kAol).compute_dtype(at::kFloat))
+           .extra_scale_factor(0.5)});
+  cases.push_back({"deepseek_v4_cubic5_shape_scaling",
+                   MuonOptions(0.02)
+                       .newton_schulz(NewtonSchulzOptions()
+                                          .coefficients(NsCoefficients::kDeepseekV4)
+                                          .steps(10)
+                                          .compute_dtype(at::kFloat))
+                       .scale_mode(ScaleMode::kShapeScaling)});
   cases.push_back(
-      {"cubic5", MuonOptions(0.02).coefficients(NsCoefficients::kCubic5).ns_dtype(at::kFloat)});
+      {"cubic5",
+       MuonOptions(0.02).newton_schulz(
+           NewtonSchulzOptions().coefficients(NsCoefficients::kCubic5).compute_dtype(at::kFloat))});
   // Gram Newton-Schulz and AOL (docs/DESIGN.md §4): the owner runs them on the full matrix as
   // Muon does, so the bits are Muon's at every W.
-  cases.push_back({"gram", MuonOptions(0.02).ns_method(NsMethod::kGram).ns_dtype(at::kFloat)});
   cases.push_back(
-      {"gram_restarts_1_3_polar_express", MuonOptions(0.02)
-                                              .ns_method(NsMethod::kGram)
-                                              .gram_restarts({1, 3})
-                                              .coefficients(NsCoefficients::kPolarExpress)
-                                              .ns_dtype(at::kFloat)});
-  cases.push_back({"auto_aol_turbo", MuonOptions(0.02)
-                                         .ns_method(NsMethod::kAuto)
-                                         .ns_preconditioning(NsPreconditioning::kAol)
-                                         .custom_coefficients({{4.6051, -9.6552, 5.6769},
-                                                               {4.7505, -6.0861, 2.1790},
-                                                               {2.7763, -2.3190, 0.5523},
-                                                               {2.4231, -2.2861, 0.8193}})
-                                         .ns_steps(4)
-                                         .ns_dtype(at::kFloat)});
+      {"gram", MuonOptions(0.02).newton_schulz(
+                   NewtonSchulzOptions().method(NsMethod::kGram).compute_dtype(at::kFloat))});
+  cases.push_back({"gram_restarts_1_3_polar_express",
+                   MuonOptions(0.02).newton_schulz(NewtonSchulzOptions()
+                                                       .method(NsMethod::kGram)
+                                                       .gram_restarts({1, 3})
+                                                       .coefficients(NsCoefficients::kPolarExpress)
+                                                       .compute_dtype(at::kFloat))});
+  cases.push_back({"auto_aol_turbo", MuonOptions(0.02).newton_schulz(
+                                         NewtonSchulzOptions()
+                                             .method(NsMethod::kAuto)
+                                             .preconditioning(NsPreconditioning::kAol)
+                                             .custom_coefficients({{4.6051, -9.6552, 5.6769},
+                                                                   {4.7505, -6.0861, 2.1790},
+                                                                   {2.7763, -2.3190, 0.5523},
+                                                                   {2.4231, -2.2861, 0.8193}})
+                                             .steps(4)
+                                             .compute_dtype(at::kFloat))});
   cases.push_back({"bf16_defaults", MuonOptions(0.02)});
   cases.push_back({"bf16_spectral_decoupled",
                    MuonOptions(0.01).weight_decay(0.1).scale_mode(ScaleMode::kSpectral)});
@@ -248,7 +261,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonExactness, EqualsSingleDeviceMuonBitwise) {
 // construction: still exactly single-device Muon with those options.
 FSDP_MUON_WORLD_TEST(FsdpMuonExactness, OptionsChangedAlikeOnEveryRankEqualSingleDeviceMuon) {
   Model model = make_model(78);
-  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  const MuonOptions options =
+      MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options);
   Muon muon(split_groups(reference_matrices(model), options), options);
   torch::optim::StepLR fsdp_schedule(fsdp, /*step_size=*/2, /*gamma=*/0.3);
@@ -274,7 +288,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonExactness, OptionsChangedAlikeOnEveryRankEqualSingl
 // Parameters without gradients (on every rank) are left alone, as single-device Muon does.
 FSDP_MUON_WORLD_TEST(FsdpMuonExactness, ParametersWithoutGradientsAreSkipped) {
   Model model = make_model(77);
-  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  const MuonOptions options =
+      MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   FsdpMuon fsdp(sharded_matrices(model), options);
   Muon muon(reference_matrices(model), options);
   for (int step = 0; step < 3; ++step) {
@@ -304,60 +319,72 @@ std::string plan_name(const FsdpMuon& fsdp, size_t g, size_t j) {
   return "";
 }
 
+// The four rates, in CostRates' order.
+std::vector<double> values_of(const CostRates& rates) {
+  return {rates.newton_schulz_flops_per_second(), rates.bytes_per_second(),
+          rates.inter_node_bytes_per_second(), rates.exchange_latency_seconds()};
+}
+
 // The plan FsdpMuon caches is the planner's on the groups' own layout.
 FSDP_MUON_WORLD_TEST(FsdpMuonPlan, MatchesThePlannerOnTheLayout) {
   Model model = make_model(5);
   for (const FsdpMuonConfig& config :
-       {FsdpMuonConfig(), FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly),
-        FsdpMuonConfig().owner_policy(OwnerPolicy::kAnyRank).prefetch_budget_bytes(300),
-        FsdpMuonConfig().max_bytes_ratio(1.0).prefetch_budget_bytes(0).overlap_communication(false),
-        FsdpMuonConfig().max_bytes_ratio(kBytesRatioByCost).bytes_per_second(1e15),
-        FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows),
+       {FsdpMuonConfig(),
+        FsdpMuonConfig().planner(OwnerPlanOptions().owner_policy(OwnerPolicy::kHoldersOnly)),
+        FsdpMuonConfig().planner(
+            OwnerPlanOptions().owner_policy(OwnerPolicy::kAnyRank).prefetch_budget_bytes(300)),
+        FsdpMuonConfig().planner(
+            OwnerPlanOptions().max_bytes_ratio(1.0).prefetch_budget_bytes(0).overlap_communication(
+                false)),
         FsdpMuonConfig()
-            .owner_schedule(OwnerSchedule::kWindows)
-            .owner_policy(OwnerPolicy::kHoldersOnly)
-            .prefetch_budget_bytes(256),
-        FsdpMuonConfig()
-            .owner_schedule(OwnerSchedule::kWindows)
-            .owner_policy(OwnerPolicy::kAnyRank)
-            .prefetch_budget_bytes(0)}) {
+            .planner(OwnerPlanOptions().max_bytes_ratio(kBytesRatioByCost))
+            .rates(CostRates().bytes_per_second(1e15)),
+        FsdpMuonConfig().planner(OwnerPlanOptions().owner_schedule(OwnerSchedule::kWindows)),
+        FsdpMuonConfig().planner(OwnerPlanOptions()
+                                     .owner_schedule(OwnerSchedule::kWindows)
+                                     .owner_policy(OwnerPolicy::kHoldersOnly)
+                                     .prefetch_budget_bytes(256)),
+        FsdpMuonConfig().planner(OwnerPlanOptions()
+                                     .owner_schedule(OwnerSchedule::kWindows)
+                                     .owner_policy(OwnerPolicy::kAnyRank)
+                                     .prefetch_budget_bytes(0))}) {
     // The plan counts what runs (docs/DESIGN.md §7): Gram where kAuto picks it, NorMuon's rows.
     for (const MuonOptions& options :
          {MuonOptions(), MuonOptions()
-                             .ns_method(NsMethod::kAuto)
-                             .ns_preconditioning(NsPreconditioning::kAol)
+                             .newton_schulz(NewtonSchulzOptions()
+                                                .method(NsMethod::kAuto)
+                                                .preconditioning(NsPreconditioning::kAol))
                              .normalization(Normalization::kNorMuon)}) {
-      const OwnerPolicy policy = config.owner_policy();
-      SCOPED_TRACE(std::string(to_string(policy)) + " " + to_string(config.owner_schedule()) +
-                   " budget " + std::to_string(config.prefetch_budget_bytes()) + " " +
-                   to_string(options.ns_method()));
+      const OwnerPolicy policy = config.planner().owner_policy();
+      SCOPED_TRACE(std::string(to_string(policy)) + " " +
+                   to_string(config.planner().owner_schedule()) + " budget " +
+                   std::to_string(config.planner().prefetch_budget_bytes()) + " " +
+                   to_string(options.newton_schulz().method()));
       FsdpMuon fsdp(sharded_matrices(model), options, config);
       std::vector<PlanGroup> groups;
       for (const auto& specs : model_specs()) {
         std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
         for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
         groups.push_back(
-            plan_group_from_shapes("", shapes, world().size(), options.newton_schulz_options()));
+            plan_group_from_shapes("", shapes, world().size(), options.newton_schulz()));
         for (PlanMatrix& pm : groups.back().matrices) {
           pm.per_row_state = options.normalization() == Normalization::kNorMuon;
         }
       }
-      // The planning API is the single source of truth for what runs, at the rates planned with
-      // (measured at construction where the config leaves them at their defaults).
+      // The planning API is the single source of truth for what runs: the config's planner() at
+      // the rates planned with (measured at construction where the config gives none).
       const OwnerPlan& planned = fsdp.owner_plan();
+      if (config.rates()) {
+        EXPECT_EQ(values_of(planned.rates), values_of(*config.rates()));
+      }
       const OwnerPlan expected =
-          plan_owners(groups, world().size(),
-                      config.owner_plan_options()
-                          .newton_schulz_flops_per_second(planned.newton_schulz_flops_per_second)
-                          .bytes_per_second(planned.bytes_per_second)
-                          .inter_node_bytes_per_second(planned.inter_node_bytes_per_second)
-                          .exchange_latency_seconds(planned.exchange_latency_seconds));
+          plan_owners(groups, world().size(), config.planner(), planned.rates);
       EXPECT_EQ(fsdp.owner_plan().owner, expected.owner);
       EXPECT_EQ(fsdp.owner_plan().windows, expected.windows);
       EXPECT_EQ(fsdp.owner_plan().rounds, expected.rounds);
       EXPECT_EQ(fsdp.owner_plan().refresh_after_round, expected.refresh_after_round);
       EXPECT_EQ(fsdp.owner_plan().critical_path_planned(), expected.critical_path_planned());
-      EXPECT_EQ(fsdp.owner_plan().schedule, config.owner_schedule());
+      EXPECT_EQ(fsdp.owner_plan().schedule, config.planner().owner_schedule());
       EXPECT_EQ(fsdp.owner_plan().critical_path_ratio_planned(),
                 expected.critical_path_ratio_planned());
       EXPECT_EQ(fsdp.owner_plan().cost_per_rank, expected.cost_per_rank);
@@ -412,15 +439,17 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, SchedulesBudgetsAndPoliciesGiveTheSameBit
                  std::to_string(run.budget) + (run.overlap ? " overlap" : "") + " bytes ratio " +
                  std::to_string(run.max_bytes_ratio));
     Model model = make_model(11);
-    const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(at::kFloat);
+    const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).newton_schulz(
+        NewtonSchulzOptions().compute_dtype(at::kFloat));
     FsdpMuon fsdp(sharded_matrices(model), options,
                   FsdpMuonConfig()
-                      .owner_schedule(run.schedule)
-                      .owner_policy(run.policy)
-                      .prefetch_budget_bytes(run.budget)
-                      .overlap_communication(run.overlap)
-                      .max_bytes_ratio(run.max_bytes_ratio)
-                      .bytes_per_second(1e15));
+                      .planner(OwnerPlanOptions()
+                                   .owner_schedule(run.schedule)
+                                   .owner_policy(run.policy)
+                                   .prefetch_budget_bytes(run.budget)
+                                   .overlap_communication(run.overlap)
+                                   .max_bytes_ratio(run.max_bytes_ratio))
+                      .rates(CostRates().bytes_per_second(1e15)));
     Muon muon(reference_matrices(model), options);
     const OwnerPlan& plan = fsdp.owner_plan();
     if (run.schedule == windows) {
@@ -567,7 +596,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMod
   const int me = world().rank();
   struct Run {
     NewtonSchulzBatching mode;
-    c10::ScalarType ns_dtype;
+    c10::ScalarType compute_dtype;
     int64_t budget;
     bool batches;
     bool bitwise;
@@ -582,12 +611,14 @@ FSDP_MUON_WORLD_TEST(FsdpMuonBatching, MoeExpertsEqualSingleDeviceMuonInEveryMod
       {NewtonSchulzBatching::kAlways, at::kBFloat16, kUnlimitedPrefetch, true, false}};
   for (const Run& run : runs) {
     SCOPED_TRACE(std::string(to_string(run.mode)) +
-                 (run.ns_dtype == at::kFloat ? " fp32" : " bf16") + " budget " +
+                 (run.compute_dtype == at::kFloat ? " fp32" : " bf16") + " budget " +
                  std::to_string(run.budget));
     Model model = make_model(31, moe_specs());
-    const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(run.ns_dtype);
+    const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).newton_schulz(
+        NewtonSchulzOptions().compute_dtype(run.compute_dtype));
     FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options,
-                  FsdpMuonConfig().batch_newton_schulz(run.mode).prefetch_budget_bytes(run.budget));
+                  FsdpMuonConfig().batch_newton_schulz(run.mode).planner(
+                      OwnerPlanOptions().prefetch_budget_bytes(run.budget)));
     Muon muon(split_groups(reference_matrices(model), options), options);
     int64_t owned = 0;
     int64_t classes = 0;  // distinct (rows, cols, optimizer group) this rank owns, per round
@@ -647,45 +678,50 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) 
   const MuonOptions normuon = MuonOptions(0.02)
                                   .weight_decay(0.05)
                                   .normalization(Normalization::kNorMuon)
-                                  .ns_dtype(at::kFloat);
+                                  .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   struct Run {
     std::string name;
     MuonOptions options;
     FsdpMuonConfig config;
     bool moe = false;
   };
-  const auto holders_rounds =
-      FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly).prefetch_budget_bytes(300);
+  const auto holders_rounds = FsdpMuonConfig().planner(
+      OwnerPlanOptions().owner_policy(OwnerPolicy::kHoldersOnly).prefetch_budget_bytes(300));
   std::vector<Run> runs = {
       {"defaults", normuon, FsdpMuonConfig()},
       {"beta2_eps_holders_only_rounds",
        MuonOptions(normuon).normuon_beta2(0.5).normuon_eps(1e-3).nesterov(false), holders_rounds},
       {"gram_restarts_any_rank_windows",
-       MuonOptions(normuon).ns_method(NsMethod::kGram).gram_restarts({1, 3}),
-       FsdpMuonConfig()
-           .owner_policy(OwnerPolicy::kAnyRank)
-           .owner_schedule(OwnerSchedule::kWindows)
-           .prefetch_budget_bytes(0)},
+       MuonOptions(normuon).newton_schulz(NewtonSchulzOptions(normuon.newton_schulz())
+                                              .method(NsMethod::kGram)
+                                              .gram_restarts({1, 3})),
+       FsdpMuonConfig().planner(OwnerPlanOptions()
+                                    .owner_policy(OwnerPolicy::kAnyRank)
+                                    .owner_schedule(OwnerSchedule::kWindows)
+                                    .prefetch_budget_bytes(0))},
       {"gram_aol_turbo_4_steps_no_overlap",
-       MuonOptions(normuon)
-           .ns_method(NsMethod::kGram)
-           .ns_preconditioning(NsPreconditioning::kAol)
-           .custom_coefficients({{4.6051, -9.6552, 5.6769},
-                                 {4.7505, -6.0861, 2.1790},
-                                 {2.7763, -2.3190, 0.5523},
-                                 {2.4231, -2.2861, 0.8193}})
-           .ns_steps(4),
-       FsdpMuonConfig().overlap_communication(false).prefetch_budget_bytes(400)},
+       MuonOptions(normuon).newton_schulz(NewtonSchulzOptions(normuon.newton_schulz())
+                                              .method(NsMethod::kGram)
+                                              .preconditioning(NsPreconditioning::kAol)
+                                              .custom_coefficients({{4.6051, -9.6552, 5.6769},
+                                                                    {4.7505, -6.0861, 2.1790},
+                                                                    {2.7763, -2.3190, 0.5523},
+                                                                    {2.4231, -2.2861, 0.8193}})
+                                              .steps(4)),
+       FsdpMuonConfig().planner(
+           OwnerPlanOptions().overlap_communication(false).prefetch_budget_bytes(400))},
       {"auto_aol_bf16",
-       MuonOptions(normuon)
-           .ns_method(NsMethod::kAuto)
-           .ns_preconditioning(NsPreconditioning::kAol)
-           .ns_dtype(at::kBFloat16),
+       MuonOptions(normuon).newton_schulz(NewtonSchulzOptions(normuon.newton_schulz())
+                                              .method(NsMethod::kAuto)
+                                              .preconditioning(NsPreconditioning::kAol)
+                                              .compute_dtype(at::kBFloat16)),
        FsdpMuonConfig()},
       {"moe_batched", normuon, FsdpMuonConfig(), true},
       {"moe_batched_gram_aol",
-       MuonOptions(normuon).ns_method(NsMethod::kGram).ns_preconditioning(NsPreconditioning::kAol),
-       FsdpMuonConfig().prefetch_budget_bytes(2000), true},
+       MuonOptions(normuon).newton_schulz(NewtonSchulzOptions(normuon.newton_schulz())
+                                              .method(NsMethod::kGram)
+                                              .preconditioning(NsPreconditioning::kAol)),
+       FsdpMuonConfig().planner(OwnerPlanOptions().prefetch_budget_bytes(2000)), true},
   };
   for (const Run& run : runs) {
     SCOPED_TRACE(run.name);
@@ -714,7 +750,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNorMuon, EqualsSingleDeviceMuonWithNorMuonBitwise) 
       const FsdpMuonStepStats& stats = fsdp.last_step_stats();
       EXPECT_EQ(stats.gather_bytes, fsdp.owner_plan().gather_bytes_per_rank[me]);
       EXPECT_EQ(stats.scatter_bytes, fsdp.owner_plan().scatter_bytes_per_rank[me]);
-      if (run.config.owner_policy() == OwnerPolicy::kHoldersOnly) {
+      if (run.config.planner().owner_policy() == OwnerPolicy::kHoldersOnly) {
         EXPECT_EQ(stats.gather_bytes, gather_min);
         EXPECT_EQ(stats.scatter_bytes, scatter_min);
       }
@@ -784,8 +820,10 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, OverlapOnAndOffGiveTheSameBits) {
                    std::to_string(budget));
       Model model = make_model(31);
       const MuonOptions options = MuonOptions(0.02).weight_decay(0.05);
-      FsdpMuon fsdp(split_groups(sharded_matrices(model), options), options,
-                    FsdpMuonConfig().overlap_communication(overlap).prefetch_budget_bytes(budget));
+      FsdpMuon fsdp(
+          split_groups(sharded_matrices(model), options), options,
+          FsdpMuonConfig().planner(
+              OwnerPlanOptions().overlap_communication(overlap).prefetch_budget_bytes(budget)));
       Muon muon(split_groups(reference_matrices(model), options), options);
       if (budget == 0) {
         EXPECT_GT(fsdp.owner_plan().rounds.size(), 1u);  // something to overlap
@@ -828,8 +866,9 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
   const std::vector<at::Tensor> params = {groups[0]->sharded_parameter(0),
                                           groups[1]->sharded_parameter(0)};
   try {
-    FsdpMuon fsdp(params, MuonOptions(),
-                  FsdpMuonConfig().prefetch_budget_bytes(kUnlimitedPrefetch));
+    FsdpMuon fsdp(
+        params, MuonOptions(),
+        FsdpMuonConfig().planner(OwnerPlanOptions().prefetch_budget_bytes(kUnlimitedPrefetch)));
     ADD_FAILURE() << "expected an error: one round mixes fp32 and fp64 groups";
   } catch (const c10::Error& e) {
     const std::string what = e.what();
@@ -839,7 +878,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
   }
   FsdpMuon windows(
       params, MuonOptions(),
-      FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows).prefetch_budget_bytes(0));
+      FsdpMuonConfig().planner(
+          OwnerPlanOptions().owner_schedule(OwnerSchedule::kWindows).prefetch_budget_bytes(0)));
   EXPECT_EQ(windows.owner_plan().rounds.size(), 2u);
 }
 
@@ -847,9 +887,12 @@ FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, GroupsSharingARoundNeedOneMainDtype) {
 // ranks own nothing.
 FSDP_MUON_WORLD_TEST(FsdpMuonSchedule, RanksOwningNothingAllocateNothing) {
   Model model = make_model(21, {{{"x", {3, 4}}}, {{"y", {2, 5}}}});
-  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat),
-                FsdpMuonConfig().prefetch_budget_bytes(kUnlimitedPrefetch));
-  Muon muon(reference_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  FsdpMuon fsdp(
+      sharded_matrices(model),
+      MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)),
+      FsdpMuonConfig().planner(OwnerPlanOptions().prefetch_budget_bytes(kUnlimitedPrefetch)));
+  Muon muon(reference_matrices(model),
+            MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
   feed_gradients(model, 2100);
   fsdp.step();
   muon.step();
@@ -907,7 +950,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW)
   ASSERT_EQ(matrices.size(), 3u);
   ASSERT_EQ(others.size(), 3u);
 
-  const MuonOptions muon_options = MuonOptions(0.02).weight_decay(0.01).ns_dtype(at::kFloat);
+  const MuonOptions muon_options = MuonOptions(0.02).weight_decay(0.01).newton_schulz(
+      NewtonSchulzOptions().compute_dtype(at::kFloat));
   const auto adamw_options = torch::optim::AdamWOptions(0.01).weight_decay(0.01);
   FsdpMuon fsdp(matrices, muon_options);
   torch::optim::AdamW adamw(others, adamw_options);
@@ -963,15 +1007,15 @@ FSDP_MUON_WORLD_TEST(FsdpMuonModule, TrainsExactlyLikeSingleDeviceMuonPlusAdamW)
   }
 }
 
-// ---- the cost model's rates, measured at construction (docs/DESIGN.md §7) ----
+// ---- the cost model's rates: measured at construction, or given (docs/DESIGN.md §7) ----
 
 // The rates a FsdpMuon planned with, as every rank sees them: rank 0's, after checking that
-// every rank has exactly the same.
+// every rank has exactly the same, and that the stats report the plan's.
 std::vector<double> rates_alike(const FsdpMuon& fsdp) {
   const FsdpMuonStepStats& st = fsdp.last_step_stats();
-  const std::vector<double> mine = {st.newton_schulz_flops_per_second, st.bytes_per_second,
-                                    st.inter_node_bytes_per_second, st.exchange_latency_seconds,
-                                    st.rates_measured ? 1.0 : 0.0};
+  EXPECT_EQ(values_of(st.rates), values_of(fsdp.owner_plan().rates));
+  std::vector<double> mine = values_of(st.rates);
+  mine.push_back(st.rates_measured ? 1.0 : 0.0);
   const at::Tensor send = at::tensor(mine, at::kDouble);
   const at::Tensor all = at::empty({world().size() * send.numel()}, at::kDouble);
   world().all_gather(send, all);
@@ -983,56 +1027,81 @@ std::vector<double> rates_alike(const FsdpMuon& fsdp) {
   return mine;
 }
 
+// FsdpMuonConfig::rates left std::nullopt: measured, alike on every rank; what nothing measures
+// keeps CostRates' default, and describe() says which.
 FSDP_MUON_WORLD_TEST(FsdpMuonCalibration, RatesMeasuredAlikeOnEveryRank) {
   Model model = make_model(61);
-  const FsdpMuonConfig defaults;
-  {
-    FsdpMuon fsdp(sharded_matrices(model), MuonOptions());
-    const std::vector<double> rates = rates_alike(fsdp);
-    const FsdpMuonStepStats& st = fsdp.last_step_stats();
-    EXPECT_TRUE(st.rates_measured);
-    EXPECT_GT(rates[0], 0);
-    EXPECT_NE(rates[0], defaults.newton_schulz_flops_per_second());
-    if (world().size() > 1) {
-      EXPECT_GT(rates[1], 0);
-      EXPECT_NE(rates[1], defaults.bytes_per_second());
-      EXPECT_GE(rates[3], 0);
-      EXPECT_NE(rates[3], defaults.exchange_latency_seconds());
-    } else {  // nothing moves: the link rates stay the config's
-      EXPECT_EQ(rates[1], defaults.bytes_per_second());
-      EXPECT_EQ(rates[3], defaults.exchange_latency_seconds());
-    }
-    EXPECT_EQ(rates[2], defaults.inter_node_bytes_per_second());  // one replica
-    EXPECT_EQ(st.predicted_seconds, fsdp.owner_plan().pipelined_seconds());
-    EXPECT_GT(st.predicted_seconds, 0);
+  const CostRates defaults;
+  FsdpMuon fsdp(sharded_matrices(model), MuonOptions());
+  EXPECT_FALSE(fsdp.config().rates().has_value());
+  const std::vector<double> rates = rates_alike(fsdp);
+  const FsdpMuonStepStats& st = fsdp.last_step_stats();
+  EXPECT_TRUE(st.rates_measured);
+  EXPECT_GT(rates[0], 0);
+  EXPECT_NE(rates[0], defaults.newton_schulz_flops_per_second());
+  const std::string described = fsdp.describe();
+  EXPECT_NE(described.find("rates measured at construction"), std::string::npos) << described;
+  if (world().size() > 1) {
+    EXPECT_GT(rates[1], 0);
+    EXPECT_NE(rates[1], defaults.bytes_per_second());
+    EXPECT_GE(rates[3], 0);
+    EXPECT_NE(rates[3], defaults.exchange_latency_seconds());
+    EXPECT_NE(described.find("nothing to measure it on: inter_node_bytes_per_second)"),
+              std::string::npos)
+        << described;
+  } else {  // nothing moves: the link rates are CostRates' defaults
+    EXPECT_EQ(rates[1], defaults.bytes_per_second());
+    EXPECT_EQ(rates[3], defaults.exchange_latency_seconds());
+    EXPECT_NE(described.find("nothing to measure it on: bytes_per_second, "
+                             "inter_node_bytes_per_second, exchange_latency_seconds)"),
+              std::string::npos)
+        << described;
   }
-  {
-    // A rate set by hand is kept; the others are measured.
-    FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), FsdpMuonConfig().bytes_per_second(1e9));
-    const std::vector<double> rates = rates_alike(fsdp);
-    EXPECT_TRUE(fsdp.last_step_stats().rates_measured);
-    EXPECT_EQ(rates[1], 1e9);
-    EXPECT_NE(rates[0], defaults.newton_schulz_flops_per_second());
-  }
-  // calibrate_rates(false), or every rate set: nothing measured, the config's rates exactly.
-  for (const FsdpMuonConfig& config :
-       {FsdpMuonConfig().calibrate_rates(false), FsdpMuonConfig()
-                                                     .newton_schulz_flops_per_second(1e12)
-                                                     .bytes_per_second(2e9)
-                                                     .inter_node_bytes_per_second(3e8)
-                                                     .exchange_latency_seconds(1e-3)}) {
+  EXPECT_EQ(rates[2], defaults.inter_node_bytes_per_second());  // one replica
+  EXPECT_EQ(st.predicted_seconds, fsdp.owner_plan().pipelined_seconds());
+  EXPECT_GT(st.predicted_seconds, 0);
+}
+
+// FsdpMuonConfig::rates given: the plan is made at exactly those rates (the others CostRates'
+// defaults, not measured), nothing is measured, and the stats, describe() and the plan say so.
+FSDP_MUON_WORLD_TEST(FsdpMuonCalibration, GivenRatesArePlannedWithExactly) {
+  Model model = make_model(61);
+  const CostRates one_rate = CostRates().bytes_per_second(1e9);
+  const CostRates every_rate = CostRates()
+                                   .newton_schulz_flops_per_second(1e12)
+                                   .bytes_per_second(2e9)
+                                   .inter_node_bytes_per_second(3e8)
+                                   .exchange_latency_seconds(1e-3);
+  for (const CostRates& given : {one_rate, every_rate, CostRates()}) {
+    const FsdpMuonConfig config = FsdpMuonConfig().rates(given);
     FsdpMuon fsdp(sharded_matrices(model), MuonOptions(), config);
-    EXPECT_EQ(rates_alike(fsdp),
-              (std::vector<double>{config.newton_schulz_flops_per_second(),
-                                   config.bytes_per_second(), config.inter_node_bytes_per_second(),
-                                   config.exchange_latency_seconds(), 0.0}));
+    std::vector<double> expected = values_of(given);
+    expected.push_back(0.0);  // not measured
+    EXPECT_EQ(rates_alike(fsdp), expected);
+    EXPECT_FALSE(fsdp.last_step_stats().rates_measured);
+    EXPECT_EQ(values_of(fsdp.owner_plan().rates), values_of(given));
+    const std::string described = fsdp.describe();
+    EXPECT_NE(described.find("rates given by FsdpMuonConfig::rates"), std::string::npos)
+        << described;
+    // The plan is the planner's at those rates.
+    std::vector<PlanGroup> groups;
+    for (const auto& specs : model_specs()) {
+      std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+      for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
+      groups.push_back(plan_group_from_shapes("", shapes, world().size(), NewtonSchulzOptions()));
+    }
+    const OwnerPlan expected_plan = plan_owners(groups, world().size(), config.planner(), given);
+    EXPECT_EQ(fsdp.owner_plan().owner, expected_plan.owner);
+    EXPECT_EQ(fsdp.owner_plan().rounds, expected_plan.rounds);
+    EXPECT_EQ(fsdp.owner_plan().round_gather_seconds, expected_plan.round_gather_seconds);
+    EXPECT_EQ(fsdp.owner_plan().pipelined_seconds(), expected_plan.pipelined_seconds());
   }
-  // Some ranks measure, others not: the same error on every rank, no hang.
+  // Given on some ranks, measured on the others: the same error on every rank, no hang.
   if (world().size() > 1) {
     expect_error(
         [&] {
           FsdpMuon(sharded_matrices(model), MuonOptions(),
-                   FsdpMuonConfig().calibrate_rates(world().rank() != 0));
+                   world().rank() == 0 ? FsdpMuonConfig().rates(one_rate) : FsdpMuonConfig());
         },
         {"fsdp_muon::FsdpMuon: " + std::to_string(world().size() - 1) + " of " +
          std::to_string(world().size()) +
@@ -1079,7 +1148,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, NonMatrixParameters) {
       [&] { FsdpMuon(all, MuonOptions()); },
       {"only 2-D parameters", "2 are not", "'a.b1' [7]", "'b.norm' [5]", "skip_non_matrix(true)"});
   // Skipped with skip_non_matrix: the matrices still train exactly.
-  const MuonOptions options = MuonOptions().skip_non_matrix(true).ns_dtype(at::kFloat);
+  const MuonOptions options = MuonOptions().skip_non_matrix(true).newton_schulz(
+      NewtonSchulzOptions().compute_dtype(at::kFloat));
   FsdpMuon fsdp(all, options);
   Muon muon(reference_matrices(model), options);
   EXPECT_EQ(fsdp.matrices().size(), 8u);
@@ -1188,12 +1258,14 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, AnInvalidOptionOnOneRankIsNamedOnEveryRank)
   const bool odd = world().rank() == world().size() - 1;
   Model model = make_model(71);
   const std::vector<std::pair<std::function<void(MuonOptions&)>, std::string>> cases = {
-      {[](MuonOptions& o) { o.ns_steps(0); }, "invalid ns_steps 0"},
-      {[](MuonOptions& o) { o.eps(0.0); }, "invalid eps 0"},
-      {[](MuonOptions& o) { o.ns_method(NsMethod::kGram).gram_restarts({9}); }, "gram_restarts"},
+      {[](MuonOptions& o) { o.newton_schulz().steps(0); }, "invalid newton_schulz().steps() 0"},
+      {[](MuonOptions& o) { o.newton_schulz().eps(0.0); }, "invalid newton_schulz().eps() 0"},
+      {[](MuonOptions& o) { o.newton_schulz().method(NsMethod::kGram).gram_restarts({9}); },
+       "gram_restarts"},
   };
   for (const auto& [change, needle] : cases) {
-    MuonOptions options = MuonOptions().ns_dtype(at::kFloat);
+    MuonOptions options =
+        MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
     if (odd) change(options);
     // The rank with the bad option reports its own error; the others name that rank.
     const std::string others = "fsdp_muon::FsdpMuon failed on rank " +
@@ -1204,7 +1276,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, AnInvalidOptionOnOneRankIsNamedOnEveryRank)
                  needle);
   }
   // The world still works: a valid construction on every rank goes through.
-  FsdpMuon ok(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  FsdpMuon ok(sharded_matrices(model),
+              MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
   EXPECT_EQ(ok.matrices().size(), sharded_matrices(model).size());
 }
 
@@ -1230,33 +1303,34 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
        [](MuonOptions& o) { o.weight_decay(0.1); }},
       {"parameter group 0 weight_decay_method: rank 0 has decoupled, " + r + "l2",
        [](MuonOptions& o) { o.weight_decay_method(WeightDecayMethod::kL2); }},
-      {"parameter group 0 ns_steps: rank 0 has 5, " + r + "6",
-       [](MuonOptions& o) { o.ns_steps(6); }},
-      {"parameter group 0 coefficients: rank 0 has quintic, " + r + "polar_express",
-       [](MuonOptions& o) { o.coefficients(NsCoefficients::kPolarExpress); }},
-      {"parameter group 0 custom_coefficients: rank 0 has {}, " + r + "{(0x1p+1, -0x1p+0, 0x0p+0)}",
+      {"parameter group 0 newton_schulz.steps: rank 0 has 5, " + r + "6",
+       [](MuonOptions& o) { o.newton_schulz().steps(6); }},
+      {"parameter group 0 newton_schulz.coefficients: rank 0 has quintic, " + r + "polar_express",
+       [](MuonOptions& o) { o.newton_schulz().coefficients(NsCoefficients::kPolarExpress); }},
+      {"parameter group 0 newton_schulz.custom_coefficients: rank 0 has {}, " + r +
+           "{(0x1p+1, -0x1p+0, 0x0p+0)}",
        [](MuonOptions& o) {
-         o.custom_coefficients({{2.0, -1.0, 0.0}});
+         o.newton_schulz().custom_coefficients({{2.0, -1.0, 0.0}});
        }},
       {"parameter group 0 scale_mode: rank 0 has shape_scaling, " + r + "spectral",
        [](MuonOptions& o) { o.scale_mode(ScaleMode::kSpectral); }},
       {"parameter group 0 extra_scale_factor: rank 0 has 0x1p+0 (1), " + r + "0x1p-1 (0.5)",
        [](MuonOptions& o) { o.extra_scale_factor(0.5); }},
-      {"parameter group 0 eps: rank 0 has 0x1.ad7f29abcaf48p-24 (1e-07), " + r +
+      {"parameter group 0 newton_schulz.eps: rank 0 has 0x1.ad7f29abcaf48p-24 (1e-07), " + r +
            "0x1.0c6f7a0b5ed8dp-20 (1e-06)",
-       [](MuonOptions& o) { o.eps(1e-6); }},
-      {"parameter group 0 ns_dtype: rank 0 has BFloat16, " + r + "Float",
-       [](MuonOptions& o) { o.ns_dtype(at::kFloat); }},
+       [](MuonOptions& o) { o.newton_schulz().eps(1e-6); }},
+      {"parameter group 0 newton_schulz.compute_dtype: rank 0 has BFloat16, " + r + "Float",
+       [](MuonOptions& o) { o.newton_schulz().compute_dtype(at::kFloat); }},
       {"parameter group 0 skip_non_matrix: rank 0 has false, " + r + "true",
        [](MuonOptions& o) { o.skip_non_matrix(true); }},
-      {"parameter group 0 ns_method: rank 0 has standard, " + r + "gram",
-       [](MuonOptions& o) { o.ns_method(NsMethod::kGram); }},
-      {"parameter group 0 gram_restarts: rank 0 has {2}, " + r + "{1, 3}",
+      {"parameter group 0 newton_schulz.method: rank 0 has standard, " + r + "gram",
+       [](MuonOptions& o) { o.newton_schulz().method(NsMethod::kGram); }},
+      {"parameter group 0 newton_schulz.gram_restarts: rank 0 has {2}, " + r + "{1, 3}",
        [](MuonOptions& o) {
-         o.gram_restarts({1, 3});
+         o.newton_schulz().gram_restarts({1, 3});
        }},
-      {"parameter group 0 ns_preconditioning: rank 0 has none, " + r + "aol",
-       [](MuonOptions& o) { o.ns_preconditioning(NsPreconditioning::kAol); }},
+      {"parameter group 0 newton_schulz.preconditioning: rank 0 has none, " + r + "aol",
+       [](MuonOptions& o) { o.newton_schulz().preconditioning(NsPreconditioning::kAol); }},
       {"parameter group 0 normalization: rank 0 has none, " + r + "normuon",
        [](MuonOptions& o) { o.normalization(Normalization::kNorMuon); }},
       {"parameter group 0 normuon_beta2: rank 0 has 0x1.e666666666666p-1 (0.95), " + r +
@@ -1297,21 +1371,24 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsDifferAcrossRanks) {
   // The HSDP settings (issue 21): the ranks must plan alike even on a 1-D mesh.
   {
     FsdpMuonConfig config;
-    if (here) config.replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld);
-    expect_error(
-        [&] { FsdpMuon(params, MuonOptions(), config); },
-        {"first difference, replica_newton_schulz: rank 0 has by_cost, " + r + "once_per_world"});
+    if (here) config.planner().replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld);
+    expect_error([&] { FsdpMuon(params, MuonOptions(), config); },
+                 {"first difference, planner.replica_newton_schulz: rank 0 has by_cost, " + r +
+                  "once_per_world"});
   }
   {
-    FsdpMuonConfig config;
-    if (here) config.inter_node_bytes_per_second(5e10);
+    // Given rates (given on every rank or on none: see GivenRatesArePlannedWithExactly).
+    FsdpMuonConfig config = FsdpMuonConfig().rates(CostRates());
+    if (here) config.rates()->inter_node_bytes_per_second(5e10);
     expect_error([&] { FsdpMuon(params, MuonOptions(), config); },
-                 {"first difference, inter_node_bytes_per_second: rank 0 has 0x1.74876e8p+34 "
+                 {"first difference, rates.inter_node_bytes_per_second: rank 0 has "
+                  "0x1.74876e8p+34 "
                   "(2.5e+10), " +
                   r + "0x1.74876e8p+35 (5e+10)"});
   }
   // Alike everywhere, any of them is fine.
-  FsdpMuon alike(params, MuonOptions(std::nextafter(0.02, 1.0)).ns_method(NsMethod::kGram));
+  FsdpMuon alike(params, MuonOptions(std::nextafter(0.02, 1.0))
+                             .newton_schulz(NewtonSchulzOptions().method(NsMethod::kGram)));
 }
 
 // Options changed after construction (a scheduler stepped on one rank only, an edit on one rank)
@@ -1373,20 +1450,21 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OptionsChangedOnOneRankFailTheStep) {
   if (here) group0.momentum(0.95);
   if (here) group1.weight_decay(0.0);
   // Any other option, e.g. the Newton-Schulz dtype of the second group.
-  if (here) group1.ns_dtype(at::kFloat);
+  if (here) group1.newton_schulz().compute_dtype(at::kFloat);
   expect_error([&] { fsdp.step(); },
                {"another option of parameter group 1 (not lr, momentum or weight_decay; this "
                 "rank's options " +
                 std::string(here ? "differ from" : "equal") + " rank 0's)"});
   unchanged(later);
-  if (here) group1.ns_dtype(at::kBFloat16);
+  if (here) group1.newton_schulz().compute_dtype(at::kBFloat16);
   fsdp.step();
 }
 
 FSDP_MUON_WORLD_TEST(FsdpMuonErrors, RanksDisagreeOnGradients) {
   if (world().size() == 1) GTEST_SKIP() << "needs two ranks";
   Model model = make_model(39);
-  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  FsdpMuon fsdp(sharded_matrices(model),
+                MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
   feed_gradients(model, 3900);
   std::vector<at::Tensor> before;
   for (const auto& group : model.groups) before.push_back(group->main_weight_shard().clone());
@@ -1444,7 +1522,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, ZeroOneStepWithoutReduceScatterIsAnError) {
   for (const auto& group : model.groups) {
     ASSERT_EQ(group->sharding_strategy(), ShardingStrategy::kOptim);
   }
-  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  FsdpMuon fsdp(sharded_matrices(model),
+                MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
   const auto shards = [&] {
     std::vector<at::Tensor> out;
     for (const auto& group : model.groups) out.push_back(group->main_weight_shard().clone());
@@ -1512,8 +1591,9 @@ FSDP_MUON_WORLD_TEST(FsdpMuonErrors, OneRankSkippingZeroOneReduceScatterIsNamed)
                     "entry): a rank misses a collective on purpose";
   }
   Model model = make_model(42);
-  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat),
-                FsdpMuonConfig().calibrate_rates(false));
+  FsdpMuon fsdp(sharded_matrices(model),
+                MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)),
+                FsdpMuonConfig().rates(CostRates()));
   const bool skips = world().rank() == 1;
   backward_through(model);
   model.groups[0]->reduce_scatter_grads();
@@ -1602,8 +1682,10 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNonFinite, TheShardCheckTellsMatricesFromTheRest) {
   };
   Model poisoned = make_model(52);
   Model clean = make_model(52);
-  FsdpMuon with_nan(sharded_matrices(poisoned), MuonOptions().ns_dtype(at::kFloat));
-  FsdpMuon without(sharded_matrices(clean), MuonOptions().ns_dtype(at::kFloat));
+  FsdpMuon with_nan(sharded_matrices(poisoned),
+                    MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
+  FsdpMuon without(sharded_matrices(clean),
+                   MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
   feed_gradients(poisoned, 5200);
   feed_gradients(clean, 5200);
   const FsdpParameterGroup& g0 = *poisoned.groups[0];  // 'a.b1' (index 1) is a bias
@@ -1647,7 +1729,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNonFinite, DefaultSkipsTheStepAndWarnsOnRankZero) {
   for (int r = 0; r < w; ++r) {
     if (group->held_range(index, r).second > group->held_range(index, r).first) holder = r;
   }
-  FsdpMuon fsdp(sharded_matrices(model), MuonOptions().ns_dtype(at::kFloat));
+  FsdpMuon fsdp(sharded_matrices(model),
+                MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat)));
   test::WarningCollector warnings;
   feed_gradients(model, 5100);
   fsdp.step();  // step 1: finite, creates the momentum
@@ -1701,7 +1784,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonNonFinite, DefaultSkipsTheStepAndWarnsOnRankZero) {
 // Without the agreement all-reduce (for loops that guarantee agreement) the step gives the same
 // bits and sends nothing for the check; the non-finite check, which needs it, is refused.
 FSDP_MUON_WORLD_TEST(FsdpMuonAgreement, OffGivesTheSameBitsWithoutTheCheck) {
-  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  const MuonOptions options =
+      MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   Model checked = make_model(90);
   Model unchecked = make_model(90);
   FsdpMuon with(sharded_matrices(checked), options);

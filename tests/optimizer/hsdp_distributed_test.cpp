@@ -255,11 +255,13 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, EveryModeEqualsSingleDeviceMuonOnEveryMesh) {
     ASSERT_EQ(mesh.replicas() * mesh.shard_size(), world().size());
     for (ReplicaNewtonSchulz mode : kModes) {
       Model model = make_model(++seed, &mesh);
-      const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).ns_dtype(at::kFloat);
+      const MuonOptions options = MuonOptions(0.02).weight_decay(0.1).newton_schulz(
+          NewtonSchulzOptions().compute_dtype(at::kFloat));
       // No prefetch budget: a round per owned matrix, overlapped, so that the rounds'
       // gathers and scatters interleave across the world.
       FsdpMuon fsdp(sharded_matrices(model), options,
-                    FsdpMuonConfig().replica_newton_schulz(mode).prefetch_budget_bytes(0));
+                    FsdpMuonConfig().planner(
+                        OwnerPlanOptions().replica_newton_schulz(mode).prefetch_budget_bytes(0)));
       Muon muon(reference_matrices(model), options);
       const std::string what = mode_name(mesh, mode, fsdp);
       SCOPED_TRACE(what);
@@ -281,7 +283,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, EveryModeEqualsSingleDeviceMuonOnEveryMesh) {
   }
 }
 
-// The planner on this mesh's shape, from parameter shapes alone.
+// The planner on this mesh's shape, from parameter shapes alone, at the config's given rates.
 OwnerPlan expected_plan(const DeviceMesh& mesh, const MuonOptions& options,
                         const FsdpMuonConfig& config) {
   std::vector<PlanGroup> groups;
@@ -289,25 +291,28 @@ OwnerPlan expected_plan(const DeviceMesh& mesh, const MuonOptions& options,
     std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
     for (const Spec& s : specs) shapes.emplace_back(s.name, s.shape);
     groups.push_back(
-        plan_group_from_shapes("", shapes, mesh.shard_size(), options.newton_schulz_options()));
+        plan_group_from_shapes("", shapes, mesh.shard_size(), options.newton_schulz()));
   }
-  return plan_owners(groups, MeshShape{mesh.replicas(), mesh.shard_size()},
-                     config.owner_plan_options());
+  return plan_owners(groups, MeshShape{mesh.replicas(), mesh.shard_size()}, config.planner(),
+                     config.rates().value());
 }
 
 // kByCost is resolved at construction by the planner, the same on every rank: with Newton–Schulz
-// made expensive and the network between replicas cheap, or the other way round, FsdpMuon runs
-// the planner's choice (and its owners), and describe() says which.
+// made expensive and the network between replicas cheap, or the other way round (the other rates
+// CostRates' defaults, nothing measured), FsdpMuon runs the planner's choice (and its owners),
+// and describe() says which.
 FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, ByCostRunsThePlannersChoice) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
-  const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+  const MuonOptions options =
+      MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   for (int shard_size : hsdp_shard_sizes()) {
     const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
     for (const auto& [flops, inter_node] : {std::pair{1e3, 1e30}, std::pair{1e30, 1.0}}) {
-      const FsdpMuonConfig config = FsdpMuonConfig()
-                                        .replica_newton_schulz(ReplicaNewtonSchulz::kByCost)
-                                        .newton_schulz_flops_per_second(flops)
-                                        .inter_node_bytes_per_second(inter_node);
+      const FsdpMuonConfig config =
+          FsdpMuonConfig()
+              .planner(OwnerPlanOptions().replica_newton_schulz(ReplicaNewtonSchulz::kByCost))
+              .rates(CostRates().newton_schulz_flops_per_second(flops).inter_node_bytes_per_second(
+                  inter_node));
       Model model = make_model(7, &mesh);
       FsdpMuon fsdp(sharded_matrices(model), options, config);
       const OwnerPlan expected = expected_plan(mesh, options, config);
@@ -332,8 +337,9 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, NorMuonEqualsSingleDeviceMuon) {
   const DeviceMesh& mesh = mesh_with_shard_size(hsdp_shard_sizes().front());
   for (ReplicaNewtonSchulz mode : kModes) {
     Model model = make_model(21, &mesh);
-    const MuonOptions options =
-        MuonOptions(0.02).normalization(Normalization::kNorMuon).ns_dtype(at::kFloat);
+    const MuonOptions options = MuonOptions(0.02)
+                                    .normalization(Normalization::kNorMuon)
+                                    .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
     MuonOptions other = options;
     other.lr(0.01).nesterov(false);
     const auto split = [&](const std::vector<at::Tensor>& params) {
@@ -347,7 +353,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, NorMuonEqualsSingleDeviceMuon) {
               std::make_unique<MuonOptions>(other))};
     };
     FsdpMuon fsdp(split(sharded_matrices(model)), options,
-                  FsdpMuonConfig().replica_newton_schulz(mode));
+                  FsdpMuonConfig().planner(OwnerPlanOptions().replica_newton_schulz(mode)));
     Muon muon(split(reference_matrices(model)), options);
     const std::string what = "normuon " + mode_name(mesh, mode, fsdp);
     SCOPED_TRACE(what);
@@ -366,7 +372,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
     for (ReplicaNewtonSchulz mode :
          {ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica}) {
       Model model = make_model(31, &mesh, specs);
-      const MuonOptions base = MuonOptions(0.02).ns_dtype(at::kFloat);
+      const MuonOptions base =
+          MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
       const auto groups = [&](const std::vector<at::Tensor>& p) {
         MuonOptions qkv = base;
         qkv.matrix_layout(MatrixLayout::row_blocks({6, 3, 3}));
@@ -378,7 +385,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
             torch::optim::OptimizerParamGroup({p[2]}, std::make_unique<MuonOptions>(base))};
       };
       FsdpMuon fsdp(groups(sharded_matrices(model)), base,
-                    FsdpMuonConfig().replica_newton_schulz(mode));
+                    FsdpMuonConfig().planner(OwnerPlanOptions().replica_newton_schulz(mode)));
       Muon muon(groups(reference_matrices(model)), base);
       EXPECT_EQ(fsdp.matrices().size(), 7u);  // 3 blocks, 3 experts, 1 row
       const std::string what = "layouts " + mode_name(mesh, mode, fsdp);
@@ -396,9 +403,11 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon
   for (int shard_size : hsdp_shard_sizes()) {
     const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
     Model model = make_model(51, &mesh);
-    const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat);
+    const MuonOptions options =
+        MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
     FsdpMuon fsdp(sharded_matrices(model), options,
-                  FsdpMuonConfig().replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld));
+                  FsdpMuonConfig().planner(OwnerPlanOptions().replica_newton_schulz(
+                      ReplicaNewtonSchulz::kOncePerWorld)));
     Muon muon(reference_matrices(model), options);
     const std::string what = "per-rank gradients " + mesh.shape();
     for (int step = 0; step < 3; ++step) {
@@ -440,9 +449,11 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, OneDimensionalMeshIsTodayBitwiseBytesIncluded
     SCOPED_TRACE(to_string(mode));
     Model on_mesh = make_model(61, &mesh);
     Model today = make_model(61, nullptr);
-    const MuonOptions options =
-        MuonOptions(0.02).normalization(Normalization::kNorMuon).ns_dtype(at::kFloat);
-    const FsdpMuonConfig config = FsdpMuonConfig().replica_newton_schulz(mode);
+    const MuonOptions options = MuonOptions(0.02)
+                                    .normalization(Normalization::kNorMuon)
+                                    .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
+    const FsdpMuonConfig config =
+        FsdpMuonConfig().planner(OwnerPlanOptions().replica_newton_schulz(mode));
     FsdpMuon a(sharded_matrices(on_mesh), options, config);
     FsdpMuon b(sharded_matrices(today), options, config);
     EXPECT_EQ(a.owner_plan().owner, b.owner_plan().owner);
@@ -488,7 +499,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, ReplicaCheckNamesTheReplicaWhoseWeightsDiverg
     const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
     Model model = make_model(81, &mesh);
     FsdpMuon fsdp(sharded_matrices(model), MuonOptions().lr(0.02),
-                  FsdpMuonConfig().check_replicas_every(2).calibrate_rates(false));
+                  FsdpMuonConfig().check_replicas_every(2).rates(CostRates()));
     for (int call = 1; call <= 2; ++call) {
       feed_gradients(model, 300 + call);
       fsdp.step();
@@ -531,7 +542,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, ReplicaCheckNamesTheReplicaWhoseWeightsDiverg
   expect_error(
       [&] {
         FsdpMuon(sharded_matrices(make_model(82, &mesh_with_shard_size(2))), MuonOptions(),
-                 FsdpMuonConfig().check_replicas_every(-1).calibrate_rates(false));
+                 FsdpMuonConfig().check_replicas_every(-1).rates(CostRates()));
       },
       {"check_replicas_every must be >= 0"});
   expect_error(
@@ -539,7 +550,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, ReplicaCheckNamesTheReplicaWhoseWeightsDiverg
         FsdpMuon(sharded_matrices(make_model(83, &mesh_with_shard_size(2))), MuonOptions(),
                  FsdpMuonConfig()
                      .check_replicas_every(1)
-                     .calibrate_rates(false)
+                     .rates(CostRates())
                      .check_gradient_agreement(false)
                      .non_finite_gradients(NonFiniteGradients::kIgnore));
       },

@@ -147,25 +147,29 @@ struct Case {
 };
 
 std::vector<Case> cases() {
-  const MuonOptions fp32 = MuonOptions(0.02).ns_dtype(at::kFloat);
+  const MuonOptions fp32 =
+      MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
   return {
       {"fp32 defaults", fp32, FsdpMuonConfig()},
       {"fp32 spectral wd, holders-only, one matrix per round, no overlap",
-       MuonOptions(0.03).ns_dtype(at::kFloat).scale_mode(ScaleMode::kSpectral).weight_decay(0.1),
-       FsdpMuonConfig()
-           .owner_policy(OwnerPolicy::kHoldersOnly)
-           .prefetch_budget_bytes(0)
-           .overlap_communication(false)},
+       MuonOptions(0.03)
+           .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+           .scale_mode(ScaleMode::kSpectral)
+           .weight_decay(0.1),
+       FsdpMuonConfig().planner(OwnerPlanOptions()
+                                    .owner_policy(OwnerPolicy::kHoldersOnly)
+                                    .prefetch_budget_bytes(0)
+                                    .overlap_communication(false))},
       {"fp32 gram unit_rms, any rank, never batched",
        MuonOptions(0.02)
-           .ns_dtype(at::kFloat)
-           .ns_method(NsMethod::kGram)
+           .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat).method(NsMethod::kGram))
            .scale_mode(ScaleMode::kUnitRmsNorm),
        FsdpMuonConfig()
-           .owner_policy(OwnerPolicy::kAnyRank)
+           .planner(OwnerPlanOptions().owner_policy(OwnerPolicy::kAnyRank))
            .batch_newton_schulz(NewtonSchulzBatching::kNever)},
       {"bf16 no nesterov, windows", MuonOptions(0.02).nesterov(false),
-       FsdpMuonConfig().owner_schedule(OwnerSchedule::kWindows).prefetch_budget_bytes(512)},
+       FsdpMuonConfig().planner(
+           OwnerPlanOptions().owner_schedule(OwnerSchedule::kWindows).prefetch_budget_bytes(512))},
   };
 }
 
@@ -200,9 +204,11 @@ FSDP_MUON_WORLD_TEST(FsdpMuonLayouts, EveryBlockIsAMatrixOfItsOwn) {
   const int me = world().rank();
   const int w = world().size();
   Model model = make_model(5);
-  const MuonOptions options = MuonOptions().ns_dtype(at::kFloat);
-  FsdpMuon fsdp(param_groups(model, true, options), options,
-                FsdpMuonConfig().owner_policy(OwnerPolicy::kHoldersOnly));
+  const MuonOptions options =
+      MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
+  FsdpMuon fsdp(
+      param_groups(model, true, options), options,
+      FsdpMuonConfig().planner(OwnerPlanOptions().owner_policy(OwnerPolicy::kHoldersOnly)));
   // Plan order: FSDP group, then parameter, then block.
   const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> expected = {
       {"attn.qkv[0]", 6, 5, 0},    {"attn.qkv[1]", 3, 5, 30},    {"attn.qkv[2]", 3, 5, 45},
@@ -333,7 +339,10 @@ std::string env_dir() {
 }
 
 const MuonOptions& checkpoint_options() {
-  static const MuonOptions options = MuonOptions(0.02).ns_dtype(at::kFloat).weight_decay(0.05);
+  static const MuonOptions options =
+      MuonOptions(0.02)
+          .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+          .weight_decay(0.05);
   return options;
 }
 

@@ -46,7 +46,9 @@ const bool kRegistered = [] {
 }();
 
 MuonOptions variant_options() {
-  return MuonOptions(0.02).ns_dtype(at::kFloat).normalization(kRowRms);
+  return MuonOptions(0.02)
+      .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+      .normalization(kRowRms);
 }
 
 // Rows of one element, sizes no world size divides, a bias FsdpMuon does not hold.

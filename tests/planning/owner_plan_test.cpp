@@ -519,57 +519,68 @@ TEST(OwnerPlanTest, CostModelPicksTheCheapestByteLimit) {
   const auto by_cost =
       holders_only().owner_policy(OwnerPolicy::kBalanced).max_bytes_ratio(kBytesRatioByCost);
 
-  const auto fast_bytes =
-      OwnerPlanOptions(by_cost).newton_schulz_flops_per_second(1).bytes_per_second(1e9);
-  const OwnerPlan balanced = plan_owners(groups, 2, fast_bytes);
+  const auto fast_bytes = CostRates().newton_schulz_flops_per_second(1).bytes_per_second(1e9);
+  const OwnerPlan balanced = plan_owners(groups, 2, by_cost, fast_bytes);
   EXPECT_EQ(balanced.max_bytes_ratio, std::numeric_limits<double>::infinity());
   EXPECT_EQ(balanced.critical_path_planned(), 15600);
   EXPECT_EQ(balanced.max_bytes_per_rank(), 264);
-  EXPECT_DOUBLE_EQ(balanced.estimated_seconds(1, 1e9, 1), 15600 + 264e-9);  // no inter bytes
+  EXPECT_DOUBLE_EQ(balanced.estimated_seconds(CostRates(fast_bytes).inter_node_bytes_per_second(1)),
+                   15600 + 264e-9);                                // no inter bytes
   EXPECT_DOUBLE_EQ(balanced.estimated_seconds(), 15600 + 264e-9);  // at the rates planned with
 
-  const auto fast_flops =
-      OwnerPlanOptions(by_cost).newton_schulz_flops_per_second(1e9).bytes_per_second(1);
-  const OwnerPlan frugal = plan_owners(groups, 2, fast_flops);
+  const auto fast_flops = CostRates().newton_schulz_flops_per_second(1e9).bytes_per_second(1);
+  const OwnerPlan frugal = plan_owners(groups, 2, by_cost, fast_flops);
   EXPECT_EQ(frugal.max_bytes_ratio, 1.0);  // every limit below 33 gives this plan: the first wins
   EXPECT_EQ(frugal.critical_path_planned(), 30720);
   EXPECT_EQ(frugal.max_bytes_per_rank(), 8);
 
-  for (const auto& [options, chosen] : {std::pair{fast_bytes, &balanced}, {fast_flops, &frugal}}) {
-    const OwnerPlan fixed =
-        plan_owners(groups, 2, OwnerPlanOptions(options).max_bytes_ratio(chosen->max_bytes_ratio));
+  for (const auto& [rates, chosen] : {std::pair{fast_bytes, &balanced}, {fast_flops, &frugal}}) {
+    const OwnerPlan fixed = plan_owners(
+        groups, 2, OwnerPlanOptions(by_cost).max_bytes_ratio(chosen->max_bytes_ratio), rates);
     EXPECT_EQ(fixed.owner, chosen->owner);
     EXPECT_EQ(fixed.rounds, chosen->rounds);
     // No candidate limit is cheaper at these rates.
     for (const double ratio : detail::kCostModelBytesRatios) {
       const OwnerPlan other =
-          plan_owners(groups, 2, OwnerPlanOptions(options).max_bytes_ratio(ratio));
+          plan_owners(groups, 2, OwnerPlanOptions(by_cost).max_bytes_ratio(ratio), rates);
       EXPECT_LE(chosen->estimated_seconds(), other.estimated_seconds()) << "ratio " << ratio;
     }
   }
-  EXPECT_THROW(plan_owners(groups, 2, OwnerPlanOptions(by_cost).bytes_per_second(0)), c10::Error);
-  // FsdpMuonConfig hands the rates to the planner.
-  const OwnerPlanOptions from_config = FsdpMuonConfig()
-                                           .max_bytes_ratio(kBytesRatioByCost)
-                                           .newton_schulz_flops_per_second(3e12)
-                                           .bytes_per_second(5e9)
-                                           .owner_plan_options();
-  EXPECT_EQ(from_config.max_bytes_ratio(), kBytesRatioByCost);
-  EXPECT_EQ(from_config.newton_schulz_flops_per_second(), 3e12);
-  EXPECT_EQ(from_config.bytes_per_second(), 5e9);
-  // One source of truth: the planner's defaults are FsdpMuonConfig's.
-  const OwnerPlanOptions defaults;
+  EXPECT_THROW(plan_owners(groups, 2, by_cost, CostRates().bytes_per_second(0)), c10::Error);
+  // The plan keeps the rates it was made at.
+  EXPECT_EQ(balanced.rates.newton_schulz_flops_per_second(), 1);
+  EXPECT_EQ(balanced.rates.bytes_per_second(), 1e9);
+  EXPECT_EQ(frugal.rates.newton_schulz_flops_per_second(), 1e9);
+}
+
+// Each setting is spelled once: FsdpMuonConfig holds the planner's settings as one
+// OwnerPlanOptions (whose defaults are its defaults) and the rates as one optional CostRates,
+// std::nullopt (measure at construction) by default. The defaults documented for the rates.
+TEST(OwnerPlanTest, ConfigHoldsThePlannerAndTheRatesOnce) {
   const FsdpMuonConfig config;
-  EXPECT_EQ(defaults.owner_policy(), config.owner_policy());
-  EXPECT_EQ(defaults.owner_schedule(), config.owner_schedule());
-  EXPECT_EQ(defaults.max_bytes_ratio(), config.max_bytes_ratio());
-  EXPECT_EQ(defaults.newton_schulz_flops_per_second(), config.newton_schulz_flops_per_second());
-  EXPECT_EQ(defaults.bytes_per_second(), config.bytes_per_second());
-  EXPECT_EQ(defaults.prefetch_budget_bytes(), config.prefetch_budget_bytes());
-  EXPECT_EQ(defaults.overlap_communication(), config.overlap_communication());
-  EXPECT_EQ(defaults.replica_newton_schulz(), config.replica_newton_schulz());
-  EXPECT_EQ(defaults.inter_node_bytes_per_second(), config.inter_node_bytes_per_second());
-  EXPECT_EQ(config.replica_newton_schulz(), ReplicaNewtonSchulz::kByCost);
+  const OwnerPlanOptions defaults;
+  EXPECT_EQ(config.planner().owner_policy(), defaults.owner_policy());
+  EXPECT_EQ(config.planner().owner_schedule(), defaults.owner_schedule());
+  EXPECT_EQ(config.planner().max_bytes_ratio(), kBytesRatioByCost);
+  EXPECT_EQ(config.planner().prefetch_budget_bytes(), int64_t{1} << 30);
+  EXPECT_TRUE(config.planner().overlap_communication());
+  EXPECT_EQ(config.planner().replica_newton_schulz(), ReplicaNewtonSchulz::kByCost);
+  EXPECT_FALSE(config.rates().has_value());
+  const CostRates rates;
+  EXPECT_EQ(rates.newton_schulz_flops_per_second(), 4e14);
+  EXPECT_EQ(rates.bytes_per_second(), 1.5e11);
+  EXPECT_EQ(rates.inter_node_bytes_per_second(), 2.5e10);
+  EXPECT_EQ(rates.exchange_latency_seconds(), 5e-5);
+  // Set whole or one setting in place.
+  FsdpMuonConfig set = FsdpMuonConfig()
+                           .planner(OwnerPlanOptions().owner_schedule(OwnerSchedule::kWindows))
+                           .rates(CostRates().bytes_per_second(1e9));
+  set.planner().prefetch_budget_bytes(0);
+  EXPECT_EQ(set.planner().owner_schedule(), OwnerSchedule::kWindows);
+  EXPECT_EQ(set.planner().prefetch_budget_bytes(), 0);
+  ASSERT_TRUE(set.rates().has_value());
+  EXPECT_EQ(set.rates()->bytes_per_second(), 1e9);
+  EXPECT_EQ(set.rates()->newton_schulz_flops_per_second(), 4e14);
 }
 
 // GPT-2 124M and a Mixtral-like 8-expert model, one group per layer, bf16 layout.
@@ -623,15 +634,15 @@ std::vector<PlanGroup> model_groups(const std::string& which, int world_size) {
 // 24 ranks alone, 12 attention input matrices of 6.3 GFLOP then need pairs), above 1.10x the
 // floor of 1.00 that max(mean, largest matrix) gives.
 TEST(OwnerPlanTest, DefaultScheduleIsNearTheFloor) {
-  const FsdpMuonConfig config;
-  EXPECT_EQ(config.owner_plan_options().owner_schedule(), OwnerSchedule::kRounds);
-  EXPECT_EQ(config.owner_plan_options().owner_policy(), OwnerPolicy::kBalanced);
+  const OwnerPlanOptions config = FsdpMuonConfig().planner();
+  EXPECT_EQ(config.owner_schedule(), OwnerSchedule::kRounds);
+  EXPECT_EQ(config.owner_policy(), OwnerPolicy::kBalanced);
   const int64_t half_budget = config.prefetch_budget_bytes() / 2;
   for (const std::string which : {"llama3-8b", "gpt2", "8-expert"}) {
     for (int w : {8, 16, 32, 64, 128, 256}) {
       if (which == "gpt2" && w == 32) continue;
       const auto groups = which == "llama3-8b" ? llama3_8b(w) : model_groups(which, w);
-      const OwnerPlan plan = plan_owners(groups, w, config.owner_plan_options());
+      const OwnerPlan plan = plan_owners(groups, w, config);
       SCOPED_TRACE(which + " W=" + std::to_string(w));
       OwnerPlan fewest = plan;
       detail::pack_rounds(groups, half_budget, fewest);
@@ -644,7 +655,7 @@ TEST(OwnerPlanTest, DefaultScheduleIsNearTheFloor) {
                 plan.max_bytes_ratio * static_cast<double>(plan.holders_only_max_bytes));
       for (const double ratio : detail::kCostModelBytesRatios) {
         const OwnerPlan fixed =
-            plan_owners(groups, w, config.owner_plan_options().max_bytes_ratio(ratio));
+            plan_owners(groups, w, OwnerPlanOptions(config).max_bytes_ratio(ratio));
         EXPECT_LE(plan.estimated_seconds(), fixed.estimated_seconds()) << "limit " << ratio;
       }
       for (size_t t = 0; t < plan.rounds.size(); ++t) {
@@ -663,8 +674,7 @@ TEST(OwnerPlanTest, DefaultScheduleIsNearTheFloor) {
       // Windows under the same budget and policy stall per window: never shorter here (without
       // overlap, where both take the fewest exchanges that fit; with it, rounds may be split
       // further to hide the exchange, see RoundsByCostHideTheExchange).
-      const OwnerPlanOptions one_in_flight =
-          config.owner_plan_options().overlap_communication(false);
+      const OwnerPlanOptions one_in_flight = OwnerPlanOptions(config).overlap_communication(false);
       const OwnerPlan windowed = plan_owners(
           groups, w, OwnerPlanOptions(one_in_flight).owner_schedule(OwnerSchedule::kWindows));
       EXPECT_LE(plan_owners(groups, w, one_in_flight).critical_path_planned(),
@@ -677,7 +687,7 @@ TEST(OwnerPlanTest, DefaultScheduleIsNearTheFloor) {
 
 // The planner's options with `mode` on a mesh: the defaults, or holders-only owners.
 OwnerPlanOptions on_mesh(ReplicaNewtonSchulz mode, bool holders) {
-  OwnerPlanOptions options = FsdpMuonConfig().owner_plan_options().replica_newton_schulz(mode);
+  OwnerPlanOptions options = OwnerPlanOptions().replica_newton_schulz(mode);
   if (holders) options.owner_policy(OwnerPolicy::kHoldersOnly);
   return options;
 }
@@ -722,8 +732,7 @@ TEST(OwnerPlanTest, OncePerReplicaIsTheShardPlan) {
   const auto groups = model_groups("8-expert", 8);
   for (const auto mode : {ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica,
                           ReplicaNewtonSchulz::kByCost}) {
-    const OwnerPlanOptions options =
-        FsdpMuonConfig().owner_plan_options().replica_newton_schulz(mode);
+    const OwnerPlanOptions options = OwnerPlanOptions().replica_newton_schulz(mode);
     const OwnerPlan flat = plan_owners(groups, 8, options);
     const OwnerPlan mesh = plan_owners(groups, MeshShape{1, 8}, options);
     EXPECT_EQ(flat.owner, mesh.owner);
@@ -822,15 +831,16 @@ TEST(OwnerPlanTest, ByCostPicksTheFasterOfTheTwo) {
   int world_picked = 0, replica_picked = 0;
   for (const double inter : {1e6, 1e9, 2.5e10, 1e12, 1e18}) {
     SCOPED_TRACE("inter-node rate " + std::to_string(inter));
-    const OwnerPlanOptions options =
-        on_mesh(ReplicaNewtonSchulz::kByCost, false).inter_node_bytes_per_second(inter);
-    const OwnerPlan chosen = plan_owners(groups, mesh, options);
+    const OwnerPlanOptions options = on_mesh(ReplicaNewtonSchulz::kByCost, false);
+    const CostRates rates = CostRates().inter_node_bytes_per_second(inter);
+    const OwnerPlan chosen = plan_owners(groups, mesh, options, rates);
     const OwnerPlan world = plan_owners(
         groups, mesh,
-        OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld));
+        OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld), rates);
     const OwnerPlan replica = plan_owners(
         groups, mesh,
-        OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerReplica));
+        OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerReplica),
+        rates);
     const bool world_faster = world.estimated_seconds() < replica.estimated_seconds();
     const OwnerPlan& expected = world_faster ? world : replica;
     EXPECT_EQ(chosen.replica_newton_schulz, expected.replica_newton_schulz);
@@ -840,8 +850,8 @@ TEST(OwnerPlanTest, ByCostPicksTheFasterOfTheTwo) {
                      std::min(world.estimated_seconds(), replica.estimated_seconds()));
     // The inter-node term is the busiest owner's (replicas - 1) copies of what it owns.
     EXPECT_DOUBLE_EQ(world.estimated_seconds(),
-                     world.critical_path_planned() / options.newton_schulz_flops_per_second() +
-                         world.max_intra_node_bytes_per_rank() / options.bytes_per_second() +
+                     world.critical_path_planned() / rates.newton_schulz_flops_per_second() +
+                         world.max_intra_node_bytes_per_rank() / rates.bytes_per_second() +
                          world.max_inter_node_bytes_per_rank() / inter);
     world_faster ? ++world_picked : ++replica_picked;
   }
@@ -869,8 +879,8 @@ TEST(OwnerPlanTest, MeshErrors) {
         << e.what();
   }
   try {
-    plan_owners(groups, MeshShape{2, 4},
-                on_mesh(ReplicaNewtonSchulz::kByCost, false).inter_node_bytes_per_second(0));
+    plan_owners(groups, MeshShape{2, 4}, on_mesh(ReplicaNewtonSchulz::kByCost, false),
+                CostRates().inter_node_bytes_per_second(0));
     ADD_FAILURE() << "an inter-node rate of 0 was accepted";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("0 B/s (inter_node_bytes_per_second)"), std::string::npos)
@@ -887,7 +897,7 @@ TEST(OwnerPlanTest, MeshErrors) {
 TEST(OwnerPlanTest, PipelinedSecondsFollowTheStep) {
   OwnerPlan plan;
   plan.world_size = 2;
-  plan.newton_schulz_flops_per_second = 1;
+  plan.rates.newton_schulz_flops_per_second(1);
   plan.rounds.assign(3, {});
   // Compute-bound: 2 + 3 x 4 + 1 = 15 (no overlap: 3 x (2 + 4 + 1) = 21).
   plan.round_cost_per_rank = {{4, 1}, {0, 4}, {4, 4}};
@@ -918,21 +928,22 @@ TEST(OwnerPlanTest, PipelinedSecondsFollowTheStep) {
 TEST(OwnerPlanTest, RoundsByCostHideTheExchange) {
   std::vector<PlanGroup> groups = model_groups("gpt2", 2);
   groups.resize(4);
-  const OwnerPlanOptions cpu = FsdpMuonConfig()
-                                   .newton_schulz_flops_per_second(1e12)
-                                   .bytes_per_second(2.5e8)
-                                   .exchange_latency_seconds(1e-3)
-                                   .owner_plan_options();
-  const OwnerPlan plan = plan_owners(groups, 2, cpu);
-  const OwnerPlan one = plan_owners(groups, 2, OwnerPlanOptions(cpu).overlap_communication(false));
+  const OwnerPlanOptions options = FsdpMuonConfig().planner();
+  const CostRates cpu = CostRates()
+                            .newton_schulz_flops_per_second(1e12)
+                            .bytes_per_second(2.5e8)
+                            .exchange_latency_seconds(1e-3);
+  const OwnerPlan plan = plan_owners(groups, 2, options, cpu);
+  const OwnerPlan one =
+      plan_owners(groups, 2, OwnerPlanOptions(options).overlap_communication(false), cpu);
   ASSERT_EQ(one.rounds.size(), 1u);
   EXPECT_GT(plan.rounds.size(), 1u);
   EXPECT_EQ(plan.owner, one.owner);  // the rounds change, the owners do not
   for (size_t t = 0; t + 1 < plan.rounds.size(); ++t) EXPECT_TRUE(plan.overlap_with_next[t]);
   for (size_t ask = 1; ask <= 16; ask *= 2) {
     OwnerPlan other = plan;
-    detail::pack_rounds(groups, cpu.prefetch_budget_bytes() / 2, other, ask);
-    detail::finish_rounds(groups.size(), cpu.prefetch_budget_bytes(), true, other);
+    detail::pack_rounds(groups, options.prefetch_budget_bytes() / 2, other, ask);
+    detail::finish_rounds(groups.size(), options.prefetch_budget_bytes(), true, other);
     detail::transfer_seconds(groups, other);
     // No count asked for is 1% faster (the margin a larger count must win by).
     EXPECT_LE(0.99 * plan.pipelined_seconds(), other.pipelined_seconds()) << ask << " rounds asked";
@@ -957,9 +968,9 @@ TEST(OwnerPlanTest, RoundsByCostHideTheExchange) {
     EXPECT_DOUBLE_EQ(plan.round_gather_seconds[t], most > 0 ? most / 2.5e8 + 1e-3 : 0.0);
   }
   const OwnerPlan slow =
-      plan_owners(groups, 2, OwnerPlanOptions(cpu).exchange_latency_seconds(1e3));
+      plan_owners(groups, 2, options, CostRates(cpu).exchange_latency_seconds(1e3));
   EXPECT_EQ(slow.rounds.size(), 1u);
-  EXPECT_THROW(plan_owners(groups, 2, OwnerPlanOptions(cpu).exchange_latency_seconds(-1)),
+  EXPECT_THROW(plan_owners(groups, 2, options, CostRates(cpu).exchange_latency_seconds(-1)),
                c10::Error);
 }
 

@@ -100,11 +100,15 @@ at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) {
 
 constexpr double kMuonLr = 0.05, kAdamWLr = 0.02, kGamma = 0.7;
 
-MuonOptions muon_options() { return MuonOptions(kMuonLr).ns_dtype(at::kFloat).weight_decay(0.01); }
+MuonOptions muon_options() {
+  return MuonOptions(kMuonLr)
+      .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+      .weight_decay(0.01);
+}
 torch::optim::AdamWOptions adamw_options() {
   return torch::optim::AdamWOptions(kAdamWLr).weight_decay(0.01);
 }
-FsdpMuonConfig fsdp_config() { return FsdpMuonConfig().calibrate_rates(false); }
+FsdpMuonConfig fsdp_config() { return FsdpMuonConfig().rates(CostRates()); }
 
 ShardModuleOptions strategy_options(ShardingStrategy strategy) {
   return ShardModuleOptions().group_options(

@@ -52,28 +52,20 @@ struct FSDP_MUON_API MuonOptions : public torch::optim::OptimizerCloneableOption
   // Weight decay, applied as weight_decay_method says before the momentum update. >= 0.
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(WeightDecayMethod, weight_decay_method) = WeightDecayMethod::kDecoupled;
-  // Newton–Schulz iterations, coefficient preset and custom schedule, the Frobenius-norm clamp
-  // and the compute dtype (bf16 or fp32): NewtonSchulzOptions' steps, coefficients,
-  // custom_coefficients, eps and compute_dtype, with their defaults
-  // (newton_schulz_options() hands them over).
-  TORCH_ARG(int64_t, ns_steps) = NewtonSchulzOptions().steps();
-  TORCH_ARG(NsCoefficients, coefficients) = NewtonSchulzOptions().coefficients();
-  TORCH_ARG(NsCoefficientList, custom_coefficients) = {};
+  // How the orthogonalized update is computed: Newton–Schulz iterations, coefficient schedule,
+  // Frobenius-norm clamp, compute dtype (bf16 or fp32), method, Gram restarts and
+  // preconditioning (see NewtonSchulzOptions, whose defaults are Muon's). Set it whole,
+  // .newton_schulz(NewtonSchulzOptions().steps(5).compute_dtype(at::kFloat)), or one setting
+  // of it, options.newton_schulz().steps(3).
+  TORCH_ARG(NewtonSchulzOptions, newton_schulz) = {};
   // How the orthogonalized update is scaled for its shape (see ScaleMode), times
   // extra_scale_factor (finite).
   TORCH_ARG(ScaleMode, scale_mode) = ScaleMode::kShapeScaling;
   TORCH_ARG(double, extra_scale_factor) = 1.0;
-  TORCH_ARG(double, eps) = NewtonSchulzOptions().eps();
-  TORCH_ARG(c10::ScalarType, ns_dtype) = NewtonSchulzOptions().compute_dtype();
   // Leave parameters that are not 2-D untouched (one warning on rank 0) instead of an error;
   // give them to an elementwise optimizer such as torch::optim::AdamW. Only under
   // MatrixLayout::whole(): the other layouts name the shape they take.
   TORCH_ARG(bool, skip_non_matrix) = false;
-  // Newton–Schulz evaluation: NewtonSchulzOptions' method, gram_restarts and preconditioning,
-  // with their defaults.
-  TORCH_ARG(NsMethod, ns_method) = NewtonSchulzOptions().method();
-  TORCH_ARG(NsRestartList, gram_restarts) = NewtonSchulzOptions().gram_restarts();
-  TORCH_ARG(NsPreconditioning, ns_preconditioning) = NewtonSchulzOptions().preconditioning();
   // A per-row normalization of the orthogonalized update (see Normalization), with NorMuon's
   // second-moment decay in [0, 1) and the finite eps > 0 that guards its divisions.
   TORCH_ARG(Normalization, normalization) = Normalization::kNone;
@@ -89,9 +81,8 @@ struct FSDP_MUON_API MuonOptions : public torch::optim::OptimizerCloneableOption
   double get_lr() const override;
   void set_lr(const double lr) override;
   // Throws with a message naming the option and the fix (negative lr, momentum outside [0, 1),
-  // ns_steps < 1, ...).
+  // newton_schulz().steps() < 1, ...).
   void validate() const;
-  NewtonSchulzOptions newton_schulz_options() const;
   friend FSDP_MUON_API bool operator==(const MuonOptions& lhs, const MuonOptions& rhs);
 };
 

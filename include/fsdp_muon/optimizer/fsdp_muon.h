@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,7 +39,8 @@ class FsdpParameterGroup;
 enum class NewtonSchulzBatching {
   // Batch only where the batched kernel is known to give every matrix the 2-D call's bits, so
   // the result stays equal to single-device Muon at any world size: on the CPU with fp32
-  // Newton–Schulz (MuonOptions::ns_dtype) and one intra-op thread. Everywhere else, one by one.
+  // Newton–Schulz (MuonOptions::newton_schulz().compute_dtype()) and one intra-op thread.
+  // Everywhere else, one by one.
   kWhereBitwise,
   // Always batch: faster, but a matrix's last bits may then differ from single-device Muon's
   // and between world sizes (bf16 on the CPU; CUDA until scripts/gpu-check shows otherwise).
@@ -56,65 +58,24 @@ FSDP_MUON_API const char* to_string(NewtonSchulzBatching mode);
 
 // Distribution settings of FsdpMuon (the math is in MuonOptions).
 struct FSDP_MUON_API FsdpMuonConfig {
-  // Who may orthogonalize a matrix (see OwnerPolicy). The default, kBalanced, was chosen from
-  // the planned critical paths in bench/RESULTS.md: holders-only leaves ranks that hold
-  // expensive matrices whole overloaded in every layer.
-  TORCH_ARG(OwnerPolicy, owner_policy) = OwnerPlanOptions().owner_policy();
-  // kBalanced: the bytes a rank may send per step (gather + scatter), as a multiple of the
-  // busiest rank's under holders-only (OwnerPlan::holders_only_max_bytes); >= 1, infinity for
-  // no limit, or kBytesRatioByCost, the default: the cost model below chooses it, with the
-  // rates calibrate_rates measured (so trading bytes for balance is priced on this machine's
-  // links, not guessed; OwnerPlan::max_bytes_ratio says which limit it took).
-  TORCH_ARG(double, max_bytes_ratio) = OwnerPlanOptions().max_bytes_ratio();
-  // The cost model (docs/DESIGN.md §7): a plan's step costs its orthogonalize critical path in
-  // FLOPs at this Newton–Schulz rate plus its busiest rank's bytes at this per-rank send rate
-  // (OwnerPlan::estimated_seconds). With max_bytes_ratio(kBytesRatioByCost) the planner keeps,
-  // among a fixed list of limits from 1 to unlimited, the limit whose plan costs least. The
-  // defaults are estimates for an H200 NVLink node (bf16 Newton–Schulz at ~40% of peak,
-  // ~150 GB/s of all-to-all per rank), not measurements: calibrate_rates replaces them.
-  TORCH_ARG(double,
-            newton_schulz_flops_per_second) = OwnerPlanOptions().newton_schulz_flops_per_second();
-  TORCH_ARG(double, bytes_per_second) = OwnerPlanOptions().bytes_per_second();
-  // The cost model's per-rank send rate between replicas (across nodes) on a replicate x shard
-  // mesh; bytes_per_second is the rate within a replica. The default is an estimate for 400 Gb/s
-  // InfiniBand per GPU under all-to-all (~25 GB/s achieved), not a measurement.
-  TORCH_ARG(double, inter_node_bytes_per_second) = OwnerPlanOptions().inter_node_bytes_per_second();
-  // The cost model's fixed cost of one collective exchange (a gather or a scatter), with which
-  // overlap_communication decides how many rounds a step has (OwnerPlan::pipelined_seconds).
-  // The default is an estimate for an NCCL all-to-all within a node.
-  TORCH_ARG(double, exchange_latency_seconds) = OwnerPlanOptions().exchange_latency_seconds();
-  // On a mesh with several replicas: who orthogonalizes each matrix (see ReplicaNewtonSchulz).
-  // kByCost, the default, picks at construction whichever of kOncePerWorld and kOncePerReplica
-  // the cost model above predicts faster. The result bits are the same under all three.
-  TORCH_ARG(ReplicaNewtonSchulz,
-            replica_newton_schulz) = OwnerPlanOptions().replica_newton_schulz();
-  // Measure the cost model's rates at construction (docs/DESIGN.md §7): Newton–Schulz of the
+  // The owner planner's settings (see OwnerPlanOptions): who may orthogonalize a matrix, when
+  // ranks meet, the prefetch budget, overlap, who orthogonalizes on an HSDP mesh. FsdpMuon
+  // plans plan_owners(its groups, its mesh, planner(), the rates below); owner_plan() is that
+  // plan. e.g. .planner(OwnerPlanOptions().owner_schedule(OwnerSchedule::kWindows)), or
+  // config.planner().prefetch_budget_bytes(0).
+  TORCH_ARG(OwnerPlanOptions, planner) = {};
+  // The cost model's rates (docs/DESIGN.md §7, see CostRates) the plan is priced at.
+  // std::nullopt, the default: measured at construction, collectively: Newton–Schulz of the
   // median matrix (at most 2^18 elements on the CPU, 2^22 on CUDA), short all-to-alls on the
   // shard and replicate communicators, each the fastest of three runs, the slowest rank's times
-  // on every rank: tens of ms. Each of the four rates above left at its default is replaced by
-  // its measurement (a rate set to any other value is kept; one nothing measures, such as the
-  // inter-node rate on one replica, keeps its default); with every rate set, nothing is
-  // measured. The plan (owners, rounds) then depends on the machine and its load, the result
-  // bits never do. last_step_stats() reports the rates planned with.
-  TORCH_ARG(bool, calibrate_rates) = true;
-  // When ranks meet (see OwnerSchedule): kRounds, the default, chosen from bench/RESULTS.md,
-  // packs every rank's owned matrices into rounds of about equal cost over the whole model.
-  TORCH_ARG(OwnerSchedule, owner_schedule) = OwnerPlanOptions().owner_schedule();
-  // Bytes of full matrices one rank may hold at once. kRounds: each rank's owned matrices of a
-  // round fit it; kWindows: consecutive FSDP groups are gathered together (a window) while
-  // every rank's owned full matrices in them fit. With overlap_communication two exchanges are
-  // in flight, each packed to half of it. 0 is one matrix (rounds) or one group (windows) at a
-  // time, kUnlimitedPrefetch everything at once. A matrix or group larger than the budget
-  // still runs, alone. The result bits never depend on it.
-  // The default, 1 GiB, was chosen from the planned critical paths in bench/RESULTS.md.
-  TORCH_ARG(int64_t, prefetch_budget_bytes) = OwnerPlanOptions().prefetch_budget_bytes();
-  // Start the gather of the next round (or window) before orthogonalizing the current one, and
-  // let the current one's scatter run while the next is orthogonalized (docs/DESIGN.md §3);
-  // each round is then packed to half of prefetch_budget_bytes, so that what a rank holds at
-  // once stays within it, and under kRounds the cost model splits the step into more rounds
-  // where that hides more of the exchange (OwnerPlan::pipelined_seconds). The result bits are
-  // the same either way.
-  TORCH_ARG(bool, overlap_communication) = OwnerPlanOptions().overlap_communication();
+  // on every rank: tens of ms. A rate nothing measures (the inter-node rate on one replica, the
+  // link rates on one rank) takes CostRates()'s default. The plan (owners, rounds) then depends
+  // on the machine and its load, the result bits never do.
+  // A value: the plan is made at exactly these rates and nothing is measured (reproducible
+  // plans, or rates measured once elsewhere), e.g. .rates(CostRates().bytes_per_second(1e9)).
+  // last_step_stats() and describe() report the rates planned with and whether they were
+  // measured.
+  TORCH_ARG(std::optional<CostRates>, rates) = std::nullopt;
   // See NonFiniteGradients. With kSkipStep (the default: one NaN must not silently turn the
   // whole model into NaN) the model weights are still refreshed (another optimizer may have
   // stepped the groups' other parameters), skipped_steps() counts it and rank 0 warns. The check
@@ -144,13 +105,6 @@ struct FSDP_MUON_API FsdpMuonConfig {
   // See NewtonSchulzBatching. Matrices batch together when they have the same shape, dtype and
   // optimizer parameter group, up to 2^25 elements per call.
   TORCH_ARG(NewtonSchulzBatching, batch_newton_schulz) = NewtonSchulzBatching::kAuto;
-
- public:  // TORCH_ARG leaves the struct in a private section
-  // This config's planner settings, with the rates as set: plan_owners(groups, W,
-  // owner_plan_options()) is the plan a FsdpMuon with this config runs when nothing is
-  // calibrated (calibrate_rates(false), or every rate set). Calibrated rates replace the ones
-  // left at their defaults; FsdpMuon::owner_plan() is the plan it runs either way.
-  OwnerPlanOptions owner_plan_options() const;
 };
 
 struct FsdpMuonStepStats;  // optimizer/fsdp_muon_introspection.h (the engine tier)
@@ -160,7 +114,7 @@ struct OwnerPlan;  // planning/owner_plan.h (the engine tier)
 // Muon for the 2-D sharded parameters of FsdpParameterGroups on one mesh (the groups' shared
 // DeviceMesh: a 1-D one for groups built on a Communicator; groups on different meshes are an
 // error on every rank). On a mesh of several replicas each matrix is orthogonalized once in the
-// world or once in every replica (FsdpMuonConfig::replica_newton_schulz), and every replica
+// world or once in every replica (OwnerPlanOptions::replica_newton_schulz), and every replica
 // ends each step with the same bits. Give it `group->sharded_parameters()` (or the 2-D ones of
 // several groups) and give the other parameters of the same groups to an elementwise optimizer
 // such as torch::optim::AdamW. step() refreshes the model weights of every group it holds a
@@ -221,8 +175,9 @@ class FSDP_MUON_API FsdpMuon : public torch::optim::Optimizer {
   // Steps whose update NonFiniteGradients::kSkipStep skipped, since construction.
   int64_t skipped_steps() const;
   // One line for logs: the mesh shape, the replica mode asked for and the one chosen, the cost
-  // model's rates the plan was made with and its predicted seconds per step
-  // (OwnerPlan::estimated_seconds).
+  // model's rates the plan was made with (measured at construction, and which took CostRates'
+  // defaults for want of anything to measure; or given by FsdpMuonConfig::rates) and its
+  // predicted seconds per step (OwnerPlan::estimated_seconds).
   std::string describe() const;
 
  private:

@@ -57,14 +57,13 @@ struct FSDP_MUON_API FsdpMuonStepStats {
   double apply_seconds = 0;
   double refresh_seconds = 0;
   // The owner plan's prediction of a step's gather + Newton–Schulz + scatter
-  // (OwnerPlan::pipelined_seconds), and the rates it was planned with: measured at construction
-  // where rates_measured (FsdpMuonConfig::calibrate_rates), the config's otherwise.
+  // (OwnerPlan::pipelined_seconds), and the rates it was planned with (OwnerPlan::rates):
+  // measured at construction where rates_measured (FsdpMuonConfig::rates left std::nullopt;
+  // those nothing could measure are CostRates' defaults, as describe() says), the config's
+  // exactly otherwise.
   double predicted_seconds = 0;
   bool rates_measured = false;
-  double newton_schulz_flops_per_second = 0;
-  double bytes_per_second = 0;
-  double inter_node_bytes_per_second = 0;
-  double exchange_latency_seconds = 0;
+  CostRates rates;
 };
 
 // One matrix FsdpMuon updates, as planned at construction: a 2-D parameter, or one block of a

@@ -38,7 +38,7 @@ struct FSDP_MUON_API PlanMatrix {
   std::string name;  // for reports and errors only
   int64_t rows = 0;
   int64_t cols = 0;
-  // The Newton–Schulz options that run on it (MuonOptions::newton_schulz_options()): steps,
+  // The Newton–Schulz options that run on it (MuonOptions::newton_schulz()): steps,
   // schedule, method (kAuto resolved per shape), restarts and preconditioning decide its cost.
   NewtonSchulzOptions newton_schulz;
   // One entry per (shard) rank: elements [first, second) of the flattened matrix that the rank
@@ -74,11 +74,8 @@ struct FSDP_MUON_API OwnerPlan {
   MeshShape mesh;
   // Resolved: never kByCost. With one replica the two plans are the same.
   ReplicaNewtonSchulz replica_newton_schulz = ReplicaNewtonSchulz::kOncePerReplica;
-  // The cost model's rates the plan was made with (OwnerPlanOptions), for summary().
-  double newton_schulz_flops_per_second = 0;
-  double bytes_per_second = 0;
-  double inter_node_bytes_per_second = 0;
-  double exchange_latency_seconds = 0;
+  // The cost model's rates the plan was made with (plan_owners' `rates`).
+  CostRates rates;
   OwnerPolicy policy = OwnerPolicy::kHoldersOnly;
   OwnerSchedule schedule = OwnerSchedule::kWindows;
   int64_t element_bytes = 4;
@@ -95,7 +92,7 @@ struct FSDP_MUON_API OwnerPlan {
   std::vector<std::vector<int64_t>> round_cost_per_rank;
   std::vector<std::vector<int64_t>> round_full_bytes_per_rank;
   // [round]: the busiest rank's time to send its part of the round's gather / scatter at the
-  // rates planned with (within and across replicas), plus exchange_latency_seconds.
+  // rates planned with (within and across replicas), plus rates.exchange_latency_seconds().
   std::vector<double> round_gather_seconds;
   std::vector<double> round_scatter_seconds;
   // [group]: the round after which all of the group's matrices are updated (its model weights
@@ -107,7 +104,7 @@ struct FSDP_MUON_API OwnerPlan {
   // starts, so a rank never holds more than the budget unless one round alone does.
   std::vector<bool> overlap_with_next;
   // The busiest rank's gather + scatter bytes under holders-only owners over all groups: the
-  // reference of FsdpMuonConfig::max_bytes_ratio and of the benchmarks' byte ratios.
+  // reference of OwnerPlanOptions::max_bytes_ratio and of the benchmarks' byte ratios.
   int64_t holders_only_max_bytes = 0;
   // kBalanced: the max_bytes_ratio the plan was made under (the cost model's choice under
   // kBytesRatioByCost); 0 for the other policies.
@@ -153,20 +150,19 @@ struct FSDP_MUON_API OwnerPlan {
   int64_t max_round_full_bytes() const;
   // Largest full-matrix bytes one rank holds at once: one round, or two that overlap.
   int64_t max_held_full_bytes() const;
-  // The cost model (docs/DESIGN.md §7) of FsdpMuonConfig::max_bytes_ratio(kBytesRatioByCost)
-  // and ReplicaNewtonSchulz::kByCost: critical_path_planned() / flops_per_second +
+  // The cost model (docs/DESIGN.md §7) of OwnerPlanOptions::max_bytes_ratio(kBytesRatioByCost)
+  // and ReplicaNewtonSchulz::kByCost: critical_path_planned() / newton_schulz_flops_per_second +
   // max_intra_node_bytes_per_rank() / bytes_per_second + max_inter_node_bytes_per_rank() /
   // inter_node_bytes_per_second, i.e. with no overlap of the terms (an upper bound;
-  // overlap_communication hides part of the byte terms).
-  double estimated_seconds(double flops_per_second, double bytes_per_second,
-                           double inter_node_bytes_per_second) const;
+  // overlap_communication hides part of the byte terms). The latency does not enter.
+  double estimated_seconds(const CostRates& at) const;
   // The above at the rates the plan was made with.
   double estimated_seconds() const;
   // The step's timeline as FsdpMuon runs it (docs/DESIGN.md §3): one compute stream (assemble,
   // Newton–Schulz at the plan's rate, apply) and one link that runs the collectives in the order
   // they start (gather 0, then per round gather t+1 where it overlaps, scatter t), each taking
   // round_gather_seconds / round_scatter_seconds. Without overlap it is the sum over rounds of
-  // gather + Newton–Schulz + scatter. What FsdpMuonConfig::overlap_communication chooses the
+  // gather + Newton–Schulz + scatter. What OwnerPlanOptions::overlap_communication chooses the
   // number of rounds by.
   double pipelined_seconds() const;
   // A few lines for logs and benchmarks.
@@ -183,7 +179,11 @@ struct FSDP_MUON_API OwnerPlan {
 // expensive rounds of all ranks coincide. With overlap_communication, R is at least the
 // fewest that fit and at most 64, the count (of 1, 2, 4, ... 64 rounds asked for) whose
 // pipelined_seconds() is lowest (more rounds only where at least 1% lower): more rounds hide
-// more of the exchange behind Newton–Schulz, each costs exchange_latency_seconds twice.
+// more of the exchange behind Newton–Schulz, each costs rates.exchange_latency_seconds() twice.
+//
+// `options` says what to plan, `rates` the prices the cost model plans at (every choice by cost
+// above and below; the plan keeps them as OwnerPlan::rates). FsdpMuon passes its config's
+// planner() and the rates it measured or was given.
 //
 // kWindows: window by window (one window, all groups, under the default unlimited budget).
 // Holders-only: a matrix held by one rank goes to it; every other matrix of the window, all its
@@ -195,7 +195,8 @@ struct FSDP_MUON_API OwnerPlan {
 // With a finite budget, a window grows group by group (re-planned each time) while every rank's
 // owned full-matrix bytes in it fit the budget.
 FSDP_MUON_API OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int world_size,
-                                    const OwnerPlanOptions& options = {});
+                                    const OwnerPlanOptions& options = {},
+                                    const CostRates& rates = {});
 
 // The plan on a replicate x shard mesh (docs/DESIGN.md §7). Every matrix's `held` has
 // mesh.shard_size entries (the same in every replica). options.replica_newton_schulz():
@@ -203,10 +204,11 @@ FSDP_MUON_API OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int wo
 // ranks; kOncePerWorld: the shard plan, then each shard rank's matrices spread over the replicas
 // (by descending cost, to the least-loaded replica; ties: the lowest), owners are world ranks,
 // and the rounds are cut over all of them; kByCost: the one with the lower
-// estimated_seconds(), kOncePerReplica on a tie. plan_owners(groups, W, options) is
-// plan_owners(groups, {1, W}, options).
+// estimated_seconds(), kOncePerReplica on a tie. plan_owners(groups, W, options, rates) is
+// plan_owners(groups, {1, W}, options, rates).
 FSDP_MUON_API OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
-                                    const OwnerPlanOptions& options = {});
+                                    const OwnerPlanOptions& options = {},
+                                    const CostRates& rates = {});
 
 // The PlanGroup an FsdpParameterGroup would have, from parameter shapes alone (docs/DESIGN.md §2
 // flat layout, the same function the groups use): entries that are not 2-D are left out. The
