@@ -22,6 +22,7 @@
 
 #include "comm/call_watchdog.h"
 #include "comm/device_choice.h"
+#include "comm/failure_domain.h"
 #include "comm/nccl_internal.h"
 #include "common/check.h"
 #include "common/cuda_check.h"
@@ -298,9 +299,18 @@ class NcclCommunicator final : public Communicator {
       fail("ncclCommSplit completed without a communicator");
     }
     check_async_error("ncclCommSplit");
+
+    // Set up: from now on a failure of any communicator on this device aborts this one too
+    // (docs/DESIGN.md §5), and one of this one aborts the others.
+    domain_ = detail::FailureDomain::of("cuda:" + std::to_string(device_index_));
+    domain_id_ = domain_->join(
+        c10::str("the nccl communicator of rank ", rank, " of ", size, " on cuda:", device_index_),
+        [this](const std::string& cause) { abort_for_domain(cause); });
   }
 
   ~NcclCommunicator() override {
+    // First: no abort of the domain's may start on this one now, and one running has returned.
+    if (domain_) domain_->leave(domain_id_);
     if (comm_ == nullptr && control_ == nullptr) {
       return;
     }
@@ -641,7 +651,7 @@ class NcclCommunicator final : public Communicator {
       api_ = "fsdp_muon::Communicator::to_host";
     }
     FSDP_MUON_CHECK(!failed_, "the nccl communicator (rank ", rank(), " of ", size(),
-                    ") was aborted by an earlier error");
+                    ") was aborted by an earlier error", first_failure_note());
     check_async_error("to_host");
     const cudaStream_t stream =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
@@ -662,7 +672,7 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t check_usable(const char* what) {
     api_ = std::string("fsdp_muon::Communicator::") + what;
     TORCH_CHECK(!failed_, api_, ": the nccl communicator (rank ", rank(), " of ", size(),
-                ") was aborted by an earlier error");
+                ") was aborted by an earlier error", first_failure_note());
     check_async_error(what);
     return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_)).stream();
   }
@@ -910,13 +920,42 @@ class NcclCommunicator final : public Communicator {
   [[noreturn]] void fail(const std::string& message) {
     const std::string error = c10::str(api_, ": nccl on rank ", rank(), " of ", size(),
                                        " (cuda:", device_index_, "): ", message);
-    if (!failed_) {
-      failed_ = true;
+    if (!failed_.exchange(true)) {
       aborted_->store(true);
       abort_cause_ = error;
       abort_all(kAbortApi);
+      // The first failure on the device aborts every other communicator on it, each on its own
+      // thread; a failure that comes after another's names that one.
+      if (domain_) domain_->fail(domain_id_, error);
     }
-    TORCH_CHECK(false, error, "; the communicator has been aborted");
+    TORCH_CHECK(false, error, "; the communicator has been aborted", first_failure_note(error));
+  }
+
+  // Another communicator on this device failed first (FailureDomain): abort this one, on the
+  // domain's thread. Its later calls fail naming that failure. The library calls a device's
+  // communicators from one thread at a time, so this abort does not race a watched call of its
+  // own (the watchdog watches one call at a time).
+  void abort_for_domain(const std::string& cause) noexcept {
+    if (failed_.exchange(true)) return;  // it failed, or is failing, by itself
+    aborted_->store(true);
+    try {
+      const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+      abort_cause_ = "another communicator on cuda:" + std::to_string(device_index_) +
+                     " failed first (" + cause + ")";
+      abort_all(kAbortApi);
+    } catch (...) {
+      // Nothing to report to: the abort is best effort, the failure itself is already known.
+    }
+  }
+
+  // "; the first failure on this device: ..." when one is known and is not `own` itself.
+  std::string first_failure_note(const std::string& own = "") const {
+    const std::optional<std::string> first = domain_ ? domain_->first_failure() : std::nullopt;
+    if (!first || (!own.empty() && first->size() >= own.size() &&
+                   first->compare(first->size() - own.size(), own.size(), own) == 0)) {
+      return std::string();
+    }
+    return "; the first failure on this device: " + *first;
   }
 
   c10::intrusive_ptr<c10d::Store> store_;  // split() sets up its children through it
@@ -925,7 +964,8 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t control_ = nullptr;  // non-blocking: set-up and the split
   ncclComm_t comm_ = nullptr;     // blocking, split from control_: the collectives
   bool split_pending_ = false;
-  bool failed_ = false;
+  // Set once, by this communicator's failure or by the device's (abort_for_domain, another thread).
+  std::atomic<bool> failed_{false};
   cudaStream_t calling_stream_ = nullptr;  // the current stream of the async call in progress
   at::Tensor barrier_buffer_;
   // The end of the last collective enqueued (any stream), and the event synchronous ones reuse.
@@ -937,6 +977,9 @@ class NcclCommunicator final : public Communicator {
   std::string api_ = kFactoryApi;
   // The error an abort is for, for the watchdog's message should the abort not return.
   std::string abort_cause_;
+  // The device's failure domain and this communicator's place in it (joined once set up).
+  std::shared_ptr<detail::FailureDomain> domain_;
+  int64_t domain_id_ = -1;
   // Last, so that it is destroyed first: its thread is joined before the members its handler
   // reads (abort_cause_) go.
   std::unique_ptr<detail::CallWatchdog> watchdog_;
