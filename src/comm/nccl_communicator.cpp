@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/cuda/Sleep.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -119,6 +120,12 @@ struct DeviceOrder {
   std::optional<c10::cuda::CUDAStream> stream;  // created at the first asynchronous collective
   std::shared_ptr<MarkerEvent> last_async;      // the end of the last one started
 };
+
+// set_async_collective_delay_for_testing (nccl_internal.h): 0 in every real run.
+std::atomic<int64_t>& async_collective_delay() {
+  static std::atomic<int64_t> cycles{0};
+  return cycles;
+}
 
 DeviceOrder& device_order(int device_index) {
   static std::mutex mutex;
@@ -715,6 +722,10 @@ class NcclCommunicator final : public Communicator {
     const MarkerEvent ready;
     FSDP_MUON_CHECK_CUDA(cudaEventRecord(ready.get(), caller.stream()));
     FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(communication.stream(), ready.get(), 0));
+    if (const int64_t cycles = async_collective_delay().load(); cycles > 0) {
+      const c10::cuda::CUDAStreamGuard on_communication(communication);
+      at::cuda::sleep(cycles);
+    }
     // No record_stream on the communication stream: that would keep each block from the
     // allocator until the communication stream passed the point where the block was freed,
     // behind later gathers and reductions (about a group of weights and one of gradients more
@@ -988,6 +999,8 @@ class NcclCommunicator final : public Communicator {
 }  // namespace
 
 namespace detail {
+void set_async_collective_delay_for_testing(int64_t cycles) { async_collective_delay() = cycles; }
+
 c10::cuda::CUDAStream nccl_communication_stream(int device_index) {
   DeviceOrder& order = device_order(device_index);
   std::lock_guard<std::mutex> lock(order.mutex);

@@ -253,6 +253,27 @@ TEST(NcclCommunicator, WaitsOrderTheCallersStreamAfterABusyCommunicationStream) 
       << "the synchronous collective did not wait for the asynchronous one started before it";
 }
 
+// The test-only delay (set_async_collective_delay_for_testing) holds every asynchronous
+// collective back on the communication stream: a read that skips wait() sees the old contents
+// (what the library's own CUDA tests rely on to catch a missing wait), one after wait() the
+// result.
+TEST(NcclCommunicator, TheTestDelayHoldsEveryAsynchronousCollectiveBack) {
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  const auto on = at::TensorOptions().device(comm->device()).dtype(at::kFloat);
+  const at::Tensor send = at::full({1000}, 5.0f, on);
+  at::Tensor gathered = at::zeros({1000}, on);
+  detail::set_async_collective_delay_for_testing(
+      static_cast<int64_t>(0.3 * sleep_cycles_per_second()));
+  auto work = comm->all_gather_async(send, gathered);
+  // to_host orders only the caller's stream: without wait() the gather has not run yet.
+  EXPECT_TRUE(at::equal(comm->to_host(gathered), at::zeros({1000})))
+      << "the delay did not hold the collective back";
+  work->wait();
+  EXPECT_TRUE(at::equal(comm->to_host(gathered), at::full({1000}, 5.0f)));
+  detail::set_async_collective_delay_for_testing(0);
+}
+
 // all_gather_v in a world of one: its block (or nothing) lands in place, synchronous and
 // asynchronous, in fp32 and bf16, and nothing is counted as sent.
 TEST(NcclCommunicator, AllGatherVInAWorldOfOne) {

@@ -26,6 +26,8 @@
 
 #if FSDP_MUON_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+
+#include "comm/nccl_internal.h"
 #endif
 
 namespace fsdp_muon {
@@ -171,6 +173,37 @@ TEST(FullShardingCuda, PrefetchOffGivesTheSameBits) {
 }
 
 #if FSDP_MUON_WITH_CUDA
+// Every asynchronous collective sleeps on the communication stream first while it lives
+// (nccl_internal.h): a result read without the wait that orders it is then read too early,
+// every time, rather than when the timing happens to be unlucky.
+struct DelayedCollectives {
+  explicit DelayedCollectives(int64_t cycles) {
+    detail::set_async_collective_delay_for_testing(cycles);
+  }
+  ~DelayedCollectives() { detail::set_async_collective_delay_for_testing(0); }
+  DelayedCollectives(const DelayedCollectives&) = delete;
+  DelayedCollectives& operator=(const DelayedCollectives&) = delete;
+};
+
+// Every strategy, with prefetch, trains to the same bits when each asynchronous gather and
+// reduce-scatter starts ~10 ms late on the communication stream: every consumer of their results
+// (forward, backward, FsdpMuon's and AdamW's steps, the refresh) waits for them.
+TEST(FullShardingCuda, DelayedCollectivesGiveTheSameBits) {
+  FSDP_MUON_REQUIRE_GPU("the stream order of the asynchronous collectives is checked on a GPU");
+  const auto comm = nccl_world_of_one();
+  for (const ShardingStrategy strategy : {ShardingStrategy::kOptim, ShardingStrategy::kOptimGrads,
+                                          ShardingStrategy::kOptimGradsParams}) {
+    Training prompt(comm, strategy, /*prefetch=*/true);
+    Training delayed(comm, strategy, /*prefetch=*/true);
+    for (int s = 0; s < kSteps; ++s) {
+      const double expected = prompt.step(s, 2);
+      const DelayedCollectives late(20'000'000);
+      EXPECT_EQ(delayed.step(s, 2), expected) << to_string(strategy) << ", step " << s;
+    }
+    expect_same_model(prompt, delayed, std::string("delayed collectives, ") + to_string(strategy));
+  }
+}
+
 // Bytes the CUDA caching allocator holds for live tensors and for freed blocks still waiting
 // for another stream (active_bytes): what a record_stream'd block keeps from reuse shows here.
 int64_t active_bytes(bool peak) {
