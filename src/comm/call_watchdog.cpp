@@ -83,10 +83,10 @@ void terminate_with(const std::string& message) {
   ::_exit(kWatchdogExitStatus);
 }
 
-std::string nccl_launch_timeout_message(const char* api, const char* call, int rank, int size,
+std::string nccl_launch_timeout_message(const char* what, const char* call, int rank, int size,
                                         int device_index, std::chrono::milliseconds elapsed,
                                         std::chrono::milliseconds limit) {
-  return std::string(api) + ": nccl on rank " + std::to_string(rank) + " of " +
+  return std::string(what) + ": nccl on rank " + std::to_string(rank) + " of " +
          std::to_string(size) + " (cuda:" + std::to_string(device_index) + "): " + call +
          " has not returned after " + std::to_string(elapsed.count()) + " ms (the limit is " +
          std::to_string(limit.count()) +
@@ -96,10 +96,10 @@ std::string nccl_launch_timeout_message(const char* api, const char* call, int r
          std::to_string(kWatchdogExitStatus) + ")";
 }
 
-std::string nccl_abort_timeout_message(const char* api, int rank, int size, int device_index,
+std::string nccl_abort_timeout_message(const char* what, int rank, int size, int device_index,
                                        std::chrono::milliseconds elapsed,
                                        std::chrono::milliseconds limit, const std::string& cause) {
-  return std::string(api) + ": nccl on rank " + std::to_string(rank) + " of " +
+  return std::string(what) + ": nccl on rank " + std::to_string(rank) + " of " +
          std::to_string(size) + " (cuda:" + std::to_string(device_index) +
          "): ncclCommAbort has not returned after " + std::to_string(elapsed.count()) +
          " ms (the limit is " + std::to_string(limit.count()) +

@@ -77,16 +77,17 @@ constexpr int kWatchdogExitStatus = 124;
 // end is as bounded as the wait that led to it.
 [[noreturn]] void terminate_with(const std::string& message);
 
-// What the NCCL communicator's watchdog prints: the public call `api`, the NCCL call it is blocked
+// What the NCCL communicator's watchdog prints: the watched call `what` (its own thread cannot
+// read the caller's ApiScope, so the name travels with the call), the NCCL call it is blocked
 // in, the rank, the device, how long, and why the process ends instead of throwing.
-std::string nccl_launch_timeout_message(const char* api, const char* call, int rank, int size,
+std::string nccl_launch_timeout_message(const char* what, const char* call, int rank, int size,
                                         int device_index, std::chrono::milliseconds elapsed,
                                         std::chrono::milliseconds limit);
 
 // The same for an ncclCommAbort that does not return (it waits for the device's streams, which
 // may wait for another communicator's kernel stuck on a dead peer), with `cause`: the error the
 // abort was for, which would otherwise be lost with the process.
-std::string nccl_abort_timeout_message(const char* api, int rank, int size, int device_index,
+std::string nccl_abort_timeout_message(const char* what, int rank, int size, int device_index,
                                        std::chrono::milliseconds elapsed,
                                        std::chrono::milliseconds limit, const std::string& cause);
 

@@ -154,13 +154,13 @@ c10::cuda::CUDAStream& communication_stream(DeviceOrder& order, int device_index
 class NcclWork final : public CommWork {
  public:
   NcclWork(std::shared_ptr<MarkerEvent> done, int device_index, cudaStream_t calling_stream,
-           std::shared_ptr<std::atomic<bool>> aborted, std::string api,
+           std::shared_ptr<std::atomic<bool>> aborted, std::string collective,
            std::vector<at::Tensor> buffers)
       : done_(std::move(done)),
         device_index_(device_index),
         calling_stream_(calling_stream),
         aborted_(std::move(aborted)),
-        api_(std::move(api)),
+        collective_(std::move(collective)),
         buffers_(std::move(buffers)) {}
 
   ~NcclWork() override {
@@ -186,7 +186,7 @@ class NcclWork final : public CommWork {
     }
     buffers_.clear();
     // An aborted communicator's collectives never completed: the receive buffer is undefined.
-    TORCH_CHECK(!aborted_->load(), api_,
+    TORCH_CHECK(!aborted_->load(), collective_,
                 ": the nccl communicator was aborted by an error before this collective was "
                 "waited for; its result is undefined");
     FSDP_MUON_CHECK_CUDA(ordered);
@@ -197,7 +197,7 @@ class NcclWork final : public CommWork {
   int device_index_;
   cudaStream_t calling_stream_;
   std::shared_ptr<std::atomic<bool>> aborted_;
-  std::string api_;
+  std::string collective_;  // "fsdp_muon::Communicator::<collective>", named in its errors
   std::vector<at::Tensor> buffers_;
 };
 
@@ -236,13 +236,13 @@ class NcclCommunicator final : public Communicator {
     // The handler reads abort_cause_, written before the abort's scope begins (whose release
     // store publishes it) and destroyed after the watchdog's thread is joined (member order).
     watchdog_ = std::make_unique<detail::CallWatchdog>(
-        2 * timeout_, [this, rank, size, device_index, timeout](const char* api, const char* call,
+        2 * timeout_, [this, rank, size, device_index, timeout](const char* what, const char* call,
                                                                 std::chrono::milliseconds elapsed) {
           detail::terminate_with(
               std::strcmp(call, kAbortCall) == 0
-                  ? detail::nccl_abort_timeout_message(api, rank, size, device_index, elapsed,
+                  ? detail::nccl_abort_timeout_message(what, rank, size, device_index, elapsed,
                                                        2 * timeout, abort_cause_)
-                  : detail::nccl_launch_timeout_message(api, call, rank, size, device_index,
+                  : detail::nccl_launch_timeout_message(what, call, rank, size, device_index,
                                                         elapsed, 2 * timeout));
         });
 
@@ -889,18 +889,18 @@ class NcclCommunicator final : public Communicator {
   // thread the parent goes first: its abort raises the child's abort flag and joins that thread
   // (init.cc, ncclCommAbort -> ncclCommEnsureReady -> ncclGroupJobAbort), after which comm_ holds
   // whatever the split produced. Otherwise the child goes first, since it is the one in use.
-  // `api`: what the watchdog names if an abort does not return (a string literal).
-  void abort_all(const char* api) {
+  // `what`: the watchdog's name for it if an abort does not return (a string literal).
+  void abort_all(const char* what) {
     if (split_pending_ && control_ != nullptr) {
-      abort_watched(control_, api, "ncclCommAbort (set-up)");
+      abort_watched(control_, what, "ncclCommAbort (set-up)");
       control_ = nullptr;
     }
     if (comm_ != nullptr) {
-      abort_watched(comm_, api, "ncclCommAbort (collectives)");
+      abort_watched(comm_, what, "ncclCommAbort (collectives)");
       comm_ = nullptr;
     }
     if (control_ != nullptr) {
-      abort_watched(control_, api, "ncclCommAbort (set-up)");
+      abort_watched(control_, what, "ncclCommAbort (set-up)");
       control_ = nullptr;
     }
   }
@@ -910,9 +910,9 @@ class NcclCommunicator final : public Communicator {
   // for a dead peer: the watchdog bounds it, ending the process with the call named rather than
   // hanging (docs/DESIGN.md §5). fail() runs after the NCCL call that failed has returned, so
   // this scope never hides a call still running.
-  void abort_watched(ncclComm_t comm, const char* api, const char* call) {
+  void abort_watched(ncclComm_t comm, const char* what, const char* call) {
     std::optional<detail::CallWatchdog::Scope> watched;
-    if (watchdog_) watched.emplace(*watchdog_, api, kAbortCall);
+    if (watchdog_) watched.emplace(*watchdog_, what, kAbortCall);
     warn_unless_success(ncclCommAbort(comm), call);
   }
 
