@@ -51,6 +51,9 @@ class CallWatchdog {
   };
 
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // Whether a call is being watched now (another thread's, for a caller that must not touch the
+  // object that call is using).
+  bool busy() const noexcept { return started_ns_.load() != 0; }
 
  private:
   void run();

@@ -104,6 +104,20 @@ void Communicator::check_all_gather_v(const at::Tensor& send, const at::Tensor& 
                   " elements but recv_counts[", rank_, "] (this rank's block) is ",
                   recv_counts[rank_],
                   "; recv_counts must hold every rank's send size, this rank's at index rank()");
+  // Each block is written by its own copy (NCCL: a broadcast per block in one group), so a send
+  // buffer inside recv must be exactly this rank's block, or another block's copy overwrites
+  // what this one's still reads.
+  const int64_t element = static_cast<int64_t>(send.element_size());
+  const int64_t own = std::accumulate(recv_counts.begin(), recv_counts.begin() + rank_, int64_t{0});
+  const auto* s = static_cast<const char*>(send.data_ptr());
+  const auto* r = static_cast<const char*>(recv.data_ptr());
+  const bool overlaps =
+      send.numel() > 0 && s < r + recv.numel() * element && r < s + send.numel() * element;
+  FSDP_MUON_CHECK(!overlaps || s == r + own * element,
+                  "the send buffer overlaps the receive buffer other than as this rank's block "
+                  "(elements [",
+                  own, ", ", own + send.numel(),
+                  ") of it); pass a separate send buffer, or exactly that slice of recv");
   stats_.all_gather_v_bytes +=
       (size_ - 1) * send.numel() * static_cast<int64_t>(send.element_size());
   ++stats_.calls;

@@ -1,5 +1,6 @@
 #include "comm/failure_domain.h"
 
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -40,34 +41,47 @@ void FailureDomain::leave(int64_t id) {
   members_.erase(it);
 }
 
-std::string FailureDomain::fail(int64_t id, const std::string& error) {
+std::string FailureDomain::fail(int64_t id, const std::string& error,
+                                const std::function<void()>& own_abort) {
   std::vector<std::pair<int64_t, Abort>> to_abort;
   std::string first;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (first_failure_) return *first_failure_;
-    const auto it = members_.find(id);
-    first_failure_ =
-        (it == members_.end() ? std::string("a communicator") : it->second.name) + ": " + error;
-    first = *first_failure_;
-    for (auto& [other, member] : members_) {
-      if (other == id) continue;
-      ++member.aborts_running;  // leave() waits for it: the member outlives its abort
-      to_abort.emplace_back(other, member.abort);
+    if (first_failure_) {
+      first = *first_failure_;
+    } else {
+      const auto it = members_.find(id);
+      first_failure_ =
+          (it == members_.end() ? std::string("a communicator") : it->second.name) + ": " + error;
+      first = *first_failure_;
+      for (auto& [other, member] : members_) {
+        if (other == id) continue;
+        ++member.aborts_running;  // leave() waits for it: the member outlives its abort
+        to_abort.emplace_back(other, member.abort);
+      }
     }
   }
-  // Outside the lock: an abort may take up to its watchdog's bound, and the aborts run side by
-  // side so that the slowest bounds the whole.
+  // Outside the lock, side by side: each abort may take up to its watchdog's bound.
+  const auto finished = [this](int64_t member) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --members_.at(member).aborts_running;
+    abort_done_.notify_all();
+  };
   std::vector<std::thread> threads;
   threads.reserve(to_abort.size());
   for (auto& [other, abort] : to_abort) {
-    threads.emplace_back([this, other = other, abort = std::move(abort), first] {
+    try {
+      threads.emplace_back([other = other, abort, first, &finished] {
+        abort(first);
+        finished(other);
+      });
+    } catch (const std::system_error&) {
+      // No thread to be had: abort it here, after the others started.
       abort(first);
-      std::lock_guard<std::mutex> lock(mutex_);
-      --members_.at(other).aborts_running;
-      abort_done_.notify_all();
-    });
+      finished(other);
+    }
   }
+  if (own_abort) own_abort();
   for (std::thread& t : threads) t.join();
   return first;
 }

@@ -32,10 +32,14 @@ class FailureDomain {
   int64_t join(std::string name, Abort abort);
   void leave(int64_t id);
 
-  // Member `id` failed with `error`. The first failure of the domain is recorded and aborts
-  // every other member (each abort on its own thread; returns when all have returned); a later
-  // failure aborts nothing more. Returns the first failure, "<name>: <error>".
-  std::string fail(int64_t id, const std::string& error);
+  // Member `id` failed with `error` and must abort itself with `own_abort` (which must not
+  // throw). The first failure of the domain is recorded; every other member's abort starts on a
+  // thread of its own before `own_abort` runs here, and this returns when all have returned: an
+  // abort can wait for the device behind another member's stuck kernel, which only that
+  // member's abort ends, so none may wait for another to finish first. A later failure runs
+  // `own_abort` alone. Returns the first failure, "<name>: <error>".
+  std::string fail(int64_t id, const std::string& error,
+                   const std::function<void()>& own_abort = {});
 
   // "<name>: <error>" of the first failure; nullopt while none.
   std::optional<std::string> first_failure() const;

@@ -316,14 +316,33 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
-    // First: no abort of the domain's may start on this one now, and one running has returned.
-    if (domain_) domain_->leave(domain_id_);
     if (comm_ == nullptr && control_ == nullptr) {
+      leave_domain();
       return;
     }
     // Destructors must not throw: a communicator that cannot finish its work is aborted.
     c10::cuda::CUDAGuard guard(device_index_);
-    if (!failed_ && comm_ != nullptr && control_ != nullptr && drained()) {
+    const bool drained_now = !failed_ && comm_ != nullptr && control_ != nullptr && drained();
+    if (!drained_now && !failed_.exchange(true)) {
+      // Work that never finished (a kernel waiting for a dead peer) is the device's failure: the
+      // other communicators there are aborted alongside this one, whose abort may wait behind
+      // their kernels (FailureDomain::fail).
+      aborted_->store(true);
+      abort_cause_ = c10::str(
+          kDestructorApi, ": nccl on rank ", rank(), " of ", size(), " (cuda:", device_index_,
+          "): destroyed with work that did not finish within ", timeout_.count(), " ms");
+      const auto abort_self = [this] { abort_all(kDestructorApi); };
+      if (domain_) {
+        domain_->fail(domain_id_, abort_cause_, abort_self);
+      } else {
+        abort_self();
+      }
+      leave_domain();
+      return;
+    }
+    // From here no abort of the domain's may start on this one, and one running has returned.
+    leave_domain();
+    if (drained_now) {
       // ncclCommFinalize on a blocking communicator synchronizes NCCL's streams on this thread
       // (init.cc, commDestroySync); drained() has bounded that wait already, and the watchdog
       // bounds the call.
@@ -524,7 +543,8 @@ class NcclCommunicator final : public Communicator {
     }
     const ncclResult_t ended = ncclGroupEnd();
     if (failure != ncclSuccess) {
-      // The group is closed; whatever part of it NCCL launched dies with the abort in fail().
+      // NCCL records an error inside a group and its ncclGroupEnd launches nothing of it; fail()
+      // then aborts the communicator.
       fail(failed_call + " failed: " + ncclGetErrorString(failure) + " (" +
            ncclGetLastError(comm_) + ")");
     }
@@ -584,7 +604,8 @@ class NcclCommunicator final : public Communicator {
     }
     const ncclResult_t ended = ncclGroupEnd();
     if (failure != ncclSuccess) {
-      // The group is closed; whatever part of it NCCL launched dies with the abort in fail().
+      // NCCL records an error inside a group and its ncclGroupEnd launches nothing of it; fail()
+      // then aborts the communicator.
       fail(failed_call + " failed: " + ncclGetErrorString(failure) + " (" +
            ncclGetLastError(comm_) + ")");
     }
@@ -905,6 +926,9 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // Inside a collective's own watched call (fail() from a launch), this scope replaces that
+  // watch and its end clears it: the abort, and FailureDomain::fail's join after it, are then
+  // bounded by this watch and by the other members' own watchdogs.
   // An abort synchronizes NCCL's internal stream (init.cc, commDestroySync), which waits on the
   // user stream, so it can hang behind a kernel of another communicator on the device that waits
   // for a dead peer: the watchdog bounds it, ending the process with the call named rather than
@@ -934,10 +958,15 @@ class NcclCommunicator final : public Communicator {
     if (!failed_.exchange(true)) {
       aborted_->store(true);
       abort_cause_ = error;
-      abort_all(kAbortApi);
       // The first failure on the device aborts every other communicator on it, each on its own
-      // thread; a failure that comes after another's names that one.
-      if (domain_) domain_->fail(domain_id_, error);
+      // thread, while this one aborts here: its abort can wait behind another's stuck kernel,
+      // which only that one's abort ends. A failure that comes after another's names that one.
+      const auto abort_self = [this] { abort_all(kAbortApi); };
+      if (domain_) {
+        domain_->fail(domain_id_, error, abort_self);
+      } else {
+        abort_self();
+      }
     }
     TORCH_CHECK(false, error, "; the communicator has been aborted", first_failure_note(error));
   }
@@ -949,6 +978,15 @@ class NcclCommunicator final : public Communicator {
   void abort_for_domain(const std::string& cause) noexcept {
     if (failed_.exchange(true)) return;  // it failed, or is failing, by itself
     aborted_->store(true);
+    if (watchdog_ && watchdog_->busy()) {
+      // Another thread is inside a call of this communicator, which NCCL cannot abort under it
+      // (and whose watch an abort's would overwrite): end the process, naming both.
+      detail::terminate_with(c10::str(
+          "fsdp_muon: nccl on rank ", rank(), " of ", size(), " (cuda:", device_index_,
+          "): another communicator on the device failed (", cause,
+          ") while a thread was inside a call of this one, which NCCL cannot abort under it; "
+          "drive a device's communicators from one thread at a time"));
+    }
     try {
       const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
       abort_cause_ = "another communicator on cuda:" + std::to_string(device_index_) +
@@ -988,6 +1026,11 @@ class NcclCommunicator final : public Communicator {
   std::string api_ = kFactoryApi;
   // The error an abort is for, for the watchdog's message should the abort not return.
   std::string abort_cause_;
+  void leave_domain() {
+    if (domain_) domain_->leave(domain_id_);
+    domain_.reset();
+  }
+
   // The device's failure domain and this communicator's place in it (joined once set up).
   std::shared_ptr<detail::FailureDomain> domain_;
   int64_t domain_id_ = -1;

@@ -308,11 +308,31 @@ FSDP_MUON_WORLD_TEST(CollectivesAllGatherV, RejectsBadArgumentsBeforeCommunicati
         {api + "send buffer must be a flat contiguous 1-D tensor"});
     testing::expect_error([&] { call(send, at::Tensor(), counts); },
                           {api + "receive buffer is undefined"});
+    // A send buffer inside recv must be exactly this rank's block: one element off, it overlaps
+    // a neighbour's block, whose copy would overwrite what this one's still reads.
+    if (counts[r] > 0 && total > counts[r]) {
+      const int64_t own = std::accumulate(counts.begin(), counts.begin() + r, int64_t{0});
+      const at::Tensor inside = at::zeros({total}, on_device(at::kFloat));
+      const at::Tensor shifted = inside.narrow(0, own == 0 ? 1 : own - 1, counts[r]);
+      testing::expect_error([&] { call(shifted, inside, counts); },
+                            {api +
+                             "the send buffer overlaps the receive buffer other than as this "
+                             "rank's block (elements [" +
+                             std::to_string(own) + ", " + std::to_string(own + counts[r]) + ")"});
+    }
   }
   EXPECT_EQ(c.stats().calls, 0);
   EXPECT_EQ(c.stats().total_bytes(), 0);
-  // The communicator is still usable afterwards.
+  // The communicator is still usable afterwards, and this rank's own slice of recv is a valid
+  // send buffer (in place).
   run_all_gather_v(c, counts, at::kFloat, /*async=*/false);
+  const int64_t own = std::accumulate(counts.begin(), counts.begin() + r, int64_t{0});
+  at::Tensor in_place = at::zeros({total}, on_device(at::kFloat));
+  in_place.narrow(0, own, counts[r]).copy_(send);
+  c.all_gather_v(in_place.narrow(0, own, counts[r]), in_place, counts);
+  at::Tensor expected = at::zeros({total}, on_device(at::kFloat));
+  c.all_gather_v(send, expected, counts);
+  EXPECT_TRUE(at::equal(c.to_host(in_place), c.to_host(expected)));
 }
 
 // In flight with other collectives, started before and after a synchronous one and waited for

@@ -54,6 +54,36 @@ TEST(FailureDomain, TheFirstFailureAbortsEveryOtherMemberEachOnItsOwnThread) {
   for (int64_t id : {ia, ib, ic}) domain->leave(id);
 }
 
+// The failing member's own abort runs on its thread while the others' run on theirs: an abort
+// that waits for the device behind another member's stuck kernel must not wait for that
+// member's abort to start first. Here B's abort returns only once A's own abort has run.
+TEST(FailureDomain, TheFailingMembersOwnAbortRunsAlongsideTheOthers) {
+  const auto domain = FailureDomain::of("test:alongside");
+  std::atomic<bool> own_ran{false};
+  std::atomic<bool> b_saw_own{false};
+  const int64_t ia = domain->join("a", [](const std::string&) {});
+  const int64_t ib = domain->join("b", [&](const std::string&) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!own_ran.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    b_saw_own = own_ran.load();
+  });
+  std::thread::id own_thread;
+  domain->fail(ia, "boom", [&] {
+    own_thread = std::this_thread::get_id();
+    own_ran = true;
+  });
+  EXPECT_TRUE(b_saw_own.load()) << "the others' aborts waited for nothing, or for the own abort";
+  EXPECT_EQ(own_thread, std::this_thread::get_id());
+  // A second failure runs its own abort and nothing else.
+  bool second_own = false;
+  EXPECT_EQ(domain->fail(ib, "later", [&] { second_own = true; }), "a: boom");
+  EXPECT_TRUE(second_own);
+  domain->leave(ia);
+  domain->leave(ib);
+}
+
 TEST(FailureDomain, AMemberThatLeftIsNotAbortedAndOneJoiningLateIsAbortedAtOnce) {
   const auto domain = FailureDomain::of("test:late");
   Recorder gone, stays, late;
