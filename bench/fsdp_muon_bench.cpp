@@ -15,7 +15,9 @@ const char* kUsage = R"(usage:
                   [--world-sizes 8,16,32,64,128,256] [--prefetch-mib 1024] [--ns-steps 5]
   fsdp_muon_bench --plan-only --hsdp [--models dense-70b,qwen3-30b-a3b,gpt2]
                   [--meshes 8x8,32x8,128x8] [--ns-tflops 400] [--intra-gbps 150]
-                  [--inter-gbps 25] [--ns-steps 5]
+                  [--inter-gbps 25] [--step-latency-us 6] [--ns-steps 5]
+                  (owner plans per ReplicaNewtonSchulz mode, then the whole step: FSDP
+                  collectives per sharding strategy + optimizer step, against DMuon)
   fsdp_muon_bench --count-ops [--layers 2] [--scale 16] [--experts 128]
                   (ATen operator calls per FsdpMuon step on the Qwen3-30B-A3B and GPT-2
                   presets, one process)

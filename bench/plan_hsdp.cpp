@@ -1,10 +1,15 @@
 // fsdp_muon_bench --plan-only --hsdp: owner plans on replicate x shard meshes (HSDP) for real
 // model shapes, without processes (docs/DESIGN.md §7): kOncePerWorld, kOncePerReplica (what
 // Dion and torchtitan do) and the 1-D plan over all ranks, priced by the two-level cost model.
+// Then the whole step (bench/RESULTS.md §10.7): the FSDP collectives of each sharding strategy
+// added to each plan, against DMuon's dedicated owners (whole_step.h).
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -15,6 +20,7 @@
 #include "bench_util.h"
 #include "model_shapes.h"
 #include "planning/owner_plan_internal.h"
+#include "whole_step.h"
 
 namespace fsdp_muon_bench {
 namespace {
@@ -23,6 +29,7 @@ using fsdp_muon::MeshShape;
 using fsdp_muon::OwnerPlan;
 using fsdp_muon::OwnerPlanOptions;
 using fsdp_muon::ReplicaNewtonSchulz;
+using fsdp_muon::ShardingStrategy;
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
@@ -92,6 +99,212 @@ OwnerPlan fewest_rounds(const std::vector<fsdp_muon::PlanGroup>& groups, const O
   return fewest;
 }
 
+// ---- the whole step ----
+
+// The strategy columns: with one micro-batch per step ZeRO-1 and ZeRO-2 send the same bytes
+// (ZeRO-2 reduces each group as its backward ends, ZeRO-1 after backward), so one column.
+constexpr ShardingStrategy kStrategies[] = {ShardingStrategy::kOptimGrads,
+                                            ShardingStrategy::kOptimGradsParams};
+constexpr const char* kStrategyNames[] = {"ZeRO-1/2", "ZeRO-3"};
+constexpr int kNumStrategies = 2;
+
+// One row of the whole-step table: a mesh and who orthogonalizes on it. Bytes are one rank's
+// per step (the optimizer's: the busiest rank's).
+struct StepRow {
+  std::string scheme;
+  bool choice = true;                   // false: a bound, or another row again (not ranked)
+  Traffic fsdp[kNumStrategies];         // the FSDP collectives, per kStrategies
+  Traffic optimizer;                    // the optimizer step's exchange
+  double newton_schulz_seconds = 0;     // its critical path
+  double optimizer_seconds = 0;         // Newton–Schulz + exchange, no overlap
+  double seconds[kNumStrategies] = {};  // the FSDP collectives + optimizer_seconds
+};
+
+// The prices of the whole step: the planner's rates, and the latency of one collective step.
+struct StepPrices {
+  fsdp_muon::CostRates rates;
+  double latency_step_seconds = 0;
+};
+
+struct StepBlock {
+  std::string model, mesh;
+  std::vector<StepRow> rows;
+};
+
+// A row whose FSDP collectives are `fsdp`'s and whose optimizer step is `plan`'s.
+StepRow plan_row(std::string scheme, const std::function<Traffic(ShardingStrategy)>& fsdp,
+                 const OwnerPlan& plan, const StepPrices& prices) {
+  const fsdp_muon::CostRates& rates = prices.rates;
+  StepRow row;
+  row.scheme = std::move(scheme);
+  row.optimizer = {static_cast<double>(plan.max_intra_node_bytes_per_rank()),
+                   static_cast<double>(plan.max_inter_node_bytes_per_rank())};
+  row.newton_schulz_seconds =
+      static_cast<double>(plan.critical_path_planned()) / rates.newton_schulz_flops_per_second();
+  row.optimizer_seconds = plan.estimated_seconds(rates);
+  for (int k = 0; k < kNumStrategies; ++k) {
+    row.fsdp[k] = fsdp(kStrategies[k]);
+    row.seconds[k] =
+        row.fsdp[k].seconds(rates, prices.latency_step_seconds) + row.optimizer_seconds;
+  }
+  return row;
+}
+
+// DMuon's row: no exchange in the step, Newton–Schulz on the dedicated owners.
+StepRow dmuon_row(const ModelElements& elements, const DedicatedOwners& owners, MeshShape mesh,
+                  const StepPrices& prices) {
+  const fsdp_muon::CostRates& rates = prices.rates;
+  StepRow row;
+  row.scheme = "DMuon";
+  row.newton_schulz_seconds =
+      static_cast<double>(owners.critical_path) / rates.newton_schulz_flops_per_second();
+  row.optimizer_seconds = row.newton_schulz_seconds;
+  for (int k = 0; k < kNumStrategies; ++k) {
+    row.fsdp[k] = dmuon_traffic(elements, owners, mesh, kStrategies[k]);
+    row.seconds[k] =
+        row.fsdp[k].seconds(rates, prices.latency_step_seconds) + row.optimizer_seconds;
+  }
+  return row;
+}
+
+// The rows of one model on one mesh: the 1-D mesh over all ranks (ring; the direct bound), HSDP
+// under each ReplicaNewtonSchulz mode, DMuon on the same mesh.
+StepBlock step_block(const ModelShapes& model, MeshShape mesh,
+                     const std::vector<fsdp_muon::PlanGroup>& groups, const OwnerPlan& flat,
+                     const OwnerPlan& world, const OwnerPlan& replica, const OwnerPlan& by_cost,
+                     const StepPrices& prices) {
+  const ModelElements sharded = model_elements(model, mesh.shard_size);
+  const ModelElements over_world = model_elements(model, mesh.world_size());
+  const auto hsdp = [&](ShardingStrategy s) { return hsdp_fsdp_traffic(sharded, mesh, s); };
+  const auto ring = [&](ShardingStrategy s) { return flat_fsdp_traffic_ring(over_world, mesh, s); };
+  const auto direct = [&](ShardingStrategy s) {
+    return flat_fsdp_traffic_direct(over_world, mesh, s);
+  };
+  const char* pick =
+      by_cost.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld ? "world" : "replica";
+  StepBlock block{model.name, format("%dx%d", mesh.replicas, mesh.shard_size), {}};
+  block.rows.push_back(plan_row("1-D ring", ring, flat, prices));
+  block.rows.push_back(plan_row("1-D direct (bound)", direct, flat, prices));
+  block.rows.back().choice = false;
+  block.rows.push_back(plan_row("HSDP world", hsdp, world, prices));
+  block.rows.push_back(plan_row("HSDP replica", hsdp, replica, prices));
+  block.rows.push_back(plan_row(std::string("HSDP by_cost=") + pick, hsdp, by_cost, prices));
+  block.rows.back().choice = false;
+  block.rows.push_back(dmuon_row(sharded, dedicated_owners(groups, mesh), mesh, prices));
+  return block;
+}
+
+// A ranked choice: a row and a strategy column.
+struct Choice {
+  const StepRow* row = nullptr;
+  int strategy = 0;
+  double seconds() const { return row->seconds[strategy]; }
+  std::string name() const { return row->scheme + " " + kStrategyNames[strategy]; }
+};
+
+// The cheapest choice among `strategies` of the block's rows, leaving out `except`'s row.
+Choice cheapest(const StepBlock& block, std::initializer_list<int> strategies,
+                const StepRow* except = nullptr) {
+  Choice best;
+  for (const StepRow& row : block.rows) {
+    if (!row.choice || &row == except) continue;
+    for (const int k : strategies) {
+      if (!best.row || row.seconds[k] < best.seconds()) best = {&row, k};
+    }
+  }
+  return best;
+}
+
+std::string time_text(double seconds) {
+  return seconds >= 1 ? format("%.2f s", seconds) : format("%.2f ms", seconds * 1e3);
+}
+
+void print_whole_step(const std::vector<StepBlock>& blocks, const StepPrices& prices) {
+  std::printf(
+      "\nThe whole step: FSDP collectives + optimizer step, per rank, nodes of S ranks (the shard\n"
+      "size), priced with nothing overlapped and no forward/backward compute (what nothing\n"
+      "hides): bytes at %.0f GB/s within a node and %.0f GB/s across (the rates above), %.1f us\n"
+      "per collective step (--step-latency-us; a ring over n ranks takes n-1 steps per pass, each\n"
+      "FSDP group runs its own), the optimizer as OwnerPlan::estimated_seconds. Dtypes: compute\n"
+      "bf16 (weights, their all-gathers), reduce_dtype = compute (bf16 reduce-scatter and\n"
+      "replica all-reduce), main fp32 (optimizer exchange). One micro-batch per step (ZeRO-1 =\n"
+      "ZeRO-2 in bytes; with M, ZeRO-2/3 reduce M times and ZeRO-3 gathers 2M times). Ring\n"
+      "collectives: per rank, all-gather/reduce-scatter (n-1)/n of the buffer, all-reduce\n"
+      "2(n-1)/n. Models: the presets' layer groups (no embeddings).\n"
+      "  1-D ring    FSDP over all W ranks, NCCL rings one per NIC: per gather/reduce-scatter\n"
+      "              (W-1)/W of the model, 1/S of it across nodes; optimizer: the 1-D plan\n"
+      "  1-D direct  the same, each rank's piece sent to each other rank directly: (W-S)/W\n"
+      "              of the model across nodes, the ring's steps (a bound, not ranked)\n"
+      "  HSDP        gathers and reduce-scatter within the node ((S-1)/S), the replica\n"
+      "              all-reduce of the bf16 shard across (ring: 2(R-1)/R x model/S, 2(R-1)\n"
+      "              steps); optimizer:\n"
+      "              kOncePerWorld (world), kOncePerReplica (replica), kByCost's pick\n"
+      "              (a repeat, not ranked)\n"
+      "  DMuon       dedicated owners on the same mesh (X-Square-Robot/dmuon, its published\n"
+      "              design): matrices whole with their momentum on an owner (LPT by NS cost\n"
+      "              over W); forward broadcasts each matrix from its owner's column in every\n"
+      "              node ((S-1)/S, bf16), backward reduces the gradient there and across the\n"
+      "              column's replicas to the owner, the owner publishes its fp32 master across\n"
+      "              the replicas after the step ((R-1)/R x the busiest column's matrices, bf16 +\n"
+      "              fp32); no exchange in the step, NS once per world; norms by FSDP2's HSDP.\n"
+      "              ZeRO-1/2 = DMuon-Z2, ZeRO-3 = DMuon-Z3 (broadcast again in backward)\n"
+      "Columns: per strategy the FSDP collectives' MiB within / across nodes and their latency\n"
+      "(steps x --step-latency-us); the optimizer step's exchange MiB (busiest rank), its NS\n"
+      "critical path and NS + exchange ms; step ms per strategy; /best: over the block's\n"
+      "cheapest ranked choice.\n",
+      prices.rates.bytes_per_second() / 1e9, prices.rates.inter_node_bytes_per_second() / 1e9,
+      prices.latency_step_seconds * 1e6);
+  std::printf("\n%-16s %6s %-20s | %-26s | %-26s | %-35s | %-17s | %-11s\n", "", "", "",
+              "ZeRO-1/2 FSDP", "ZeRO-3 FSDP", "optimizer step", "step ms", "/best");
+  std::printf("%-16s %6s %-20s | %8s %8s %8s | %8s %8s %8s | %8s %8s %8s %8s | %8s %8s | %5s %5s\n",
+              "model", "mesh", "scheme", "intra MiB", "inter", "lat ms", "intra", "inter", "lat ms",
+              "intra MiB", "inter", "NS ms", "ms", kStrategyNames[0], kStrategyNames[1], "1/2",
+              "3");
+  for (const StepBlock& block : blocks) {
+    const double best = cheapest(block, {0, 1}).seconds();
+    for (const StepRow& r : block.rows) {
+      std::printf(
+          "%-16s %6s %-20s | %8.0f %8.0f %8.2f | %8.0f %8.0f %8.2f | %8.0f %8.0f %8.2f %8.2f | "
+          "%8.2f %8.2f | %5.2f %5.2f\n",
+          block.model.substr(0, 16).c_str(), block.mesh.c_str(), r.scheme.c_str(),
+          r.fsdp[0].intra / kMiB, r.fsdp[0].inter / kMiB,
+          r.fsdp[0].latency_steps * prices.latency_step_seconds * 1e3, r.fsdp[1].intra / kMiB,
+          r.fsdp[1].inter / kMiB, r.fsdp[1].latency_steps * prices.latency_step_seconds * 1e3,
+          r.optimizer.intra / kMiB, r.optimizer.inter / kMiB, r.newton_schulz_seconds * 1e3,
+          r.optimizer_seconds * 1e3, r.seconds[0] * 1e3, r.seconds[1] * 1e3, r.seconds[0] / best,
+          r.seconds[1] / best);
+    }
+  }
+
+  std::printf(
+      "\nCheapest whole step per model and mesh, and its margin (x) over the next: the cheapest "
+      "of\nanother mesh/mode (its better strategy); the same for ZeRO-3 alone.\n");
+  std::printf("%-16s %6s | %-22s %9s | %-22s %9s %6s | %-18s %9s | %-18s %9s %6s\n", "model",
+              "mesh", "cheapest", "", "next", "", "x", "cheapest ZeRO-3", "", "next ZeRO-3", "",
+              "x");
+  std::string headline;
+  for (const StepBlock& block : blocks) {
+    const Choice first = cheapest(block, {0, 1});
+    const Choice next = cheapest(block, {0, 1}, first.row);
+    const Choice first3 = cheapest(block, {1});
+    const Choice next3 = cheapest(block, {1}, first3.row);
+    std::printf("%-16s %6s | %-22s %9s | %-22s %9s %6.2f | %-18s %9s | %-18s %9s %6.2f\n",
+                block.model.substr(0, 16).c_str(), block.mesh.c_str(), first.name().c_str(),
+                time_text(first.seconds()).c_str(), next.name().c_str(),
+                time_text(next.seconds()).c_str(), next.seconds() / first.seconds(),
+                first3.row->scheme.c_str(), time_text(first3.seconds()).c_str(),
+                next3.row->scheme.c_str(), time_text(next3.seconds()).c_str(),
+                next3.seconds() / first3.seconds());
+    headline += format("%s%s %s %s %s (%.2fx)", headline.empty() ? "" : "; ", block.model.c_str(),
+                       block.mesh.c_str(), first.name().c_str(), time_text(first.seconds()).c_str(),
+                       next.seconds() / first.seconds());
+  }
+  std::printf(
+      "\nheadline (whole step): cheapest mesh/mode/strategy per model x mesh (x: the next other "
+      "mesh/mode's time over it): %s\n",
+      headline.c_str());
+}
+
 }  // namespace
 
 int run_plan_hsdp(Flags& flags) {
@@ -109,6 +322,10 @@ int run_plan_hsdp(Flags& flags) {
       flags.get_double("inter-gbps", rate_defaults.inter_node_bytes_per_second() / 1e9) * 1e9;
   const double flops =
       flags.get_double("ns-tflops", rate_defaults.newton_schulz_flops_per_second() / 1e12) * 1e12;
+  // The whole step's latency of one collective step: NCCL's tuning model (src/graph/tuning.cc,
+  // hwLat, ring with the Simple protocol of large messages) prices one at 5.7 us over NVLink and
+  // 6.6 us over the network.
+  const double step_us = flags.get_double("step-latency-us", 6);
   flags.finish();
   const OwnerPlanOptions& options = defaults;
   const fsdp_muon::CostRates rates = fsdp_muon::CostRates(rate_defaults)
@@ -156,6 +373,7 @@ int run_plan_hsdp(Flags& flags) {
   double worst_pipe = 0, best_pipe = 1e300;
   double worst_best = 0, best_dion = 1e300, worst_dion = 0, best_flat = 1e300, worst_flat = 0;
   std::string worst_where;
+  std::vector<StepBlock> whole_step;
   for (const std::string& name : models) {
     const ModelShapes model = model_by_name(name);
     for (const MeshShape mesh : meshes) {
@@ -177,6 +395,8 @@ int run_plan_hsdp(Flags& flags) {
       const double over_dion = chosen / replica.estimated_seconds();
       const std::string mesh_name = format("%dx%d", mesh.replicas, mesh.shard_size);
       const OwnerPlan fewest = fewest_rounds(groups, by_cost, options);
+      whole_step.push_back(step_block(model, mesh, groups, flat, world, replica, by_cost,
+                                      StepPrices{rates, step_us * 1e-6}));
       std::printf(
           "%-16s %7s |%s |%s |%s | %-16s %8.2f %6.2f %6.2f %6.2f | %4zu->%-4zu %8.2f->%-8.2f\n",
           model.name.substr(0, 16).c_str(), mesh_name.c_str(), show(cell(world, floor)).c_str(),
@@ -203,6 +423,7 @@ int run_plan_hsdp(Flags& flags) {
       "time %.2f to %.2f of the fewest rounds'\n",
       worst_best, worst_where.c_str(), best_dion, worst_dion, best_flat, worst_flat, best_pipe,
       worst_pipe);
+  print_whole_step(whole_step, StepPrices{rates, step_us * 1e-6});
   return 0;
 }
 
