@@ -491,7 +491,7 @@ int run_strategies_worker(Flags& flags) {
     expect("FsdpMuon inter-node gather + scatter", m.optim_inter_bytes,
            m.planned_optim_inter_bytes);
     if (m.optim_inter_bytes > 0 &&
-        (mesh.replicas() == 1 || m.replica_ns != fsdp_muon::ReplicaNewtonSchulz::kOncePerWorld)) {
+        (mesh.replicas() == 1 || m.replica_ns == fsdp_muon::ReplicaNewtonSchulz::kOncePerReplica)) {
       bytes_mismatch += format("%s %lld FsdpMuon inter-node bytes under %s on mesh %s;",
                                who.c_str(), static_cast<long long>(m.optim_inter_bytes),
                                fsdp_muon::to_string(m.replica_ns), mesh.shape().c_str());

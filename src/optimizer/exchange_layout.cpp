@@ -17,7 +17,7 @@ int64_t ExchangeLayout::scatter_inter_replica_numel(int rank) const {
 
 ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
                                const std::vector<bool>& active, int rank, int world,
-                               const std::vector<bool>& with_rows, int replicas) {
+                               const std::vector<bool>& with_rows, int replicas, bool relay) {
   const std::size_t n = matrices.size();
   // Internal callers build these from one plan; a mismatch is a bug there, caught here before
   // it becomes an out-of-range index.
@@ -40,7 +40,7 @@ ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
   x.active = active;
   x.with_rows = with_rows.empty() ? std::vector<bool>(n, false) : with_rows;
   x.replicas = replicas;
-  x.mirrored = replicas == 1;
+  x.mirrored = replicas == 1 || relay;
   for (std::size_t j = 0; j < n; ++j) {
     FSDP_MUON_CHECK(!x.with_rows[j] || matrices[j].cols > 0, "matrix ", j,
                     " carries per-row state but has no columns");
@@ -79,6 +79,7 @@ ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
       if (same_replica(owner, rank)) {
         add(x.gather_send_offset[j], x.gather.send_numel, x.gather.send_counts[owner], len);
       }
+      if (relay && !same_replica(owner, rank)) continue;
       add(x.scatter_recv_offset[j], x.scatter.recv_numel, x.scatter.recv_counts[owner], len);
     }
   }
@@ -93,6 +94,7 @@ ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
         add(x.gather_recv_offset[j][holder], x.gather.recv_numel, x.gather.recv_counts[holder],
             len);
       }
+      if (relay && !same_replica(holder, rank)) continue;
       add(x.scatter_send_offset[j][holder], x.scatter.send_numel, x.scatter.send_counts[holder],
           len);
     }
@@ -104,8 +106,43 @@ ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
     // or (scatter only) by any rank of another replica.
     const bool outside_owner = m.numel() > m.held_numel(m.owner % size);
     x.gather_moves = x.gather_moves || outside_owner;
-    x.scatter_moves = x.scatter_moves || outside_owner || (replicas > 1 && m.numel() > 0);
+    x.scatter_moves = x.scatter_moves || outside_owner || (replicas > 1 && !relay && m.numel() > 0);
   }
+  return x;
+}
+
+RelayLayout layout_relay(const std::vector<MatrixPlacement>& matrices,
+                         const std::vector<bool>& active, const std::vector<bool>& with_rows,
+                         int shard_rank, int replica, int replicas) {
+  const std::size_t n = matrices.size();
+  FSDP_MUON_API_SCOPE("detail::layout_relay");
+  FSDP_MUON_CHECK(active.size() == n && with_rows.size() == n, active.size(), " active and ",
+                  with_rows.size(), " per-row state flags for ", n, " matrices");
+  FSDP_MUON_CHECK(replica >= 0 && replica < replicas, "replica ", replica, " of ", replicas);
+  RelayLayout x;
+  x.recv_counts.assign(replicas, 0);
+  x.recv_offset.assign(n, -1);
+  x.send_offset.assign(n, -1);
+  // Block by block (replica order), matrices in round order inside each: what all_gather_v
+  // expects, and every rank of the replicate group computes the same counts.
+  for (int r = 0; r < replicas; ++r) {
+    const int64_t block_start = x.recv_numel;
+    for (std::size_t j = 0; j < n; ++j) {
+      const MatrixPlacement& m = matrices[j];
+      FSDP_MUON_CHECK(shard_rank < m.shard_size(), "shard rank ", shard_rank, " outside matrix ", j,
+                      "'s ", m.shard_size(), " held ranges");
+      if (!active[j] || m.owner < 0 || m.owner / m.shard_size() != r) continue;
+      const int64_t len =
+          m.held_numel(shard_rank) + (with_rows[j] ? m.held_rows_numel(shard_rank) : 0);
+      if (len == 0) continue;
+      x.recv_offset[j] = x.recv_numel;
+      if (r == replica) x.send_offset[j] = x.recv_numel - block_start;
+      x.recv_numel += len;
+    }
+    x.recv_counts[r] = x.recv_numel - block_start;
+    x.moves = x.moves || (replicas > 1 && x.recv_counts[r] > 0);
+  }
+  x.send_numel = x.recv_counts[replica];
   return x;
 }
 

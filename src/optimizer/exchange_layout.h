@@ -46,6 +46,22 @@ struct ExchangeBlocks {
   int64_t recv_numel = 0;
 };
 
+// kOncePerWorldRelay's stage B on the rank with shard rank `shard_rank` in replica `replica`
+// (docs/DESIGN.md §3): one all-gather-v over its replicate group (rank r there: replica r).
+// Replica r's block holds, in round order, the pieces (update slice, then the per-row state
+// where it travels) shard rank `shard_rank` holds of the active matrices owned in replica r.
+struct RelayLayout {
+  std::vector<int64_t> recv_counts;  // [replica] its block's length
+  int64_t send_numel = 0;            // this rank's block: recv_counts[replica]
+  int64_t recv_numel = 0;
+  // [local matrix] where this rank's piece sits in the receive buffer (its owner's replica's
+  // block) / in this rank's send block; -1: none.
+  std::vector<int64_t> recv_offset;
+  std::vector<int64_t> send_offset;
+  // Whether any block is non-empty (the same on every rank of the replicate group).
+  bool moves = false;
+};
+
 // Offsets of one round's gather and scatter for one set of active matrices (docs/DESIGN.md §3).
 //
 // The exchange runs over `world` exchange ranks forming `replicas` replicas of shard_size ranks
@@ -54,8 +70,9 @@ struct ExchangeBlocks {
 // Gather: a holder sends its pieces to the owners in its own replica, a block per owner in rank
 // order, matrices in round order inside a block; an owner receives, likewise, a block per holder
 // of its replica. Scatter: an owner sends every holder in every replica its slice of the update;
-// a holder receives from every owner. With one replica the scatter sends back exactly the
-// gather's blocks (`mirrored`), so it reuses both buffers with the roles swapped. A matrix whose
+// a holder receives from every owner (the relay's stage A: every holder in the owner's replica).
+// With one replica, or in the relay's stage A, the scatter sends back exactly the gather's blocks
+// (`mirrored`), so it reuses both buffers with the roles swapped. A matrix whose
 // per-row state travels with it (NorMuon) has, right after each piece, the state of the rows the
 // holder keeps: a piece is held_numel + held_rows_numel elements long.
 struct ExchangeLayout {
@@ -78,6 +95,9 @@ struct ExchangeLayout {
   std::vector<std::vector<int64_t>> gather_recv_offset;
   std::vector<std::vector<int64_t>> scatter_send_offset;
 
+  // kOncePerWorldRelay on several replicas: stage B (laid out by Impl::exchange).
+  RelayLayout relay;
+
   int shard_size() const { return static_cast<int>(gather.send_counts.size()) / replicas; }
   // Elements this rank sends to ranks of other replicas (the scatter's inter-node part; the
   // gather never leaves a replica).
@@ -86,9 +106,17 @@ struct ExchangeLayout {
 
 // The layout on exchange rank `rank` of `world` for the round's matrices whose `active` flag is
 // set; those whose `with_rows` flag is set carry their per-row state (empty: none does). Every
-// placement holds world / replicas ranges.
+// placement holds world / replicas ranges. `relay` (kOncePerWorldRelay's stage A): the scatter
+// goes to the holders in the owner's replica only, so it is the gather mirrored.
 ExchangeLayout layout_exchange(const std::vector<MatrixPlacement>& matrices,
                                const std::vector<bool>& active, int rank, int world,
-                               const std::vector<bool>& with_rows = {}, int replicas = 1);
+                               const std::vector<bool>& with_rows = {}, int replicas = 1,
+                               bool relay = false);
+
+// The relay's stage B for the round's matrices whose `active` flag is set (`with_rows`: their
+// per-row state travels, one flag per matrix).
+RelayLayout layout_relay(const std::vector<MatrixPlacement>& matrices,
+                         const std::vector<bool>& active, const std::vector<bool>& with_rows,
+                         int shard_rank, int replica, int replicas);
 
 }  // namespace fsdp_muon::detail

@@ -357,8 +357,9 @@ void FsdpMuon::Impl::plan_matrices(FsdpMuon& self, std::vector<AcceptedMatrix> a
   }
   plan =
       plan_owners(plan_groups, MeshShape{replicas(), shard_size}, config.planner(), plan_rates());
-  // kOncePerWorld: owners are world ranks, and the exchange spans the replicas.
-  if (replicas() > 1 && plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld) {
+  // kOncePerWorld(Relay): owners are world ranks, and the exchange spans the replicas.
+  if (replicas() > 1 && (plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld ||
+                         plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorldRelay)) {
     exchange_comm = world_comm;
   }
   FSDP_MUON_CHECK(plan.world_size == world(), "internal error: a plan over ", plan.world_size,
@@ -494,7 +495,10 @@ std::string FsdpMuon::describe() const {
       << to_string(d.config.planner().replica_newton_schulz()) << " -> "
       << to_string(plan.replica_newton_schulz) << ", each matrix orthogonalized "
       << (world_owners
-              ? "once in the world, by one of its " + std::to_string(d.world()) + " ranks"
+              ? "once in the world, by one of its " + std::to_string(d.world()) + " ranks" +
+                    (d.relays() ? ", the update relayed to the other replicas by each holder "
+                                  "in the owner's"
+                                : "")
               : "in every replica, by one of its " + std::to_string(d.world()) + " shard ranks")
       << "; " << d.matrices.size() << " matrices in " << plan.rounds.size() << " round(s).";
   if (plan.policy == OwnerPolicy::kBalanced) {

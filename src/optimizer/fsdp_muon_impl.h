@@ -91,6 +91,8 @@ struct RoundInFlight {
   // One replica (ExchangeLayout::mirrored): recv and send, roles swapped; else their own.
   at::Tensor scatter_send;
   at::Tensor scatter_recv;
+  // kOncePerWorldRelay: stage B's receive buffer (ExchangeLayout::relay), every replica's block.
+  at::Tensor relay_recv;
   std::unique_ptr<CommWork> work;  // the gather or scatter in flight
   int64_t full_bytes = 0;          // of `full`
 };
@@ -102,8 +104,9 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   // The groups' mesh: the ranks agree over world_comm (every rank of the mesh) and exchange
   // matrices over exchange_comm: shard_comm when each replica orthogonalizes on its own (and on
   // a 1-D mesh, where it is world_comm), world_comm when owners span the replicas
-  // (ReplicaNewtonSchulz::kOncePerWorld). Exchange rank q is shard rank q % shard_size of
-  // replica q / shard_size (docs/DESIGN.md §3).
+  // (ReplicaNewtonSchulz::kOncePerWorld and kOncePerWorldRelay, whose stage B runs over
+  // mesh.replicate). Exchange rank q is shard rank q % shard_size of replica q / shard_size
+  // (docs/DESIGN.md §3).
   DeviceMesh mesh;
   std::shared_ptr<Communicator> world_comm;  // mesh.world
   std::shared_ptr<Communicator> shard_comm;  // mesh.shard
@@ -157,6 +160,11 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   int world() const { return exchange_comm->size(); }  // exchange ranks
   int exchange_replicas() const { return world() / shard_size; }
   int replicas() const { return world_comm->size() / shard_size; }
+  // kOncePerWorldRelay on several replicas: the scatter stays in the owner's replica (stage A)
+  // and each rank's replicate group all-gathers the pieces (stage B, relay_updates).
+  bool relays() const {
+    return replicas() > 1 && plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorldRelay;
+  }
 
   const detail::ExchangeLayout& exchange(size_t round, const std::vector<bool>& active,
                                          const std::vector<bool>& with_rows);
@@ -187,7 +195,8 @@ struct FSDP_MUON_LOCAL FsdpMuon::Impl {
   void assemble_owned(detail::RoundInFlight& f, detail::StepRun& s);
   void orthogonalize_owned(detail::RoundInFlight& f, detail::StepRun& s);
   void start_scatter(detail::RoundInFlight& f, detail::StepRun& s);
-  void apply_updates(detail::RoundInFlight& f, const detail::StepRun& s);
+  void relay_updates(detail::RoundInFlight& f, detail::StepRun& s);
+  void apply_updates(detail::RoundInFlight& f, detail::StepRun& s);
   void refresh(size_t group, detail::StepRun& s);
 };
 

@@ -121,7 +121,11 @@ const ExchangeLayout& FsdpMuon::Impl::exchange(size_t round, const std::vector<b
   ExchangeLayout& x = exchanges[round];
   if (x.active != active || x.with_rows != with_rows || x.gather.send_counts.empty()) {
     x = detail::layout_exchange(round_placement[round], active, rank(), world(), with_rows,
-                                exchange_replicas());
+                                exchange_replicas(), relays());
+    if (relays()) {
+      x.relay = detail::layout_relay(round_placement[round], active, with_rows, shard_rank(),
+                                     mesh.replica(), replicas());
+    }
   }
   return x;
 }
@@ -817,8 +821,9 @@ void FsdpMuon::Impl::orthogonalize_owned(RoundInFlight& f, StepRun& s) {
 }
 
 // Each owner packs every holder's slice of the update and the scatter's all-to-all-v starts. One
-// replica: the gather's buffers, roles swapped. Across replicas the owner also sends to the
-// holders in the other replicas, so the scatter has buffers of its own (docs/DESIGN.md §3).
+// replica, or the relay's stage A: the gather's buffers, roles swapped. Across replicas the
+// owner also sends to the holders in the other replicas, so the scatter has buffers of its own
+// (docs/DESIGN.md §3).
 void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
   const auto phase = timer->measure(&Stats::scatter_seconds);
   const int me = rank();
@@ -839,7 +844,8 @@ void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
     for (int q = 0; q < world(); ++q) {
       const int h = q % shard_size;  // the shard rank of exchange rank q
       const int64_t len = where.held_numel(h);
-      if (q == me || len == 0) continue;
+      // The relay's stage A sends to the owner's replica only (offset -1 elsewhere).
+      if (q == me || len == 0 || x.scatter_send_offset[j][q] < 0) continue;
       ranges.emplace_back(x.scatter_send_offset[j][q], len);
       sources.push_back(f.held_piece[j][h]);
       const int64_t rows = f.with_rows[j] ? where.held_rows_numel(h) : 0;
@@ -862,14 +868,68 @@ void FsdpMuon::Impl::start_scatter(RoundInFlight& f, StepRun& s) {
   }
 }
 
-// Waits for the round's scatter, then param <- param - lr * update on each local shard, and each
-// holder takes back its rows of the NorMuon state.
-void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
+// kOncePerWorldRelay's stage B (docs/DESIGN.md §3), once the round's stage A has arrived: this
+// rank's pieces of the round's matrices owned in its replica (received in stage A, or its own)
+// go, in one all-gather-v over its replicate group, to its shard rank in every replica; it
+// receives those of the matrices owned in the others. The per-row state rides after each piece.
+void FsdpMuon::Impl::relay_updates(RoundInFlight& f, StepRun& s) {
+  const auto phase = timer->measure(&Stats::scatter_seconds);
+  const ExchangeLayout& x = exchange(f.round, f.active, f.with_rows);
+  const detail::RelayLayout& r = x.relay;
+  if (!r.moves) return;
+  const int me = rank();
+  const int holder = shard_rank();
+  const auto& mine = round_matrices[f.round];
+  const at::Tensor send = at::empty({r.send_numel}, f.send.options());
+  std::vector<std::pair<int64_t, int64_t>> ranges, received_ranges;
+  std::vector<at::Tensor> sources;
+  std::vector<size_t> from_scatter;  // positions in `sources` cut from scatter_recv
+  for (size_t j = 0; j < mine.size(); ++j) {
+    if (r.send_offset[j] < 0) continue;
+    const int64_t len = local_piece[mine[j]].second;
+    const int64_t rows = f.with_rows[j] ? round_placement[f.round][j].held_rows_numel(holder) : 0;
+    if (matrices[mine[j]].owner == me) {
+      ranges.emplace_back(r.send_offset[j], len);
+      sources.push_back(f.held_piece[j][holder]);
+      if (rows == 0) continue;
+      ranges.emplace_back(r.send_offset[j] + len, rows);
+      sources.push_back(f.held_rows[j][holder]);
+    } else {
+      // Stage A's piece: the update slice and the rows, back to back.
+      ranges.emplace_back(r.send_offset[j], len + rows);
+      from_scatter.push_back(sources.size());
+      received_ranges.emplace_back(x.scatter_recv_offset[j], len + rows);
+      sources.emplace_back();
+    }
+  }
+  const std::vector<at::Tensor> received = detail::slices_of(f.scatter_recv, received_ranges);
+  for (size_t i = 0; i < from_scatter.size(); ++i) sources[from_scatter[i]] = received[i];
+  if (!sources.empty()) at::_foreach_copy_(detail::slices_of(send, ranges), sources);
+  f.relay_recv = at::empty({r.recv_numel}, f.send.options());
+  int64_t sent = 0;
+  count_sent(*mesh.replicate, &CommStats::all_gather_v_bytes, sent,
+             [&] { mesh.replicate->all_gather_v(send, f.relay_recv, r.recv_counts); });
+  // All of it goes to the other replicas.
+  s.stats.scatter_bytes += sent;
+  s.stats.scatter_inter_node_bytes += sent;
+}
+
+// Waits for the round's scatter (and, relayed, runs stage B), then param <- param - lr * update
+// on each local shard, and each holder takes back its rows of the NorMuon state.
+void FsdpMuon::Impl::apply_updates(RoundInFlight& f, StepRun& s) {
   if (f.work) {
     const auto phase = timer->measure(&Stats::scatter_seconds);
     f.work->wait();
     f.work.reset();
   }
+  const bool relayed = relays();
+  if (relayed) relay_updates(f, s);
+  // Where a piece this rank does not own arrives: stage B's buffer when relayed (every
+  // replica's block, this one's included), else the scatter's.
+  const at::Tensor& arrived = relayed ? f.relay_recv : f.scatter_recv;
+  const auto arrived_at = [&](const ExchangeLayout& x, size_t j) {
+    return relayed ? x.relay.recv_offset[j] : x.scatter_recv_offset[j];
+  };
   const auto phase = timer->measure(&Stats::apply_seconds);
   const int me = rank();
   const int holder = shard_rank();
@@ -898,11 +958,11 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
       updates[o].push_back(f.held_piece[j][holder]);
     } else {
       received.emplace_back(o, updates[o].size());
-      recv_ranges.emplace_back(x.scatter_recv_offset[j], len);
+      recv_ranges.emplace_back(arrived_at(x, j), len);
       updates[o].emplace_back();
     }
   }
-  const std::vector<at::Tensor> pieces = detail::slices_of(f.scatter_recv, recv_ranges);
+  const std::vector<at::Tensor> pieces = detail::slices_of(arrived, recv_ranges);
   for (size_t i = 0; i < received.size(); ++i) {
     updates[received[i].first][received[i].second] = pieces[i];
   }
@@ -922,11 +982,11 @@ void FsdpMuon::Impl::apply_updates(RoundInFlight& f, const StepRun& s) {
       row_sources.push_back(f.held_rows[j][holder]);
     } else {
       row_from_recv.push_back(row_sources.size());
-      row_ranges.emplace_back(x.scatter_recv_offset[j] + len, rows);
+      row_ranges.emplace_back(arrived_at(x, j) + len, rows);
       row_sources.emplace_back();
     }
   }
-  const std::vector<at::Tensor> received_rows = detail::slices_of(f.scatter_recv, row_ranges);
+  const std::vector<at::Tensor> received_rows = detail::slices_of(arrived, row_ranges);
   for (size_t i = 0; i < row_from_recv.size(); ++i)
     row_sources[row_from_recv[i]] = received_rows[i];
   if (!row_states.empty()) at::_foreach_copy_(row_states, row_sources);

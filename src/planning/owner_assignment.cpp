@@ -122,6 +122,7 @@ void finish_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
 }
 
 void finish_world_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
+  const bool relay = plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorldRelay;
   const int replicas = plan.mesh.replicas;
   const int shard_size = plan.mesh.shard_size;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -138,9 +139,18 @@ void finish_world_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
       plan.group_full_bytes_per_rank[g][o] += m.rows * m.cols * element_bytes;
       for (int h = 0; h < shard_size; ++h) {
         const int64_t bytes = held_numel(m, h) * element_bytes;
-        // The holders in the owner's replica send it their pieces; every holder in every
-        // replica gets its update slice back.
+        // The holders in the owner's replica send it their pieces.
         if (h != shard_rank) plan.gather_bytes_per_rank[replica * shard_size + h] += bytes;
+        if (relay) {
+          // Stage A: the owner sends each holder in its replica its slice; stage B: each of
+          // them (the owner too) sends its piece to its shard rank in the replicas - 1 others
+          // (an all-gather-v over the replicate group counts (size - 1) x what it sends).
+          if (h != shard_rank) plan.scatter_bytes_per_rank[o] += bytes;
+          plan.scatter_bytes_per_rank[replica * shard_size + h] += (replicas - 1) * bytes;
+          plan.inter_node_bytes_per_rank[replica * shard_size + h] += (replicas - 1) * bytes;
+          continue;
+        }
+        // Direct: every holder in every replica gets its update slice from the owner.
         plan.scatter_bytes_per_rank[o] += (h == shard_rank ? replicas - 1 : replicas) * bytes;
         plan.inter_node_bytes_per_rank[o] += (replicas - 1) * bytes;
       }

@@ -287,14 +287,84 @@ OwnerPlan plan_one_dimensional(const std::vector<PlanGroup>& groups, int world_s
   return plan;
 }
 
+// A matrix the shard plan gave to a shard rank, to be spread over the replicas.
+struct Owned {
+  int64_t cost;
+  size_t group;
+  size_t index;
+};
+
+// kOncePerWorldRelay's spread of one window (owned[s]: shard rank s's matrices): the relay's
+// stage B has rank (r, h) send replicas - 1 copies of its pieces of every matrix owned in
+// replica r, so a replica's matrices are its shard ranks' inter-node bytes. All matrices, by
+// descending cost (ties: group, index), each to the replica (keeping its shard rank) that raises
+// the busiest Newton–Schulz seconds plus the busiest stage-B seconds least at `rates` (ties: the
+// lower sum of the two there, then the lowest replica).
+void spread_for_relay(const std::vector<PlanGroup>& groups, MeshShape mesh, const CostRates& rates,
+                      const std::vector<std::vector<Owned>>& owned, OwnerPlan& plan) {
+  const int shard_size = mesh.shard_size;
+  std::vector<std::pair<int, Owned>> all;  // (shard rank, matrix)
+  for (int s = 0; s < shard_size; ++s) {
+    for (const Owned& o : owned[s]) all.emplace_back(s, o);
+  }
+  std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
+    return std::make_tuple(-a.second.cost, a.second.group, a.second.index) <
+           std::make_tuple(-b.second.cost, b.second.group, b.second.index);
+  });
+  const double ns_rate = rates.newton_schulz_flops_per_second();
+  const double inter_rate =
+      rates.inter_node_bytes_per_second() / static_cast<double>(mesh.replicas - 1);
+  std::vector<int64_t> ns(mesh.world_size(), 0);     // [world rank] FLOPs
+  std::vector<int64_t> bytes(mesh.world_size(), 0);  // [world rank] pieces relayed, bytes
+  double ns_max = 0, bytes_max = 0;                  // seconds
+  std::vector<int64_t> piece(shard_size);
+  for (const auto& [s, o] : all) {
+    const PlanMatrix& m = groups[o.group].matrices[o.index];
+    const int64_t eb = detail::group_element_bytes(groups[o.group], plan);
+    for (int h = 0; h < shard_size; ++h) piece[h] = detail::held_numel(m, h) * eb;
+    int best = 0;
+    double best_raise = 0, best_sum = 0;
+    for (int r = 0; r < mesh.replicas; ++r) {
+      const double ns_new = static_cast<double>(ns[r * shard_size + s] + o.cost) / ns_rate;
+      int64_t most = 0;
+      for (int h = 0; h < shard_size; ++h) {
+        most = std::max(most, bytes[r * shard_size + h] + piece[h]);
+      }
+      const double bytes_new = static_cast<double>(most) / inter_rate;
+      const double raise = std::max(ns_max, ns_new) + std::max(bytes_max, bytes_new);
+      const double sum = ns_new + bytes_new;
+      if (r == 0 || raise < best_raise || (raise == best_raise && sum < best_sum)) {
+        best = r;
+        best_raise = raise;
+        best_sum = sum;
+      }
+    }
+    const int w = best * shard_size + s;
+    ns[w] += o.cost;
+    ns_max = std::max(ns_max, static_cast<double>(ns[w]) / ns_rate);
+    for (int h = 0; h < shard_size; ++h) {
+      bytes[best * shard_size + h] += piece[h];
+      bytes_max =
+          std::max(bytes_max, static_cast<double>(bytes[best * shard_size + h]) / inter_rate);
+    }
+    plan.owner[o.group][o.index] = w;
+  }
+}
+
 // kOncePerWorld on `mesh` (replicas > 1; docs/DESIGN.md §7): the shard plan's owners, each shard
 // rank's matrices spread over the replicas, by descending cost (ties: group, index) to the
 // least-loaded replica (ties: the lowest), loads fresh at every window of the shard plan (ranks
 // meet at each); then the rounds are cut over all world ranks as the shard plan's schedule
-// says. A matrix's inter-node bytes are (replicas - 1) x its size whoever owns it, so only the
-// Newton–Schulz balance and the intra-node bytes depend on the spread.
+// says. A matrix's inter-node bytes are (replicas - 1) x its size whoever owns it; who sends them
+// depends on the spread (direct: the owner; relay: the holders in the owner's replica, so the
+// relay spreads by Newton–Schulz and relayed bytes together: spread_for_relay).
+//
+// `mode` is kOncePerWorld (the owner scatters to every replica) or kOncePerWorldRelay (to its own
+// replica, and each holder there on to its shard rank in the others): the same owners and rounds,
+// the bytes and the scatter's seconds of the mode.
 OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape mesh,
-                              const OwnerPlanOptions& options, const CostRates& rates) {
+                              const OwnerPlanOptions& options, const CostRates& rates,
+                              ReplicaNewtonSchulz mode) {
   if (options.owner_policy() == OwnerPolicy::kBalanced &&
       options.max_bytes_ratio() == kBytesRatioByCost) {
     // The byte limit of the shard plan, chosen by the two-level cost of the world plan.
@@ -302,7 +372,7 @@ OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape me
     double best_seconds = 0;
     for (const double ratio : detail::kCostModelBytesRatios) {
       OwnerPlan candidate = plan_once_per_world(
-          groups, mesh, OwnerPlanOptions(options).max_bytes_ratio(ratio), rates);
+          groups, mesh, OwnerPlanOptions(options).max_bytes_ratio(ratio), rates, mode);
       const double seconds = candidate.estimated_seconds();
       if (!best || seconds < best_seconds) {
         best = std::move(candidate);
@@ -317,7 +387,7 @@ OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape me
   OwnerPlan plan;
   plan.world_size = world_size;
   plan.mesh = mesh;
-  plan.replica_newton_schulz = ReplicaNewtonSchulz::kOncePerWorld;
+  plan.replica_newton_schulz = mode;
   plan.rates = shard.rates;
   plan.policy = shard.policy;
   plan.schedule = shard.schedule;
@@ -336,17 +406,16 @@ OwnerPlan plan_once_per_world(const std::vector<PlanGroup>& groups, MeshShape me
       shard.schedule == OwnerSchedule::kWindows
           ? shard.windows
           : std::vector<std::pair<size_t, size_t>>{{0, num_groups}};
-  struct Owned {
-    int64_t cost;
-    size_t group;
-    size_t index;
-  };
   for (const auto& [first, last] : spread_windows) {
     std::vector<std::vector<Owned>> owned(mesh.shard_size);
     for (size_t g = first; g < last; ++g) {
       for (size_t i = 0; i < shard.owner[g].size(); ++i) {
         if (shard.owner[g][i] >= 0) owned[shard.owner[g][i]].push_back({shard.cost[g][i], g, i});
       }
+    }
+    if (mode == ReplicaNewtonSchulz::kOncePerWorldRelay) {
+      spread_for_relay(groups, mesh, rates, owned, plan);
+      continue;
     }
     for (int s = 0; s < mesh.shard_size; ++s) {
       std::stable_sort(owned[s].begin(), owned[s].end(), [](const Owned& a, const Owned& b) {
@@ -379,6 +448,7 @@ constexpr detail::EnumName<ReplicaNewtonSchulz> kReplicaNames[] = {
     {ReplicaNewtonSchulz::kOncePerWorld, "once_per_world"},
     {ReplicaNewtonSchulz::kOncePerReplica, "once_per_replica"},
     {ReplicaNewtonSchulz::kByCost, "by_cost"},
+    {ReplicaNewtonSchulz::kOncePerWorldRelay, "once_per_world_relay"},
 };
 static_assert(detail::rows_in_enumerator_order(kReplicaNames));
 
@@ -432,22 +502,28 @@ OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
     plan.replica_newton_schulz = ReplicaNewtonSchulz::kOncePerReplica;
     return plan;
   };
+  const bool world_mode =
+      mode == ReplicaNewtonSchulz::kOncePerWorld || mode == ReplicaNewtonSchulz::kOncePerWorldRelay;
   if (mesh.replicas == 1) {
-    // One replica: both are the same plan over all ranks.
+    // One replica: all are the same plan over all ranks.
     OwnerPlan plan = once_per_replica();
-    if (mode == ReplicaNewtonSchulz::kOncePerWorld) plan.replica_newton_schulz = mode;
+    if (world_mode) plan.replica_newton_schulz = mode;
     return plan;
   }
   if (mode == ReplicaNewtonSchulz::kOncePerReplica) return once_per_replica();
-  if (mode == ReplicaNewtonSchulz::kOncePerWorld) {
-    return plan_once_per_world(groups, mesh, options, rates);
-  }
+  if (world_mode) return plan_once_per_world(groups, mesh, options, rates, mode);
   FSDP_MUON_CHECK(mode == ReplicaNewtonSchulz::kByCost, "unknown replica_newton_schulz value ",
                   static_cast<int>(mode));
   OwnerPlan replica = once_per_replica();
-  OwnerPlan world = plan_once_per_world(groups, mesh, options, rates);
-  // Every rank computes both from the same numbers, so every rank picks the same one.
-  return world.estimated_seconds() < replica.estimated_seconds() ? world : replica;
+  OwnerPlan direct =
+      plan_once_per_world(groups, mesh, options, rates, ReplicaNewtonSchulz::kOncePerWorld);
+  OwnerPlan relay =
+      plan_once_per_world(groups, mesh, options, rates, ReplicaNewtonSchulz::kOncePerWorldRelay);
+  // Every rank computes all three from the same numbers, so every rank picks the same one:
+  // the cheapest, kOncePerReplica on a tie, then direct before the relay.
+  OwnerPlan& world = relay.estimated_seconds() < direct.estimated_seconds() ? relay : direct;
+  return world.estimated_seconds() < replica.estimated_seconds() ? std::move(world)
+                                                                 : std::move(replica);
 }
 
 PlanGroup plan_group_from_shapes(

@@ -50,8 +50,10 @@ int64_t window_peak_bytes(const std::vector<PlanGroup>& groups, size_t first, si
                           const OwnerPlan& plan);
 // Per-rank and per-group totals and bytes of a plan whose owners are set.
 void finish_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan);
-// kOncePerWorld (docs/DESIGN.md §7): the totals of a plan over plan.mesh whose owners are world
-// ranks; an owner gathers from the holders in its replica and scatters to those in every replica.
+// kOncePerWorld and kOncePerWorldRelay (plan.replica_newton_schulz; docs/DESIGN.md §7): the
+// totals of a plan over plan.mesh whose owners are world ranks; an owner gathers from the holders
+// in its replica and scatters to those in every replica (direct), or to those in its replica,
+// each of which sends its piece on to its shard rank in the other replicas (relay).
 void finish_world_plan(const std::vector<PlanGroup>& groups, OwnerPlan& plan);
 // Gather + scatter bytes each rank sends under `plan.owner` (every matrix active).
 std::vector<int64_t> bytes_per_rank(const std::vector<PlanGroup>& groups, const OwnerPlan& plan);
@@ -67,7 +69,8 @@ void assign_within_bytes(const std::vector<PlanGroup>& groups, double max_bytes,
 void pack_rounds(const std::vector<PlanGroup>& groups, int64_t round_budget, OwnerPlan& plan,
                  size_t min_rounds = 1);
 // OwnerPlan::round_gather_seconds / round_scatter_seconds of a plan whose rounds are set
-// (kOncePerWorld's exchange where the plan is over a mesh's world).
+// (kOncePerWorld's exchange where the plan is over a mesh's world; the relay's scatter is its two
+// stages, one after the other).
 void transfer_seconds(const std::vector<PlanGroup>& groups, OwnerPlan& plan);
 // kWindows: one round per window of `plan.windows`, its groups' matrices.
 void rounds_from_windows(const std::vector<PlanGroup>& groups, OwnerPlan& plan);

@@ -215,6 +215,7 @@ void transfer_seconds(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
   const bool world = plan.mesh.replicas > 1 && plan.world_size == plan.mesh.world_size();
   const int shard_size = world ? plan.mesh.shard_size : plan.world_size;
   const int replicas = world ? plan.mesh.replicas : 1;
+  const bool relay = world && plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorldRelay;
   const size_t rounds = plan.rounds.size();
   plan.round_gather_seconds.assign(rounds, 0.0);
   plan.round_scatter_seconds.assign(rounds, 0.0);
@@ -230,30 +231,40 @@ void transfer_seconds(const std::vector<PlanGroup>& groups, OwnerPlan& plan) {
       const int64_t eb = group_element_bytes(groups[g], plan);
       const int replica = o / shard_size;
       for (int h = 0; h < shard_size; ++h) {
-        if (h == o % shard_size) continue;
         const int64_t bytes = held_numel(m, h) * eb;
+        // The relay's stage B: each holder in the owner's replica sends its piece to the
+        // replicas - 1 others.
+        if (relay) inter[replica * shard_size + h] += (replicas - 1) * bytes;
+        if (h == o % shard_size) continue;
         gather[replica * shard_size + h] += bytes;
         scatter[o] += bytes;
       }
-      // Every other replica gets all of it (kOncePerWorld).
-      inter[o] += (replicas - 1) * moved_numel(m) * eb;
+      // Direct (kOncePerWorld): every other replica gets all of it from the owner.
+      if (!relay) inter[o] += (replicas - 1) * moved_numel(m) * eb;
     }
-    double g_seconds = 0, s_seconds = 0;
-    bool g_moves = false, s_moves = false;
+    double g_seconds = 0, s_seconds = 0, a_seconds = 0, b_seconds = 0;
+    bool g_moves = false, s_moves = false, a_moves = false, b_moves = false;
     for (int r = 0; r < plan.world_size; ++r) {
+      const double intra_seconds = static_cast<double>(scatter[r]) / plan.rates.bytes_per_second();
+      const double inter_seconds =
+          static_cast<double>(inter[r]) / plan.rates.inter_node_bytes_per_second();
       g_seconds =
           std::max(g_seconds, static_cast<double>(gather[r]) / plan.rates.bytes_per_second());
-      s_seconds = std::max(
-          s_seconds, static_cast<double>(scatter[r]) / plan.rates.bytes_per_second() +
-                         static_cast<double>(inter[r]) / plan.rates.inter_node_bytes_per_second());
+      s_seconds = std::max(s_seconds, intra_seconds + inter_seconds);
+      a_seconds = std::max(a_seconds, intra_seconds);
+      b_seconds = std::max(b_seconds, inter_seconds);
       g_moves = g_moves || gather[r] > 0;
       s_moves = s_moves || scatter[r] + inter[r] > 0;
+      a_moves = a_moves || scatter[r] > 0;
+      b_moves = b_moves || inter[r] > 0;
     }
     // FsdpMuon skips an exchange where nothing moves.
-    plan.round_gather_seconds[t] =
-        g_moves ? g_seconds + plan.rates.exchange_latency_seconds() : 0.0;
+    const double latency = plan.rates.exchange_latency_seconds();
+    plan.round_gather_seconds[t] = g_moves ? g_seconds + latency : 0.0;
+    // The relay's two stages run one after the other, each as slow as its busiest rank.
     plan.round_scatter_seconds[t] =
-        s_moves ? s_seconds + plan.rates.exchange_latency_seconds() : 0.0;
+        relay ? (a_moves ? a_seconds + latency : 0.0) + (b_moves ? b_seconds + latency : 0.0)
+              : (s_moves ? s_seconds + latency : 0.0);
   }
 }
 

@@ -9,7 +9,8 @@
 // export beside it as the reference; a load on any mesh must export bitwise that reference (the
 // groups' weights and the optimizers' state), give every replica the same bits (a hash all-gathered
 // over the world), and keep them the same through another step. The state is FsdpMuon's (momentum,
-// NorMuon's per-row state) and AdamW's. Groups on two meshes are an error on every rank.
+// NorMuon's per-row state; saved under ReplicaNewtonSchulz::kOncePerWorld, loaded under the
+// relay) and AdamW's. Groups on two meshes are an error on every rank.
 
 #include <algorithm>
 #include <cstdint>
@@ -71,9 +72,10 @@ std::vector<std::string> words(const std::string& text) {
 }
 
 // A model on `mesh`, initialized from `seed`: FsdpMuon with NorMuon (momentum and per-row state)
-// on the weight matrices, AdamW (two moments and a step) on the biases.
+// on the weight matrices, under `mode`, AdamW (two moments and a step) on the biases.
 struct Model {
-  Model(const DeviceMesh& mesh, uint64_t seed) {
+  Model(const DeviceMesh& mesh, uint64_t seed,
+        ReplicaNewtonSchulz mode = ReplicaNewtonSchulz::kOncePerWorld) {
     {
       testing::SeededRandom random(seed);
       net = Net();
@@ -87,10 +89,12 @@ struct Model {
       }
     }
     muon = std::make_unique<FsdpMuon>(
-        matrices, MuonOptions(0.02)
-                      .weight_decay(0.01)
-                      .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
-                      .normalization(Normalization::kNorMuon));
+        matrices,
+        MuonOptions(0.02)
+            .weight_decay(0.01)
+            .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat))
+            .normalization(Normalization::kNorMuon),
+        FsdpMuonConfig().planner(OwnerPlanOptions().replica_newton_schulz(mode)));
     adamw = std::make_unique<torch::optim::AdamW>(
         rest, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   }
@@ -213,7 +217,8 @@ void load_everywhere(const std::string& saved) {
   for (const DeviceMesh& mesh : every_mesh()) {
     const std::string what = "saved on " + saved + ", loaded on " + mesh.shape();
     SCOPED_TRACE(what);
-    Model model(mesh, /*seed=*/77);
+    // Saved under the direct scatter, loaded under the relay (the state does not depend on it).
+    Model model(mesh, /*seed=*/77, ReplicaNewtonSchulz::kOncePerWorldRelay);
     model.step(0);  // state to be replaced
     load_checkpoint(folder, model.groups, model.optimizers());
     const std::string exported =

@@ -1,8 +1,9 @@
 // FsdpMuon on a replicate x shard mesh (HSDP, docs/DESIGN.md §3). CTest starts this under
 // torchrun and mpirun with 4 and 6 ranks; each run covers the meshes of its world size (4: 2x2
-// and 4x1; 6: 3x2 and 2x3, replicas x shard) and the 1-D mesh: every replica mode bitwise equal
-// to single-device Muon (fp32 Newton–Schulz) step after step, NorMuon and matrix layouts among
-// them; every replica holding the same bits after every step; the bytes of every communicator
+// and 4x1; 6: 3x2 and 2x3, replicas x shard) and the 1-D mesh: every replica mode (the relay
+// included, also against the direct scatter) bitwise equal to single-device Muon (fp32
+// Newton–Schulz) step after step, NorMuon and matrix layouts among them; every replica holding
+// the same bits after every step; the bytes of every communicator
 // equal to the plan's; the 1-D mesh equal to groups on a plain communicator, bytes included;
 // groups on different meshes an error on every rank.
 //
@@ -216,9 +217,19 @@ void expect_planned_bytes(const FsdpMuon& fsdp, const DeviceMesh& mesh, const st
     EXPECT_EQ(stats.scatter_inter_node_bytes, 0) << what;
   }
   if (world_owners) {
-    // Each owner sends every other replica the whole matrix (and NorMuon's rows) once.
-    EXPECT_EQ(plan.replica_newton_schulz, ReplicaNewtonSchulz::kOncePerWorld) << what;
+    // Each matrix reaches every other replica once: from its owner (direct), or from the
+    // holders in the owner's replica (relay, an all-gather-v over each replicate group).
+    EXPECT_TRUE(plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld ||
+                plan.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorldRelay)
+        << what;
   }
+}
+
+// Owners span the replicas (direct or relayed).
+bool once_per_world(const FsdpMuon& fsdp) {
+  const ReplicaNewtonSchulz mode = fsdp.owner_plan().replica_newton_schulz;
+  return mode == ReplicaNewtonSchulz::kOncePerWorld ||
+         mode == ReplicaNewtonSchulz::kOncePerWorldRelay;
 }
 
 std::string mode_name(const DeviceMesh& mesh, ReplicaNewtonSchulz mode, const FsdpMuon& fsdp) {
@@ -226,9 +237,9 @@ std::string mode_name(const DeviceMesh& mesh, ReplicaNewtonSchulz mode, const Fs
          to_string(fsdp.owner_plan().replica_newton_schulz);
 }
 
-constexpr ReplicaNewtonSchulz kModes[] = {ReplicaNewtonSchulz::kOncePerWorld,
-                                          ReplicaNewtonSchulz::kOncePerReplica,
-                                          ReplicaNewtonSchulz::kByCost};
+constexpr ReplicaNewtonSchulz kModes[] = {
+    ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica,
+    ReplicaNewtonSchulz::kByCost, ReplicaNewtonSchulz::kOncePerWorldRelay};
 
 // Runs `steps` steps of FsdpMuon and Muon side by side and checks after every step: the
 // reference's bits, identical replicas, the plan's bytes.
@@ -274,7 +285,7 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, EveryModeEqualsSingleDeviceMuonOnEveryMesh) {
       const at::Tensor inter =
           at::full({1}, fsdp.last_step_stats().scatter_inter_node_bytes, at::kLong);
       world().all_reduce(inter);
-      if (fsdp.owner_plan().replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld) {
+      if (once_per_world(fsdp)) {
         EXPECT_GT(inter.item<int64_t>(), 0);
       } else {
         EXPECT_EQ(inter.item<int64_t>(), 0);
@@ -361,6 +372,61 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, NorMuonEqualsSingleDeviceMuon) {
   }
 }
 
+// The relay and the direct scatter side by side on every mesh of this world, NorMuon on (its
+// row state rides in both stages): the same bits in the weights, momentum and row state after
+// every step, and as many bytes cross replicas in all.
+FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, RelayEqualsDirectBitwise) {
+  if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
+  for (int shard_size : hsdp_shard_sizes()) {
+    const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
+    const MuonOptions options = MuonOptions(0.02)
+                                    .weight_decay(0.1)
+                                    .normalization(Normalization::kNorMuon)
+                                    .newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
+    const auto config = [](ReplicaNewtonSchulz mode) {
+      return FsdpMuonConfig().planner(
+          OwnerPlanOptions().replica_newton_schulz(mode).prefetch_budget_bytes(0));
+    };
+    Model direct_model = make_model(41, &mesh);
+    Model relay_model = make_model(41, &mesh);
+    FsdpMuon direct(sharded_matrices(direct_model), options,
+                    config(ReplicaNewtonSchulz::kOncePerWorld));
+    FsdpMuon relay(sharded_matrices(relay_model), options,
+                   config(ReplicaNewtonSchulz::kOncePerWorldRelay));
+    const std::string what = "relay vs direct " + mesh.shape();
+    SCOPED_TRACE(what);
+    // The owners may differ (the relay spreads by its own bytes): the bits may not.
+    for (int step = 0; step < 3; ++step) {
+      feed_gradients(direct_model, 4100 + step);
+      feed_gradients(relay_model, 4100 + step);
+      direct.step();
+      relay.step();
+      for (size_t g = 0; g < direct_model.groups.size(); ++g) {
+        EXPECT_TRUE(at::equal(relay_model.groups[g]->main_weight_shard(),
+                              direct_model.groups[g]->main_weight_shard()))
+            << "group " << g << " step " << step;
+      }
+      const std::vector<at::Tensor> a = sharded_matrices(direct_model);
+      const std::vector<at::Tensor> b = sharded_matrices(relay_model);
+      for (size_t i = 0; i < a.size(); ++i) {
+        const auto& x =
+            static_cast<const MuonParamState&>(*direct.state().at(a[i].unsafeGetTensorImpl()));
+        const auto& y =
+            static_cast<const MuonParamState&>(*relay.state().at(b[i].unsafeGetTensorImpl()));
+        EXPECT_TRUE(at::equal(x.momentum_buffer(), y.momentum_buffer())) << i;
+        EXPECT_TRUE(at::equal(x.normuon_variance(), y.normuon_variance())) << i;
+      }
+      expect_replicas_identical(relay_model, relay, mesh, what);
+      expect_planned_bytes(relay, mesh, what);
+    }
+    // Across the world the same bytes cross replicas: every replica receives each update once.
+    const at::Tensor inter = at::tensor({direct.last_step_stats().scatter_inter_node_bytes,
+                                         relay.last_step_stats().scatter_inter_node_bytes});
+    world().all_reduce(inter);
+    EXPECT_EQ(inter[0].item<int64_t>(), inter[1].item<int64_t>());
+  }
+}
+
 // Row blocks of a fused weight and batched experts (docs/DESIGN.md §3, "Layouts"): each block a
 // matrix of its own, owned anywhere in the world, on every mesh of this world.
 FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
@@ -370,7 +436,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
   for (int shard_size : hsdp_shard_sizes()) {
     const DeviceMesh& mesh = mesh_with_shard_size(shard_size);
     for (ReplicaNewtonSchulz mode :
-         {ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica}) {
+         {ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica,
+          ReplicaNewtonSchulz::kOncePerWorldRelay}) {
       Model model = make_model(31, &mesh, specs);
       const MuonOptions base =
           MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
@@ -397,7 +464,8 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, LayoutsEqualSingleDeviceMuon) {
 
 // Real per-rank gradients through the groups' two-stage reduction (reduce-scatter in the shard
 // group, then all-reduce across replicas): FsdpMuon equals Muon on the averaged gradients the
-// groups hand it, and the replicas stay identical, on every mesh under once-per-world.
+// groups hand it, and the replicas stay identical, on every mesh under once-per-world (direct
+// on the first mesh, relayed on the others).
 FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon) {
   if (hsdp_shard_sizes().empty()) GTEST_SKIP() << "runs at world sizes 4 and 6";
   for (int shard_size : hsdp_shard_sizes()) {
@@ -405,11 +473,13 @@ FSDP_MUON_WORLD_TEST(FsdpMuonHsdp, AveragedPerRankGradientsEqualSingleDeviceMuon
     Model model = make_model(51, &mesh);
     const MuonOptions options =
         MuonOptions(0.02).newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
+    const ReplicaNewtonSchulz mode = shard_size == hsdp_shard_sizes().front()
+                                         ? ReplicaNewtonSchulz::kOncePerWorld
+                                         : ReplicaNewtonSchulz::kOncePerWorldRelay;
     FsdpMuon fsdp(sharded_matrices(model), options,
-                  FsdpMuonConfig().planner(OwnerPlanOptions().replica_newton_schulz(
-                      ReplicaNewtonSchulz::kOncePerWorld)));
+                  FsdpMuonConfig().planner(OwnerPlanOptions().replica_newton_schulz(mode)));
     Muon muon(reference_matrices(model), options);
-    const std::string what = "per-rank gradients " + mesh.shape();
+    const std::string what = "per-rank gradients " + mesh.shape() + " " + to_string(mode);
     for (int step = 0; step < 3; ++step) {
       for (size_t g = 0; g < model.groups.size(); ++g) {
         auto& group = model.groups[g];

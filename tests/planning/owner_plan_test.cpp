@@ -731,7 +731,7 @@ TEST(OwnerPlanTest, OncePerReplicaIsTheShardPlan) {
   // The 1-D entry point is the {1, W} mesh, whatever replica_newton_schulz says.
   const auto groups = model_groups("8-expert", 8);
   for (const auto mode : {ReplicaNewtonSchulz::kOncePerWorld, ReplicaNewtonSchulz::kOncePerReplica,
-                          ReplicaNewtonSchulz::kByCost}) {
+                          ReplicaNewtonSchulz::kByCost, ReplicaNewtonSchulz::kOncePerWorldRelay}) {
     const OwnerPlanOptions options = OwnerPlanOptions().replica_newton_schulz(mode);
     const OwnerPlan flat = plan_owners(groups, 8, options);
     const OwnerPlan mesh = plan_owners(groups, MeshShape{1, 8}, options);
@@ -741,9 +741,8 @@ TEST(OwnerPlanTest, OncePerReplicaIsTheShardPlan) {
     EXPECT_EQ(flat.mesh.replicas, 1);
     EXPECT_EQ(flat.max_inter_node_bytes_per_rank(), 0);
     // One replica: kByCost's tie goes to kOncePerReplica.
-    EXPECT_EQ(flat.replica_newton_schulz, mode == ReplicaNewtonSchulz::kOncePerWorld
-                                              ? ReplicaNewtonSchulz::kOncePerWorld
-                                              : ReplicaNewtonSchulz::kOncePerReplica);
+    EXPECT_EQ(flat.replica_newton_schulz,
+              mode == ReplicaNewtonSchulz::kByCost ? ReplicaNewtonSchulz::kOncePerReplica : mode);
   }
 }
 
@@ -824,40 +823,129 @@ TEST(OwnerPlanTest, OncePerWorldOwnsEachMatrixOnceInTheWorld) {
   }
 }
 
-// kByCost: the plan of the two with the lower estimated_seconds(), kOncePerReplica on a tie.
-TEST(OwnerPlanTest, ByCostPicksTheFasterOfTheTwo) {
-  const auto groups = mesh_groups("8-expert", 8);
-  const MeshShape mesh{4, 8};
-  int world_picked = 0, replica_picked = 0;
-  for (const double inter : {1e6, 1e9, 2.5e10, 1e12, 1e18}) {
+// kOncePerWorldRelay, counted by hand on a 3x2 mesh (4-byte elements): A (4x4) is held half by
+// each shard rank, B (2x4) by shard rank 1 alone. Direct, both are owned in replica 0 (A by world
+// rank 0, B by 1: each shard rank's matrices spread by cost alone); the relay puts B in replica
+// 1 (world rank 3), where it adds no stage-B bytes to A's holders. Gather: rank 1 sends rank 0
+// its half of A (32 B). Stage A: rank 0 sends rank 1 its half of A's update (32 B). Stage B:
+// ranks 0 and 1 each send their half of A to the 2 other replicas (2 x 32 B), rank 3 all of B
+// (2 x 32 B). Direct: rank 0 sends A's halves to the 5 other ranks (5 x 32 B, 4 of them across
+// replicas), rank 1 sends B to ranks 3 and 5 (2 x 32 B).
+TEST(OwnerPlanTest, RelayBytesByHand) {
+  const std::vector<PlanGroup> groups{
+      {"g", {matrix("A", 4, 4, 2, {{0, 8}, {1, 8}}), matrix("B", 2, 4, 2, {{1, 8}})}, 0}};
+  OwnerPlanOptions options = on_mesh(ReplicaNewtonSchulz::kOncePerWorldRelay, true);
+  options.prefetch_budget_bytes(kUnlimitedPrefetch).overlap_communication(false);
+  const OwnerPlan relay = plan_owners(groups, MeshShape{3, 2}, options);
+  const OwnerPlan direct = plan_owners(
+      groups, MeshShape{3, 2},
+      OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld));
+  EXPECT_EQ(relay.replica_newton_schulz, ReplicaNewtonSchulz::kOncePerWorldRelay);
+  ASSERT_EQ(relay.owner, (std::vector<std::vector<int>>{{0, 3}}));
+  ASSERT_EQ(direct.owner, (std::vector<std::vector<int>>{{0, 1}}));
+  EXPECT_EQ(relay.gather_bytes_per_rank, (std::vector<int64_t>{0, 32, 0, 0, 0, 0}));
+  EXPECT_EQ(relay.scatter_bytes_per_rank, (std::vector<int64_t>{32 + 64, 64, 0, 64, 0, 0}));
+  EXPECT_EQ(relay.inter_node_bytes_per_rank, (std::vector<int64_t>{64, 64, 0, 64, 0, 0}));
+  EXPECT_EQ(direct.gather_bytes_per_rank, relay.gather_bytes_per_rank);
+  EXPECT_EQ(direct.scatter_bytes_per_rank, (std::vector<int64_t>{160, 64, 0, 0, 0, 0}));
+  EXPECT_EQ(direct.inter_node_bytes_per_rank, (std::vector<int64_t>{128, 64, 0, 0, 0, 0}));
+  // One round: the gather (32 B), then stage A (32 B within) and stage B (64 B across from the
+  // busiest rank), one after the other, each with its latency.
+  const CostRates& r = relay.rates;
+  ASSERT_EQ(relay.rounds.size(), 1u);
+  EXPECT_DOUBLE_EQ(relay.round_gather_seconds[0],
+                   32 / r.bytes_per_second() + r.exchange_latency_seconds());
+  EXPECT_DOUBLE_EQ(relay.round_scatter_seconds[0], 32 / r.bytes_per_second() +
+                                                       64 / r.inter_node_bytes_per_second() +
+                                                       2 * r.exchange_latency_seconds());
+  EXPECT_DOUBLE_EQ(relay.estimated_seconds(),
+                   relay.critical_path_planned() / r.newton_schulz_flops_per_second() +
+                       32 / r.bytes_per_second() + 64 / r.inter_node_bytes_per_second());
+}
+
+// kOncePerWorldRelay on real shapes (NorMuon's rows on GPT-2's MLP inputs): bytes against a
+// count where each holder in the owner's replica sends its piece to the replicas - 1 others;
+// across the world as many bytes cross replicas as direct.
+TEST(OwnerPlanTest, RelayBytesPerRankAgainstACount) {
+  for (const std::string which : {"gpt2", "8-expert"}) {
+    for (const auto& [replicas, shard] : {std::pair{2, 4}, {4, 8}, {3, 2}}) {
+      SCOPED_TRACE(which + " " + std::to_string(replicas) + "x" + std::to_string(shard));
+      const auto groups = mesh_groups(which, shard);
+      const int world = replicas * shard;
+      const OwnerPlanOptions options = on_mesh(ReplicaNewtonSchulz::kOncePerWorldRelay, false);
+      const OwnerPlan relay = plan_owners(groups, MeshShape{replicas, shard}, options);
+      const OwnerPlan direct = plan_owners(
+          groups, MeshShape{replicas, shard},
+          OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld));
+      std::vector<int64_t> gather(world, 0), scatter(world, 0), inter(world, 0);
+      for (size_t g = 0; g < groups.size(); ++g) {
+        const int64_t eb = groups[g].element_bytes > 0 ? groups[g].element_bytes : 4;
+        for (size_t i = 0; i < groups[g].matrices.size(); ++i) {
+          const PlanMatrix& m = groups[g].matrices[i];
+          const int o = relay.owner[g][i];
+          const int first = o / shard * shard;  // the owner's replica
+          for (int h = 0; h < shard; ++h) {
+            const int64_t piece = detail::held_numel(m, h) * eb;
+            if (first + h != o) {
+              gather[first + h] += piece;
+              scatter[o] += piece;
+            }
+            scatter[first + h] += (replicas - 1) * piece;
+            inter[first + h] += (replicas - 1) * piece;
+          }
+        }
+      }
+      EXPECT_EQ(relay.gather_bytes_per_rank, gather);
+      EXPECT_EQ(relay.scatter_bytes_per_rank, scatter);
+      EXPECT_EQ(relay.inter_node_bytes_per_rank, inter);
+      const auto sum = [](const std::vector<int64_t>& v) {
+        return std::accumulate(v.begin(), v.end(), int64_t{0});
+      };
+      EXPECT_EQ(sum(relay.inter_node_bytes_per_rank), sum(direct.inter_node_bytes_per_rank));
+    }
+  }
+}
+
+// kByCost: the plan of the three with the lowest estimated_seconds(), kOncePerReplica on a tie,
+// then kOncePerWorld before the relay. Slow links keep Newton–Schulz in every replica; in
+// between, the relay (no owner sends replicas - 1 copies) is the cheapest.
+TEST(OwnerPlanTest, ByCostPicksTheFastestOfTheThree) {
+  // GPT-2's 48 matrices over 16 replicas of 4: direct, an owner sends 15 copies of a matrix.
+  const auto groups = mesh_groups("gpt2", 4);
+  const MeshShape mesh{16, 4};
+  std::map<ReplicaNewtonSchulz, int> picked;
+  for (const double inter : {1e6, 1e9, 2.5e10, 1e11, 1e12, 1e18}) {
     SCOPED_TRACE("inter-node rate " + std::to_string(inter));
     const OwnerPlanOptions options = on_mesh(ReplicaNewtonSchulz::kByCost, false);
     const CostRates rates = CostRates().inter_node_bytes_per_second(inter);
+    const auto plan = [&](ReplicaNewtonSchulz mode) {
+      return plan_owners(groups, mesh, OwnerPlanOptions(options).replica_newton_schulz(mode),
+                         rates);
+    };
     const OwnerPlan chosen = plan_owners(groups, mesh, options, rates);
-    const OwnerPlan world = plan_owners(
-        groups, mesh,
-        OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerWorld), rates);
-    const OwnerPlan replica = plan_owners(
-        groups, mesh,
-        OwnerPlanOptions(options).replica_newton_schulz(ReplicaNewtonSchulz::kOncePerReplica),
-        rates);
-    const bool world_faster = world.estimated_seconds() < replica.estimated_seconds();
-    const OwnerPlan& expected = world_faster ? world : replica;
-    EXPECT_EQ(chosen.replica_newton_schulz, expected.replica_newton_schulz);
-    EXPECT_EQ(chosen.owner, expected.owner);
-    EXPECT_EQ(chosen.rounds, expected.rounds);
-    EXPECT_DOUBLE_EQ(chosen.estimated_seconds(),
-                     std::min(world.estimated_seconds(), replica.estimated_seconds()));
-    // The inter-node term is the busiest owner's (replicas - 1) copies of what it owns.
-    EXPECT_DOUBLE_EQ(world.estimated_seconds(),
-                     world.critical_path_planned() / rates.newton_schulz_flops_per_second() +
-                         world.max_intra_node_bytes_per_rank() / rates.bytes_per_second() +
-                         world.max_inter_node_bytes_per_rank() / inter);
-    world_faster ? ++world_picked : ++replica_picked;
+    const OwnerPlan replica = plan(ReplicaNewtonSchulz::kOncePerReplica);
+    const OwnerPlan direct = plan(ReplicaNewtonSchulz::kOncePerWorld);
+    const OwnerPlan relay = plan(ReplicaNewtonSchulz::kOncePerWorldRelay);
+    const OwnerPlan* expected = &replica;
+    for (const OwnerPlan* p : {&direct, &relay}) {
+      if (p->estimated_seconds() < expected->estimated_seconds()) expected = p;
+    }
+    EXPECT_EQ(chosen.replica_newton_schulz, expected->replica_newton_schulz);
+    EXPECT_EQ(chosen.owner, expected->owner);
+    EXPECT_EQ(chosen.rounds, expected->rounds);
+    EXPECT_DOUBLE_EQ(chosen.estimated_seconds(), expected->estimated_seconds());
+    // The inter-node term is the busiest rank's: direct, an owner's (replicas - 1) copies of
+    // what it owns; relayed, a holder's (replicas - 1) copies of its pieces.
+    for (const OwnerPlan* p : {&direct, &relay}) {
+      EXPECT_DOUBLE_EQ(p->estimated_seconds(),
+                       p->critical_path_planned() / rates.newton_schulz_flops_per_second() +
+                           p->max_intra_node_bytes_per_rank() / rates.bytes_per_second() +
+                           p->max_inter_node_bytes_per_rank() / inter);
+    }
+    ++picked[chosen.replica_newton_schulz];
   }
-  // Slow links keep Newton–Schulz in every replica, fast ones spread it over the world.
-  EXPECT_GT(world_picked, 0);
-  EXPECT_GT(replica_picked, 0);
+  EXPECT_GT(picked[ReplicaNewtonSchulz::kOncePerReplica], 0);
+  EXPECT_GT(picked[ReplicaNewtonSchulz::kOncePerWorldRelay], 0);
 }
 
 TEST(OwnerPlanTest, MeshErrors) {
@@ -889,6 +977,7 @@ TEST(OwnerPlanTest, MeshErrors) {
   EXPECT_STREQ(to_string(ReplicaNewtonSchulz::kOncePerWorld), "once_per_world");
   EXPECT_STREQ(to_string(ReplicaNewtonSchulz::kOncePerReplica), "once_per_replica");
   EXPECT_STREQ(to_string(ReplicaNewtonSchulz::kByCost), "by_cost");
+  EXPECT_STREQ(to_string(ReplicaNewtonSchulz::kOncePerWorldRelay), "once_per_world_relay");
 }
 
 // OwnerPlan::pipelined_seconds against the timeline worked by hand (1 FLOP/s, so a round's cost

@@ -168,8 +168,8 @@ class FSDP_MUON_API FsdpMuon : public torch::optim::Optimizer {
   // Owner of a sharded parameter this optimizer orthogonalizes (of its first matrix when its
   // layout makes several: matrices() lists each); -1 for one it does not (a skipped non-2-D
   // parameter, an empty matrix, or a tensor it does not know). Owners are ranks of the plan
-  // (OwnerPlan::world_size): world ranks under ReplicaNewtonSchulz::kOncePerWorld on a mesh of
-  // several replicas, shard ranks otherwise (the same in every replica).
+  // (OwnerPlan::world_size): world ranks under ReplicaNewtonSchulz::kOncePerWorld(Relay) on a mesh
+  // of several replicas, shard ranks otherwise (the same in every replica).
   int owner_of(const at::Tensor& sharded_parameter) const;
   const FsdpMuonStepStats& last_step_stats() const;
   // Steps whose update NonFiniteGradients::kSkipStep skipped, since construction.

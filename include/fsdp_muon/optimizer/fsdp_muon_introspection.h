@@ -32,8 +32,9 @@ struct FSDP_MUON_API FsdpMuonStepStats {
   int64_t gather_bytes = 0;   // sent by this rank in the gathers (Communicator::stats)
   int64_t scatter_bytes = 0;  // sent by this rank in the scatters
   // The same bytes by where they went: to the ranks of this rank's shard group (intra-node) or
-  // to other replicas (inter-node; only ReplicaNewtonSchulz::kOncePerWorld's scatter sends
-  // any: a gather never leaves the owner's replica). gather_bytes = gather_intra_node_bytes +
+  // to other replicas (inter-node; only the scatters of ReplicaNewtonSchulz::kOncePerWorld and
+  // kOncePerWorldRelay send any, the relay's in its stage B over the replicate group: a gather
+  // never leaves the owner's replica). gather_bytes = gather_intra_node_bytes +
   // gather_inter_node_bytes, and likewise for the scatter.
   int64_t gather_intra_node_bytes = 0;
   int64_t gather_inter_node_bytes = 0;

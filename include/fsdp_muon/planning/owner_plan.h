@@ -68,7 +68,7 @@ struct FSDP_MUON_API PlanGroup {
 
 struct FSDP_MUON_API OwnerPlan {
   // The ranks the plan is over: mesh.shard_size under kOncePerReplica (every replica runs the
-  // same plan over its shard ranks), mesh.world_size() under kOncePerWorld. Every per-rank
+  // same plan over its shard ranks), mesh.world_size() under kOncePerWorld(Relay). Every per-rank
   // vector below has world_size entries and every owner is a rank of that range.
   int world_size = 1;
   MeshShape mesh;
@@ -127,10 +127,14 @@ struct FSDP_MUON_API OwnerPlan {
   // active). Each element held by a non-owner travels to its owner once and back once, so
   // under holders-only this is the traffic minimum of docs/DESIGN.md §7. kOncePerWorld: an
   // owner gathers from the holders in its replica and scatters to the holders in every replica.
+  // kOncePerWorldRelay: the scatter goes to the holders in the owner's replica (stage A), and
+  // each of them (the owner too) sends its piece to the replicas - 1 others (stage B, an
+  // all-gather-v over its replicate group).
   std::vector<int64_t> gather_bytes_per_rank;
   std::vector<int64_t> scatter_bytes_per_rank;
   // [rank]: the part of the above sent to other replicas (kOncePerWorld: (replicas - 1) x a
-  // matrix's size, from its owner; all zero otherwise).
+  // matrix's size, from its owner; kOncePerWorldRelay: (replicas - 1) x each holder's piece,
+  // from the holders in the owner's replica; all zero otherwise).
   std::vector<int64_t> inter_node_bytes_per_rank;
   int64_t total_cost() const;
   int64_t largest_matrix_cost() const;
@@ -203,8 +207,9 @@ FSDP_MUON_API OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, int wo
 // kOncePerReplica: exactly plan_owners(groups, mesh.shard_size, options), owners are shard
 // ranks; kOncePerWorld: the shard plan, then each shard rank's matrices spread over the replicas
 // (by descending cost, to the least-loaded replica; ties: the lowest), owners are world ranks,
-// and the rounds are cut over all of them; kByCost: the one with the lower
-// estimated_seconds(), kOncePerReplica on a tie. plan_owners(groups, W, options, rates) is
+// and the rounds are cut over all of them; kOncePerWorldRelay: the same owners and rounds, the
+// relay's bytes and seconds; kByCost: the one of the three with the lowest estimated_seconds(),
+// kOncePerReplica on a tie (then kOncePerWorld). plan_owners(groups, W, options, rates) is
 // plan_owners(groups, {1, W}, options, rates).
 FSDP_MUON_API OwnerPlan plan_owners(const std::vector<PlanGroup>& groups, MeshShape mesh,
                                     const OwnerPlanOptions& options = {},

@@ -54,9 +54,15 @@ enum class ReplicaNewtonSchulz {
   // Each replica plans over its shard ranks and orthogonalizes every matrix itself, as Dion and
   // torchtitan do: no inter-node bytes in the step, Newton–Schulz repeated in every replica.
   kOncePerReplica,
-  // Whichever of the two the cost model predicts faster (OwnerPlan::estimated_seconds), decided
-  // at planning; kOncePerReplica on a tie.
+  // Whichever of kOncePerWorld, kOncePerWorldRelay and kOncePerReplica the cost model predicts
+  // faster (OwnerPlan::estimated_seconds), decided at planning; kOncePerReplica on a tie.
   kByCost,
+  // kOncePerWorld's owners, with the update relayed: the owner scatters it to the holders in its
+  // own replica only, then each shard rank's replicate group (the ranks with its shard rank)
+  // all-gathers the pieces its members hold of the matrices owned in their replicas. Every
+  // replica receives each update once; no owner sends replicas - 1 copies (docs/DESIGN.md §3).
+  // Appended: the values are stored and agreed.
+  kOncePerWorldRelay,
 };
 
 FSDP_MUON_API const char* to_string(ReplicaNewtonSchulz mode);
@@ -120,8 +126,8 @@ struct FSDP_MUON_API OwnerPlanOptions {
   // the same either way.
   TORCH_ARG(bool, overlap_communication) = true;
   // On a mesh with several replicas: who orthogonalizes each matrix (see ReplicaNewtonSchulz).
-  // kByCost, the default, picks whichever of kOncePerWorld and kOncePerReplica the cost model
-  // predicts faster. The result bits are the same under all three.
+  // kByCost, the default, picks whichever of kOncePerWorld, kOncePerWorldRelay and
+  // kOncePerReplica the cost model predicts faster. The result bits are the same under all.
   TORCH_ARG(ReplicaNewtonSchulz, replica_newton_schulz) = ReplicaNewtonSchulz::kByCost;
   // Bytes of one element moved and held, for a PlanGroup whose element_bytes is 0. FsdpMuon sets
   // every group's (its main dtype's), so there it changes nothing.
