@@ -206,9 +206,12 @@ FSDP_MUON_WORLD_TEST(FsdpMuonLayouts, EveryBlockIsAMatrixOfItsOwn) {
   Model model = make_model(5);
   const MuonOptions options =
       MuonOptions().newton_schulz(NewtonSchulzOptions().compute_dtype(at::kFloat));
-  FsdpMuon fsdp(
-      param_groups(model, true, options), options,
-      FsdpMuonConfig().planner(OwnerPlanOptions().owner_policy(OwnerPolicy::kHoldersOnly)));
+  FsdpMuon fsdp(param_groups(model, true, options), options,
+                // Given rates: the rounds, and so which blocks share a batched call (checked
+                // below), must not depend on what calibration measures on a loaded machine.
+                FsdpMuonConfig()
+                    .planner(OwnerPlanOptions().owner_policy(OwnerPolicy::kHoldersOnly))
+                    .rates(CostRates()));
   // Plan order: FSDP group, then parameter, then block.
   const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> expected = {
       {"attn.qkv[0]", 6, 5, 0},    {"attn.qkv[1]", 3, 5, 30},    {"attn.qkv[2]", 3, 5, 45},
