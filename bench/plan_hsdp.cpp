@@ -180,8 +180,12 @@ StepBlock step_block(const ModelShapes& model, MeshShape mesh,
   const auto direct = [&](ShardingStrategy s) {
     return flat_fsdp_traffic_direct(over_world, mesh, s);
   };
-  const char* pick =
-      by_cost.replica_newton_schulz == ReplicaNewtonSchulz::kOncePerWorld ? "world" : "replica";
+  const ReplicaNewtonSchulz picked = by_cost.replica_newton_schulz;
+  const bool repeats_a_row = picked == ReplicaNewtonSchulz::kOncePerWorld ||
+                             picked == ReplicaNewtonSchulz::kOncePerReplica;
+  const char* pick = picked == ReplicaNewtonSchulz::kOncePerWorld     ? "world"
+                     : picked == ReplicaNewtonSchulz::kOncePerReplica ? "replica"
+                                                                      : "relay";
   StepBlock block{model.name, format("%dx%d", mesh.replicas, mesh.shard_size), {}};
   block.rows.push_back(plan_row("1-D ring", ring, flat, prices));
   block.rows.push_back(plan_row("1-D direct (bound)", direct, flat, prices));
@@ -189,7 +193,8 @@ StepBlock step_block(const ModelShapes& model, MeshShape mesh,
   block.rows.push_back(plan_row("HSDP world", hsdp, world, prices));
   block.rows.push_back(plan_row("HSDP replica", hsdp, replica, prices));
   block.rows.push_back(plan_row(std::string("HSDP by_cost=") + pick, hsdp, by_cost, prices));
-  block.rows.back().choice = false;
+  // A repeat of the world or replica row is not ranked again; the relay has no row of its own.
+  block.rows.back().choice = !repeats_a_row;
   block.rows.push_back(dmuon_row(sharded, dedicated_owners(groups, mesh), mesh, prices));
   return block;
 }
@@ -239,6 +244,7 @@ void print_whole_step(const std::vector<StepBlock>& blocks, const StepPrices& pr
       "              all-reduce of the bf16 shard across (ring: 2(R-1)/R x model/S, 2(R-1)\n"
       "              steps); optimizer:\n"
       "              kOncePerWorld (world), kOncePerReplica (replica), kByCost's pick\n"
+      "              (relay: kOncePerWorldRelay, ranked as it has no row of its own)\n"
       "              (a repeat, not ranked)\n"
       "  DMuon       dedicated owners on the same mesh (X-Square-Robot/dmuon, its published\n"
       "              design): matrices whole with their momentum on an owner (LPT by NS cost\n"
