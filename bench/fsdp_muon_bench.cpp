@@ -27,7 +27,7 @@ const char* kUsage = R"(usage:
                   [--policy holders-only|any-rank|balanced] [--schedule rounds|windows]
                   [--prefetch-mib 1024|unlimited]
                   [--threads N] [--compare] [--ns-gflops G] [--gbps B] [--latency-us L]
-                  [--shard-size N[,N...]]
+                  [--shard-size N[,N...]] [--replica-ns world|relay|replica|by_cost[,...]]
   Presets (full size on a GPU; on a CPU --scale defaults to 8 for llama3-layer and moe and
   gpt2 runs 2 layers): gpt2 = GPT-2 124M layers; llama3-layer = one Llama-3-8B layer (widths
   divided by --scale); moe = one Qwen3-30B-A3B layer with --experts experts (default 16).
@@ -37,6 +37,8 @@ const char* kUsage = R"(usage:
   --shard-size N: HSDP, groups sharded over N ranks and replicated over W/N (default: W).
   A list (--shard-size 2,4) measures each mesh in turn in this one run and ends with a table
   of the meshes side by side: bytes per communicator, gradient reduction and step times.
+  --replica-ns: on meshes of several replicas, who orthogonalizes (default by_cost); a list
+  (world,relay) measures each mode in turn on each such mesh, in the same table.
 )";
 }  // namespace
 

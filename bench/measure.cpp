@@ -156,6 +156,7 @@ struct MeasureArgs {
   std::string newton_schulz_dtype_name, policy_name, prefetch, schedule_name, scale_flag;
   bool compare = false;
   std::optional<fsdp_muon::CostRates> rates;  // std::nullopt: measured at construction
+  fsdp_muon::ReplicaNewtonSchulz replica_newton_schulz = fsdp_muon::ReplicaNewtonSchulz::kByCost;
 };
 
 // One mesh's figures for the side-by-side table (max over ranks; filled on rank 0 only).
@@ -224,7 +225,8 @@ MeshRow measure_on_mesh(const MeasureArgs& args,
                                                             : fsdp_muon::OwnerPolicy::kHoldersOnly)
                   .owner_schedule(schedule_name == "windows" ? fsdp_muon::OwnerSchedule::kWindows
                                                              : fsdp_muon::OwnerSchedule::kRounds)
-                  .prefetch_budget_bytes(budget))
+                  .prefetch_budget_bytes(budget)
+                  .replica_newton_schulz(args.replica_newton_schulz))
           .rates(args.rates);
   fsdp_muon::FsdpMuon muon(matrices,
                            fsdp_muon::MuonOptions(0.02).newton_schulz(
@@ -498,10 +500,10 @@ void print_mesh_table(const std::vector<MeshRow>& rows, int world) {
       "\nmeshes side by side, W=%d (replicas x shard; max rank; MiB per rank per step; ms per "
       "step):\n",
       world);
-  std::printf("%-6s %-17s %6s %11s %9s %12s %12s %10s %10s %10s\n", "mesh", "replica NS", "rounds",
+  std::printf("%-6s %-20s %6s %11s %9s %12s %12s %10s %10s %10s\n", "mesh", "replica NS", "rounds",
               "optim MiB", "of inter", "grad shard", "grad repl", "grad ms", "NS ms", "step ms");
   for (const MeshRow& r : rows) {
-    std::printf("%-6s %-17s %6zu %11.3f %9.3f %12.3f %12.3f %10.1f %10.1f %10.1f\n", r.mesh.c_str(),
+    std::printf("%-6s %-20s %6zu %11.3f %9.3f %12.3f %12.3f %10.1f %10.1f %10.1f\n", r.mesh.c_str(),
                 r.replica_newton_schulz.c_str(), r.rounds, r.optimizer_mib, r.inter_mib,
                 r.reduce_shard_mib, r.reduce_replicate_mib, r.reduce_ms, r.orthogonalize_ms,
                 r.step_ms);
@@ -531,6 +533,9 @@ int run_measure(Flags& flags) {
   const int64_t threads = flags.get_int("threads", 0);
   // HSDP: groups sharded over this many ranks and replicated over the rest (0: every rank).
   const std::vector<int64_t> shard_sizes = flags.get_ints("shard-size", {0});
+  // On meshes of several replicas, who orthogonalizes: one or a list (world,relay), each
+  // measured in turn on each mesh of this launch.
+  const std::string replica_names = flags.get("replica-ns", "by_cost");
   const bool compare = flags.has("compare");
   const std::string scale_flag = flags.get("scale", "");
   // The cost model's rates, which with overlap decide how many rounds a step has: measured at
@@ -558,21 +563,40 @@ int run_measure(Flags& flags) {
   TORCH_CHECK(schedule_name == "rounds" || schedule_name == "windows",
               "--schedule: rounds or windows");
   TORCH_CHECK(!shard_sizes.empty(), "--shard-size: give one shard size or a list (2,4)");
+  std::vector<fsdp_muon::ReplicaNewtonSchulz> replica_modes;
+  for (size_t start = 0; start <= replica_names.size();) {
+    const size_t comma = std::min(replica_names.find(',', start), replica_names.size());
+    const std::string name = replica_names.substr(start, comma - start);
+    using R = fsdp_muon::ReplicaNewtonSchulz;
+    TORCH_CHECK(name == "world" || name == "relay" || name == "replica" || name == "by_cost",
+                "--replica-ns: world, relay, replica or by_cost (or a list of them), got '", name,
+                "'");
+    replica_modes.push_back(name == "world"     ? R::kOncePerWorld
+                            : name == "relay"   ? R::kOncePerWorldRelay
+                            : name == "replica" ? R::kOncePerReplica
+                                                : R::kByCost);
+    start = comma + 1;
+  }
   for (const int64_t shard_size : shard_sizes) {
     TORCH_CHECK(shard_size >= 0, "--shard-size must be >= 1 (0: every rank), got ", shard_size);
   }
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
 
   const auto comm = fsdp_muon::init_from_env();
-  const MeasureArgs args{
+  MeasureArgs args{
       preset,      layers,   experts,       steps,      warmup,  newton_schulz_dtype_name,
       policy_name, prefetch, schedule_name, scale_flag, compare, rates};
-  // Several shard sizes run one after the other in this process, each with its own groups and
-  // optimizer, so that their figures come from the same launch and the same machine state.
+  // Several shard sizes (and replica modes) run one after the other in this process, each with
+  // its own groups and optimizer, so that their figures come from the same launch and the same
+  // machine state. A mesh of one replica has no replica mode: it runs once.
   std::vector<MeshRow> rows;
-  for (size_t k = 0; k < shard_sizes.size(); ++k) {
-    if (k > 0 && comm->rank() == 0) std::printf("\n");
-    rows.push_back(measure_on_mesh(args, comm, shard_sizes[k]));
+  for (const int64_t shard_size : shard_sizes) {
+    const bool replicated = shard_size > 0 && shard_size < comm->size();
+    for (size_t m = 0; m < (replicated ? replica_modes.size() : 1); ++m) {
+      if (!rows.empty() && comm->rank() == 0) std::printf("\n");
+      args.replica_newton_schulz = replica_modes[m];
+      rows.push_back(measure_on_mesh(args, comm, shard_size));
+    }
   }
   if (rows.size() > 1 && comm->rank() == 0) print_mesh_table(rows, comm->size());
   return 0;
