@@ -1,6 +1,8 @@
 #include <fsdp_muon/comm/nccl_communicator.h>
 
+#include <array>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -110,16 +112,46 @@ class MarkerEvent {
   cudaEvent_t event_ = nullptr;
 };
 
-// The asynchronous collectives of every NCCL communicator on one device share one communication
-// stream and one "last started" event. NCCL serializes the kernels of one communicator, but two
-// communicators' kernels running side by side in different orders on different ranks can hang
-// (NCCL's guide, "Using multiple NCCL communicators concurrently"); one stream keeps them in the
-// order they were started.
+// The asynchronous collectives of every NCCL communicator on one device run on the device's
+// lanes: one library-created stream per kind of collective (CommLane), as FSDP2 gives the
+// all-gather, the reduce-scatter and the all-reduce streams of their own, so that the next
+// layer's all-gather does not queue behind a slow replica all-reduce. Two communicators' kernels
+// running side by side in different orders on different ranks can hang (NCCL's guide, "Using
+// multiple NCCL communicators concurrently"): lanes run side by side only where NCCL itself
+// starts the device's kernels in the order they were launched (launch_order()); otherwise every
+// lane is one stream, which keeps them in start order. One communicator's kernels run in launch
+// order on any stream (NCCL chains each launch after the last on its device stream).
 struct DeviceOrder {
   std::mutex mutex;
-  std::optional<c10::cuda::CUDAStream> stream;  // created at the first asynchronous collective
-  std::shared_ptr<MarkerEvent> last_async;      // the end of the last one started
+  // Created at first use and never destroyed: a work or a waiting stream may refer to them
+  // until the process ends, as to ATen's pooled streams.
+  std::array<std::optional<c10::cuda::CUDAStream>, detail::kCommLanes> streams;
+  std::array<std::shared_ptr<MarkerEvent>, detail::kCommLanes> last_async;  // the last one's end
 };
+
+// NCCL_LAUNCH_ORDER_IMPLICIT (NCCL >= 2.26, enqueue.cc getImplicitOrder): every launch on a
+// device waits until the one launched before it, of any communicator, has started (CUDA >= 12.3's
+// launch-completion event; older drivers: has finished). NCCL reads the variable once, at the
+// process's first launch, so it is decided here, once, before any communicator of ours exists.
+const detail::LaunchOrder& launch_order() {
+  static const detail::LaunchOrder order = [] {
+    int nccl = 0;
+    FSDP_MUON_CHECK_NCCL(ncclGetVersion(&nccl));
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    const char* set = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    detail::LaunchOrder decided = detail::decide_launch_order(nccl, set, driver);
+    // Unset or empty (which NCCL reads as 0): set, replacing the empty value.
+    if (decided.set_variable) setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/1);
+    if (!decided.separate_lanes) {
+      FSDP_MUON_API_SCOPE("make_nccl_communicator");
+      FSDP_MUON_WARN("the asynchronous collectives of every kind share one stream per device: ",
+                     decided.why);
+    }
+    return decided;
+  }();
+  return order;
+}
 
 // set_async_collective_delay_for_testing (nccl_internal.h): 0 in every real run.
 std::atomic<int64_t>& async_collective_delay() {
@@ -136,16 +168,29 @@ DeviceOrder& device_order(int device_index) {
   return *order;
 }
 
-// The device's communication stream; `order.mutex` is held by the caller.
-c10::cuda::CUDAStream& communication_stream(DeviceOrder& order, int device_index) {
-  if (!order.stream) {
-    order.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
-                                                static_cast<c10::DeviceIndex>(device_index));
-  }
-  return *order.stream;
+// Where a lane's work is kept: its own slot, or slot 0 for all when the lanes are one stream.
+size_t lane_slot(detail::CommLane lane) {
+  return launch_order().separate_lanes ? static_cast<size_t>(lane) : 0;
 }
 
-// An asynchronous collective on the communication stream: `done` marks its end there. wait()
+// The stream of `lane` on the device; `order.mutex` is held by the caller. The library creates
+// it (highest priority, non-blocking), so no other code can be handed it from ATen's pool and
+// queue work of its own between our collectives.
+c10::cuda::CUDAStream& lane_stream(DeviceOrder& order, int device_index, detail::CommLane lane) {
+  std::optional<c10::cuda::CUDAStream>& stream = order.streams[lane_slot(lane)];
+  if (!stream) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+    int least = 0;
+    int greatest = 0;
+    FSDP_MUON_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t created = nullptr;
+    FSDP_MUON_CHECK_CUDA(cudaStreamCreateWithPriority(&created, cudaStreamNonBlocking, greatest));
+    stream = c10::cuda::getStreamFromExternal(created, static_cast<c10::DeviceIndex>(device_index));
+  }
+  return *stream;
+}
+
+// An asynchronous collective on its lane: `done` marks its end there. wait()
 // orders the caller's current stream, and the stream the call was made on, after it; the host
 // never waits. The work holds the buffers until then, so a caller that drops its handles frees
 // nothing early; and since they are released only after the calling stream waited for `done`,
@@ -178,7 +223,7 @@ class NcclWork final : public CommWork {
     // The streams that reuse the buffers are ordered after the collective first, also when the
     // communicator was aborted (an abort ends its kernels, so `done` still comes): wait() marks
     // the work waited before it runs, so the destructor will not order them again, and the
-    // buffers must not reach the allocator while the communication stream may still write them.
+    // buffers must not reach the allocator while its lane may still write them.
     // Where CUDA refuses the wait the device is gone, and nothing will write them.
     cudaError_t ordered = cudaStreamWaitEvent(caller, done_->get(), 0);
     if (ordered == cudaSuccess && calling_stream_ != caller) {
@@ -231,6 +276,7 @@ class NcclCommunicator final : public Communicator {
                     " is outside the visible CUDA devices [0, ", device_count,
                     "); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
     check_nccl_version();
+    launch_order();  // before this process's first launch of ours (NCCL reads it then)
     // Twice the timeout: a wait for the GPU (to_host, barrier) reaches its own timeout and
     // throws first; the watchdog is for calls that never get there.
     // The handler reads abort_cause_, written before the abort's scope begins (whose release
@@ -424,9 +470,11 @@ class NcclCommunicator final : public Communicator {
     const detail::CallWatchdog::Scope watched(*watchdog_,
                                               "fsdp_muon::Communicator::all_to_all_v_async",
                                               "ncclGroupEnd (ncclSend/ncclRecv)");
-    const cudaStream_t stream = begin_async("all_to_all_v", {send, recv});
-    guarded_enqueue([&] { enqueue_all_to_all_v(send, send_counts, recv, recv_counts, stream); });
-    return end_async({send, recv});
+    constexpr detail::CommLane lane = detail::CommLane::kAllToAll;
+    const cudaStream_t stream = begin_async("all_to_all_v", lane, {send, recv});
+    guarded_enqueue(lane,
+                    [&] { enqueue_all_to_all_v(send, send_counts, recv, recv_counts, stream); });
+    return end_async(lane, {send, recv});
   }
 
   std::unique_ptr<CommWork> do_all_gather_async(const at::Tensor& send,
@@ -434,9 +482,10 @@ class NcclCommunicator final : public Communicator {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const detail::CallWatchdog::Scope watched(
         *watchdog_, "fsdp_muon::Communicator::all_gather_async", "ncclAllGather");
-    const cudaStream_t stream = begin_async("all_gather", {send, recv});
-    guarded_enqueue([&] { enqueue_all_gather(send, recv, stream); });
-    return end_async({send, recv});
+    constexpr detail::CommLane lane = detail::CommLane::kAllGather;
+    const cudaStream_t stream = begin_async("all_gather", lane, {send, recv});
+    guarded_enqueue(lane, [&] { enqueue_all_gather(send, recv, stream); });
+    return end_async(lane, {send, recv});
   }
 
   std::unique_ptr<CommWork> do_all_gather_v_async(
@@ -445,9 +494,10 @@ class NcclCommunicator final : public Communicator {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const detail::CallWatchdog::Scope watched(
         *watchdog_, "fsdp_muon::Communicator::all_gather_v_async", "ncclGroupEnd (ncclBroadcast)");
-    const cudaStream_t stream = begin_async("all_gather_v", {send, recv});
-    guarded_enqueue([&] { enqueue_all_gather_v(send, recv, recv_counts, stream); });
-    return end_async({send, recv});
+    constexpr detail::CommLane lane = detail::CommLane::kAllGather;
+    const cudaStream_t stream = begin_async("all_gather_v", lane, {send, recv});
+    guarded_enqueue(lane, [&] { enqueue_all_gather_v(send, recv, recv_counts, stream); });
+    return end_async(lane, {send, recv});
   }
 
   std::unique_ptr<CommWork> do_reduce_scatter_mean_async(const at::Tensor& send,
@@ -455,24 +505,26 @@ class NcclCommunicator final : public Communicator {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const detail::CallWatchdog::Scope watched(
         *watchdog_, "fsdp_muon::Communicator::reduce_scatter_mean_async", "ncclReduceScatter");
-    const cudaStream_t stream = begin_async("reduce_scatter_mean", {send, recv});
-    guarded_enqueue([&] { enqueue_reduce_scatter_mean(send, recv, stream); });
-    return end_async({send, recv});
+    constexpr detail::CommLane lane = detail::CommLane::kReduceScatter;
+    const cudaStream_t stream = begin_async("reduce_scatter_mean", lane, {send, recv});
+    guarded_enqueue(lane, [&] { enqueue_reduce_scatter_mean(send, recv, stream); });
+    return end_async(lane, {send, recv});
   }
 
   std::unique_ptr<CommWork> do_all_reduce_async(const at::Tensor& tensor, ReduceOp op) override {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     const detail::CallWatchdog::Scope watched(
         *watchdog_, "fsdp_muon::Communicator::all_reduce_async", "ncclAllReduce");
-    const cudaStream_t stream = begin_async("all_reduce", {tensor});
-    guarded_enqueue([&] {
+    constexpr detail::CommLane lane = detail::CommLane::kAllReduce;
+    const cudaStream_t stream = begin_async("all_reduce", lane, {tensor});
+    guarded_enqueue(lane, [&] {
       if (tensor.numel() == 0) return;
       finish(
           ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
                         to_nccl(tensor.scalar_type()), to_nccl(op), comm_, stream),
           "ncclAllReduce");
     });
-    return end_async({tensor});
+    return end_async(lane, {tensor});
   }
 
   // A new communicator of the members, set up like this one (bounded, non-blocking set-up, a
@@ -713,8 +765,8 @@ class NcclCommunicator final : public Communicator {
     // the device.
     DeviceOrder& order = device_order(device_index_);
     std::lock_guard<std::mutex> lock(order.mutex);
-    if (order.last_async) {
-      FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, order.last_async->get(), 0));
+    for (const std::shared_ptr<MarkerEvent>& last : order.last_async) {
+      if (last) FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(caller, last->get(), 0));
     }
     return caller;
   }
@@ -728,18 +780,19 @@ class NcclCommunicator final : public Communicator {
     last_enqueued_ = last_sync_;
   }
 
-  // check_usable() for an asynchronous collective: returns the communication stream, made to
+  // check_usable() for an asynchronous collective: returns the lane's stream, made to
   // wait for everything enqueued so far on the caller's current stream (which produced the send
   // buffer and ran the synchronous collectives started earlier). The caller's stream does not
   // wait for anything: that is the overlap.
-  cudaStream_t begin_async(const char* what, std::initializer_list<at::Tensor> buffers) {
+  cudaStream_t begin_async(const char* what, detail::CommLane lane,
+                           std::initializer_list<at::Tensor> buffers) {
     check_usable(what);
     const c10::cuda::CUDAStream caller =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index_));
     calling_stream_ = caller.stream();
     DeviceOrder& order = device_order(device_index_);
     std::lock_guard<std::mutex> lock(order.mutex);
-    const c10::cuda::CUDAStream& communication = communication_stream(order, device_index_);
+    const c10::cuda::CUDAStream& communication = lane_stream(order, device_index_, lane);
     const MarkerEvent ready;
     FSDP_MUON_CHECK_CUDA(cudaEventRecord(ready.get(), caller.stream()));
     FSDP_MUON_CHECK_CUDA(cudaStreamWaitEvent(communication.stream(), ready.get(), 0));
@@ -747,8 +800,8 @@ class NcclCommunicator final : public Communicator {
       const c10::cuda::CUDAStreamGuard on_communication(communication);
       at::cuda::sleep(cycles);
     }
-    // No record_stream on the communication stream: that would keep each block from the
-    // allocator until the communication stream passed the point where the block was freed,
+    // No record_stream on the lane: that would keep each block from the
+    // allocator until the lane passed the point where the block was freed,
     // behind later gathers and reductions (about a group of weights and one of gradients more
     // than the library counts). The work's wait() orders the calling stream after the
     // collective before the buffers are released, so blocks allocated on the calling stream
@@ -762,17 +815,17 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Runs an asynchronous collective's enqueue; when it throws (the communicator is then
-  // aborted), the calling stream is made to wait for whatever the communication stream still
+  // aborted), the calling stream is made to wait for whatever the lane still
   // holds (a queued local copy, an aborted kernel) before the caller frees the buffers.
   template <typename Enqueue>
-  void guarded_enqueue(const Enqueue& enqueue) {
+  void guarded_enqueue(detail::CommLane lane, const Enqueue& enqueue) {
     try {
       enqueue();
     } catch (...) {
       DeviceOrder& order = device_order(device_index_);
       std::lock_guard<std::mutex> lock(order.mutex);
       const MarkerEvent drained;
-      if (cudaEventRecord(drained.get(), communication_stream(order, device_index_).stream()) ==
+      if (cudaEventRecord(drained.get(), lane_stream(order, device_index_, lane).stream()) ==
           cudaSuccess) {
         (void)cudaStreamWaitEvent(calling_stream_, drained.get(), 0);
       }
@@ -780,13 +833,15 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  // Marks the end of the collective just enqueued on the communication stream.
-  std::unique_ptr<CommWork> end_async(std::vector<at::Tensor> buffers) {
+  // Marks the end of the collective just enqueued on its lane: what the next synchronous
+  // collective waits for.
+  std::unique_ptr<CommWork> end_async(detail::CommLane lane, std::vector<at::Tensor> buffers) {
     DeviceOrder& order = device_order(device_index_);
     std::lock_guard<std::mutex> lock(order.mutex);
     auto done = std::make_shared<MarkerEvent>();
-    FSDP_MUON_CHECK_CUDA(cudaEventRecord(done->get(), order.stream->stream()));
-    order.last_async = done;
+    FSDP_MUON_CHECK_CUDA(
+        cudaEventRecord(done->get(), lane_stream(order, device_index_, lane).stream()));
+    order.last_async[lane_slot(lane)] = done;
     last_enqueued_ = done;
     return std::make_unique<NcclWork>(std::move(done), device_index_, calling_stream_, aborted_,
                                       api_, std::move(buffers));
@@ -847,7 +902,9 @@ class NcclCommunicator final : public Communicator {
   }
 
   // For the destructor: whether every collective enqueued so far has run, waiting at most the
-  // timeout. Collectives run in start order (§5), so the last one's end marks them all.
+  // timeout. One communicator's kernels run in launch order whatever their lanes (NCCL chains each
+  // launch after the last on its device stream, enqueue.cc ncclLaunchPrepare), so the last one's
+  // end marks them all.
   bool drained() {
     if (!last_enqueued_) return true;
     const auto deadline = Clock::now() + timeout_;
@@ -1044,10 +1101,40 @@ class NcclCommunicator final : public Communicator {
 namespace detail {
 void set_async_collective_delay_for_testing(int64_t cycles) { async_collective_delay() = cycles; }
 
-c10::cuda::CUDAStream nccl_communication_stream(int device_index) {
+c10::cuda::CUDAStream nccl_lane_stream(int device_index, CommLane lane) {
   DeviceOrder& order = device_order(device_index);
   std::lock_guard<std::mutex> lock(order.mutex);
-  return communication_stream(order, device_index);
+  return lane_stream(order, device_index, lane);
+}
+
+bool nccl_lanes_separate() { return launch_order().separate_lanes; }
+
+LaunchOrder decide_launch_order(int nccl_version, const char* variable, int cuda_driver_version) {
+  if (nccl_version < 22600) {
+    return {false, false,
+            c10::str("NCCL ", version_string(nccl_version),
+                     " does not start different communicators' kernels in launch order "
+                     "(NCCL_LAUNCH_ORDER_IMPLICIT needs NCCL 2.26 or newer)")};
+  }
+  const std::string driver =
+      cuda_driver_version >= 12030
+          ? std::string()
+          : " (a CUDA driver older than 12.3 makes NCCL order them by completion: the lanes are "
+            "safe but do not overlap)";
+  if (variable == nullptr || *variable == '\0') {
+    return {true, true, "fsdp_muon set NCCL_LAUNCH_ORDER_IMPLICIT=1" + driver};
+  }
+  // NCCL's own reading (param.cc, ncclLoadParam): strtoll with base 0, the default 0 on error.
+  errno = 0;
+  const long long value = std::strtoll(variable, nullptr, 0);
+  if (errno != 0 || value == 0) {
+    return {false, false,
+            c10::str("NCCL_LAUNCH_ORDER_IMPLICIT=", variable,
+                     " is set, so NCCL starts different communicators' kernels in no fixed "
+                     "order; unset it (fsdp_muon then sets it to 1) for one stream per kind of "
+                     "collective")};
+  }
+  return {true, false, c10::str("NCCL_LAUNCH_ORDER_IMPLICIT=", variable, " is set") + driver};
 }
 
 std::string cuda_pci_bus_id(int device) {

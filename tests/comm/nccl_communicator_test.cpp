@@ -224,7 +224,8 @@ TEST(NcclCommunicator, WaitsOrderTheCallersStreamAfterABusyCommunicationStream) 
   const int64_t busy = static_cast<int64_t>(0.3 * sleep_cycles_per_second());
   const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
   const c10::cuda::CUDAStreamGuard guard(side);
-  const c10::cuda::CUDAStream communication = detail::nccl_communication_stream(0);
+  const c10::cuda::CUDAStream communication =
+      detail::nccl_lane_stream(0, detail::CommLane::kAllGather);
   ASSERT_NE(communication, side);
 
   const at::Tensor send = at::full({1000}, 5.0f, on);
@@ -251,6 +252,89 @@ TEST(NcclCommunicator, WaitsOrderTheCallersStreamAfterABusyCommunicationStream) 
   pending->wait();
   EXPECT_TRUE(at::equal(comm->to_host(second), at::full({1000}, 5.0f)))
       << "the synchronous collective did not wait for the asynchronous one started before it";
+}
+
+// The lanes (docs/DESIGN.md §5, Streams): one library stream per kind of asynchronous
+// collective where NCCL starts kernels in launch order, and none of them a stream the caller
+// runs on. With a lane held busy (a ~0.3 s sleep there), a synchronous collective started after
+// that lane's asynchronous one still reads its result: begin() waits for every lane, not one.
+TEST(NcclCommunicator, ASynchronousCollectiveWaitsForEveryLane) {
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  const auto on = at::TensorOptions().device(comm->device()).dtype(at::kFloat);
+  const int64_t busy = static_cast<int64_t>(0.3 * sleep_cycles_per_second());
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+  const c10::cuda::CUDAStreamGuard guard(side);
+  const auto lane = [](detail::CommLane l) { return detail::nccl_lane_stream(0, l); };
+  const std::vector<detail::CommLane> kinds = {
+      detail::CommLane::kAllGather, detail::CommLane::kReduceScatter, detail::CommLane::kAllReduce,
+      detail::CommLane::kAllToAll};
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    EXPECT_NE(lane(kinds[i]), side);
+    EXPECT_NE(lane(kinds[i]), c10::cuda::getDefaultCUDAStream(0));
+    for (size_t j = 0; j < i; ++j) {
+      EXPECT_EQ(lane(kinds[i]) == lane(kinds[j]), !detail::nccl_lanes_separate())
+          << "lanes " << i << " and " << j;
+    }
+  }
+  std::cout << "lanes " << (detail::nccl_lanes_separate() ? "separate" : "one stream") << "\n";
+
+  const at::Tensor send = at::full({1000}, 5.0f, on);
+  for (const detail::CommLane kind : kinds) {
+    SCOPED_TRACE(static_cast<int>(kind));
+    at::Tensor result = at::zeros({1000}, on);
+    {
+      const c10::cuda::CUDAStreamGuard busy_guard(lane(kind));
+      at::cuda::sleep(busy);
+    }
+    std::unique_ptr<CommWork> work;
+    switch (kind) {
+      case detail::CommLane::kAllGather:
+        work = comm->all_gather_async(send, result);
+        break;
+      case detail::CommLane::kReduceScatter:
+        work = comm->reduce_scatter_mean_async(send, result);
+        break;
+      case detail::CommLane::kAllReduce:
+        result.copy_(send);
+        work = comm->all_reduce_async(result, ReduceOp::kSum);
+        break;
+      case detail::CommLane::kAllToAll:
+        work = comm->all_to_all_v_async(send, {1000}, result, {1000});
+        break;
+    }
+    at::Tensor copied = at::zeros({1000}, on);
+    comm->all_gather(result, copied);  // reads what the asynchronous one writes
+    work->wait();
+    EXPECT_TRUE(at::equal(comm->to_host(copied), at::full({1000}, 5.0f)))
+        << "the synchronous collective did not wait for the busy lane";
+  }
+}
+
+// Separate lanes overlap: an all-gather and its wait do not queue behind a busy all-reduce lane
+// (a ~1 s sleep there, no collective: NCCL's launch order would hold a later launch until an
+// earlier one starts).
+TEST(NcclCommunicator, AnAllGatherDoesNotQueueBehindABusyAllReduceLane) {
+  FSDP_MUON_REQUIRE_GPU("NCCL is checked on a GPU machine");
+  const auto comm = world_of_one(std::chrono::seconds(120));
+  if (!detail::nccl_lanes_separate()) {
+    GTEST_SKIP() << "the lanes are one stream in this process (see the warning above)";
+  }
+  const auto on = at::TensorOptions().device(comm->device()).dtype(at::kFloat);
+  const c10::cuda::CUDAStream all_reduce =
+      detail::nccl_lane_stream(0, detail::CommLane::kAllReduce);
+  {
+    const c10::cuda::CUDAStreamGuard busy_guard(all_reduce);
+    at::cuda::sleep(static_cast<int64_t>(1.0 * sleep_cycles_per_second()));
+  }
+  const at::Tensor send = at::full({1000}, 5.0f, on);
+  at::Tensor gathered = at::zeros({1000}, on);
+  comm->all_gather_async(send, gathered)->wait();
+  EXPECT_TRUE(at::equal(comm->to_host(gathered), at::full({1000}, 5.0f)));
+  EXPECT_EQ(cudaStreamQuery(all_reduce.stream()), cudaErrorNotReady)
+      << "the all-gather waited for the all-reduce lane";
+  (void)cudaGetLastError();
+  all_reduce.synchronize();
 }
 
 // The test-only delay (set_async_collective_delay_for_testing) holds every asynchronous
@@ -367,6 +451,37 @@ TEST(NcclCommunicatorDeathTest, ACollectiveWaitingForAMissingRankEndsNamingItsCa
         std::_Exit(2);
       },
       "fsdp_muon::Communicator::all_gather: nccl on rank 0 of 2 \\(cuda:0\\)");
+}
+
+// The lanes' decision (pure logic, runs without a GPU): NCCL's version, its variable as NCCL
+// reads it (strtoll, base 0), and the driver, which only changes what is said.
+TEST(NcclLaunchOrder, DecidedFromTheVersionTheVariableAndTheDriver) {
+  using detail::decide_launch_order;
+  const auto old_nccl = decide_launch_order(22509, nullptr, 13000);
+  EXPECT_FALSE(old_nccl.separate_lanes);
+  EXPECT_FALSE(old_nccl.set_variable);
+  EXPECT_NE(old_nccl.why.find("2.25.9"), std::string::npos) << old_nccl.why;
+
+  for (const char* unset : {static_cast<const char*>(nullptr), ""}) {
+    const auto decided = decide_launch_order(22809, unset, 13000);
+    EXPECT_TRUE(decided.separate_lanes);
+    EXPECT_TRUE(decided.set_variable);
+  }
+  for (const char* on : {"1", "2", "0x1"}) {
+    const auto decided = decide_launch_order(22600, on, 12030);
+    EXPECT_TRUE(decided.separate_lanes) << on;
+    EXPECT_FALSE(decided.set_variable) << on;
+  }
+  for (const char* off : {"0", "off", "0x0"}) {
+    const auto decided = decide_launch_order(22809, off, 13000);
+    EXPECT_FALSE(decided.separate_lanes) << off;
+    EXPECT_FALSE(decided.set_variable) << off;
+    EXPECT_NE(decided.why.find(std::string("NCCL_LAUNCH_ORDER_IMPLICIT=") + off), std::string::npos)
+        << decided.why;
+  }
+  const auto old_driver = decide_launch_order(22809, nullptr, 12020);
+  EXPECT_TRUE(old_driver.separate_lanes);
+  EXPECT_NE(old_driver.why.find("12.3"), std::string::npos) << old_driver.why;
 }
 
 #else

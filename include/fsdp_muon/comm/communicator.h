@@ -44,8 +44,8 @@ struct FSDP_MUON_API CommStats {
 // CUDA it makes the caller's current stream wait for the collective (the host does not wait). A
 // second wait() does nothing, also after a wait() that threw. A work destroyed without wait()
 // lets its collective finish: the Gloo work waits for it (swallowing errors), the NCCL work leaves
-// it running with its buffers recorded on the communication stream, so an exception between start
-// and wait() neither corrupts memory nor leaves the collective half-issued.
+// it running and makes the calling stream wait for it before its buffers go, so an exception
+// between start and wait() neither corrupts memory nor leaves the collective half-issued.
 class FSDP_MUON_API CommWork {
  public:
   virtual ~CommWork();
@@ -103,12 +103,12 @@ class FSDP_MUON_API Communicator {
 
   // ---- asynchronous collectives ----
   // The same collectives, checked and counted the same way, with the same results bit for bit,
-  // started without waiting. Collectives run in the order they are started, synchronous ones
-  // included, so every rank must start the same collectives in the same order (waiting may be in
-  // any order). On the CPU (Gloo) they run on the backend's own thread while the caller computes;
-  // on CUDA (NCCL) on a communication stream of the communicator's own, which first waits for
-  // everything already enqueued on the caller's current stream (so the send buffer may be
-  // produced there), and the buffers are recorded on that stream for the caching allocator.
+  // started without waiting. Every rank must start the same collectives in the same order,
+  // synchronous ones included (waiting may be in any order). On the CPU (Gloo) they run on the backend's own thread while the caller computes;
+  // on CUDA (NCCL) on a library stream per kind of collective (docs/DESIGN.md §5), which first
+  // waits for everything already enqueued on the caller's current stream (so the send buffer may
+  // be produced there). Kinds may run side by side: a collective that reads another's result is
+  // started after that one's wait(). The work holds the buffers until then.
   std::unique_ptr<CommWork> all_to_all_v_async(const at::Tensor& send,
                                                const std::vector<int64_t>& send_counts,
                                                const at::Tensor& recv,
