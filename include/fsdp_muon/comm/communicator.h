@@ -104,11 +104,12 @@ class FSDP_MUON_API Communicator {
   // ---- asynchronous collectives ----
   // The same collectives, checked and counted the same way, with the same results bit for bit,
   // started without waiting. Every rank must start the same collectives in the same order,
-  // synchronous ones included (waiting may be in any order). On the CPU (Gloo) they run on the backend's own thread while the caller computes;
-  // on CUDA (NCCL) on a library stream per kind of collective (docs/DESIGN.md §5), which first
-  // waits for everything already enqueued on the caller's current stream (so the send buffer may
-  // be produced there). Kinds may run side by side: a collective that reads another's result is
-  // started after that one's wait(). The work holds the buffers until then.
+  // synchronous ones included (waiting may be in any order). On the CPU (Gloo) they run on the
+  // backend's own thread while the caller computes; on CUDA (NCCL) on a library stream per kind
+  // of collective (docs/DESIGN.md §5), which first waits for everything already enqueued on the
+  // caller's current stream (so the send buffer may be produced there). Kinds may run side by
+  // side: a collective that reads another's result is started after that one's wait(). The work
+  // holds the buffers until then.
   std::unique_ptr<CommWork> all_to_all_v_async(const at::Tensor& send,
                                                const std::vector<int64_t>& send_counts,
                                                const at::Tensor& recv,
