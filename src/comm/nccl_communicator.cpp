@@ -1,5 +1,6 @@
 #include <fsdp_muon/comm/nccl_communicator.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -119,8 +120,10 @@ class MarkerEvent {
 // running side by side in different orders on different ranks can hang (NCCL's guide, "Using
 // multiple NCCL communicators concurrently"): lanes run side by side only where NCCL itself
 // starts the device's kernels in the order they were launched (launch_order()); otherwise every
-// lane is one stream, which keeps them in start order. One communicator's kernels run in launch
-// order on any stream (NCCL chains each launch after the last on its device stream).
+// lane is one stream, which keeps them in start order. One communicator's kernels run one after
+// another whatever their streams (NCCL chains each launch after the end of the last on its device
+// stream, enqueue.cc ncclLaunchPrepare/ncclLaunchFinish): lanes overlap only the kernels of
+// different communicators, e.g. a shard group's all-gather and the replica all-reduce.
 struct DeviceOrder {
   std::mutex mutex;
   // Created at first use and never destroyed: a work or a waiting stream may refer to them
@@ -130,19 +133,52 @@ struct DeviceOrder {
 };
 
 // NCCL_LAUNCH_ORDER_IMPLICIT (NCCL >= 2.26, enqueue.cc getImplicitOrder): every launch on a
-// device waits until the one launched before it, of any communicator, has started (CUDA >= 12.3's
-// launch-completion event; older drivers: has finished). NCCL reads the variable once, at the
-// process's first launch, so it is decided here, once, before any communicator of ours exists.
+// device waits until the one launched before it, of any communicator in the process, has started
+// (CUDA >= 12.3's launch-completion event; older: has finished, which would serialize the lanes).
+// NCCL reads it once, at the process's first launch, so the library sets it when it is loaded
+// (before main for a library linked at start-up: no NCCL launch yet, and no thread of ours
+// reading the environment); a library loaded later (dlopen) after NCCL's first launch needs it
+// set by the user. The decision at load is what NCCL will read.
+std::string launch_order_variable() {
+  const char* value = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+  return value == nullptr ? std::string() : std::string(value);
+}
+
+struct LaunchOrderAtLoad {
+  detail::LaunchOrder decided;
+  std::string variable;  // its value once set: what NCCL reads at its first launch
+};
+
+const LaunchOrderAtLoad kLaunchOrderAtLoad = [] {
+  int nccl = 0;
+  if (ncclGetVersion(&nccl) != ncclSuccess) nccl = 0;
+  int driver = 0;
+  int runtime = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+  if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = 0;
+  (void)cudaGetLastError();
+  const std::string variable = launch_order_variable();
+  LaunchOrderAtLoad at_load;
+  at_load.decided = detail::decide_launch_order(nccl, variable.empty() ? nullptr : variable.c_str(),
+                                                std::min(driver, runtime));
+  // Unset or empty (which NCCL reads as 0): set, replacing the empty value.
+  if (at_load.decided.set_variable) setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/1);
+  at_load.variable = launch_order_variable();
+  return at_load;
+}();
+
+// The lanes' decision, checked when the first communicator is made: a variable changed since
+// the library was loaded may or may not be what NCCL read, so the lanes become one stream.
 const detail::LaunchOrder& launch_order() {
   static const detail::LaunchOrder order = [] {
-    int nccl = 0;
-    FSDP_MUON_CHECK_NCCL(ncclGetVersion(&nccl));
-    int driver = 0;
-    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
-    const char* set = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
-    detail::LaunchOrder decided = detail::decide_launch_order(nccl, set, driver);
-    // Unset or empty (which NCCL reads as 0): set, replacing the empty value.
-    if (decided.set_variable) setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/1);
+    detail::LaunchOrder decided = kLaunchOrderAtLoad.decided;
+    if (decided.separate_lanes && launch_order_variable() != kLaunchOrderAtLoad.variable) {
+      decided.separate_lanes = false;
+      decided.why =
+          c10::str("NCCL_LAUNCH_ORDER_IMPLICIT changed from '", kLaunchOrderAtLoad.variable,
+                   "' (when fsdp_muon was loaded) to '", launch_order_variable(),
+                   "'; set it before the process starts, not in it");
+    }
     if (!decided.separate_lanes) {
       FSDP_MUON_API_SCOPE("make_nccl_communicator");
       FSDP_MUON_WARN("the asynchronous collectives of every kind share one stream per device: ",
@@ -276,7 +312,7 @@ class NcclCommunicator final : public Communicator {
                     " is outside the visible CUDA devices [0, ", device_count,
                     "); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
     check_nccl_version();
-    launch_order();  // before this process's first launch of ours (NCCL reads it then)
+    launch_order();  // warns once where the lanes are one stream
     // Twice the timeout: a wait for the GPU (to_host, barrier) reaches its own timeout and
     // throws first; the watchdog is for calls that never get there.
     // The handler reads abort_cause_, written before the abort's scope begins (whose release
@@ -777,7 +813,6 @@ class NcclCommunicator final : public Communicator {
       last_sync_ = std::make_shared<MarkerEvent>();
     }
     FSDP_MUON_CHECK_CUDA(cudaEventRecord(last_sync_->get(), stream));
-    last_enqueued_ = last_sync_;
   }
 
   // check_usable() for an asynchronous collective: returns the lane's stream, made to
@@ -842,7 +877,7 @@ class NcclCommunicator final : public Communicator {
     FSDP_MUON_CHECK_CUDA(
         cudaEventRecord(done->get(), lane_stream(order, device_index_, lane).stream()));
     order.last_async[lane_slot(lane)] = done;
-    last_enqueued_ = done;
+    last_async_[lane_slot(lane)] = done;
     return std::make_unique<NcclWork>(std::move(done), device_index_, calling_stream_, aborted_,
                                       api_, std::move(buffers));
   }
@@ -902,14 +937,22 @@ class NcclCommunicator final : public Communicator {
   }
 
   // For the destructor: whether every collective enqueued so far has run, waiting at most the
-  // timeout. One communicator's kernels run in launch order whatever their lanes (NCCL chains each
-  // launch after the last on its device stream, enqueue.cc ncclLaunchPrepare), so the last one's
-  // end marks them all.
+  // timeout: the last end on each lane and the last synchronous one. Not the last alone: a call
+  // that launched no kernel (empty buffers, a world of one) is tied to no earlier kernel on
+  // another lane, and ncclCommFinalize would wait for a stuck one on the host.
   bool drained() {
-    if (!last_enqueued_) return true;
+    std::vector<cudaEvent_t> ends;
+    for (const std::shared_ptr<MarkerEvent>& end : last_async_) {
+      if (end) ends.push_back(end->get());
+    }
+    if (last_sync_) ends.push_back(last_sync_->get());
     const auto deadline = Clock::now() + timeout_;
     for (;;) {
-      const cudaError_t status = cudaEventQuery(last_enqueued_->get());
+      cudaError_t status = cudaSuccess;
+      for (const cudaEvent_t end : ends) {
+        status = cudaEventQuery(end);
+        if (status != cudaSuccess) break;
+      }
       if (status == cudaSuccess) return true;
       if (status != cudaErrorNotReady) return false;
       (void)cudaGetLastError();
@@ -1074,8 +1117,9 @@ class NcclCommunicator final : public Communicator {
   std::atomic<bool> failed_{false};
   cudaStream_t calling_stream_ = nullptr;  // the current stream of the async call in progress
   at::Tensor barrier_buffer_;
-  // The end of the last collective enqueued (any stream), and the event synchronous ones reuse.
-  std::shared_ptr<MarkerEvent> last_enqueued_;
+  // The end of this communicator's last asynchronous collective on each lane, and of its last
+  // synchronous one (an event they reuse).
+  std::array<std::shared_ptr<MarkerEvent>, detail::kCommLanes> last_async_;
   std::shared_ptr<MarkerEvent> last_sync_;
   // Set by fail(), read by the works this communicator handed out.
   std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
@@ -1109,20 +1153,26 @@ c10::cuda::CUDAStream nccl_lane_stream(int device_index, CommLane lane) {
 
 bool nccl_lanes_separate() { return launch_order().separate_lanes; }
 
-LaunchOrder decide_launch_order(int nccl_version, const char* variable, int cuda_driver_version) {
+bool nccl_launch_order_set_by_library() { return kLaunchOrderAtLoad.decided.set_variable; }
+
+LaunchOrder decide_launch_order(int nccl_version, const char* variable, int cuda_version) {
   if (nccl_version < 22600) {
     return {false, false,
             c10::str("NCCL ", version_string(nccl_version),
                      " does not start different communicators' kernels in launch order "
                      "(NCCL_LAUNCH_ORDER_IMPLICIT needs NCCL 2.26 or newer)")};
   }
-  const std::string driver =
-      cuda_driver_version >= 12030
-          ? std::string()
-          : " (a CUDA driver older than 12.3 makes NCCL order them by completion: the lanes are "
-            "safe but do not overlap)";
+  if (cuda_version < 12030) {
+    // NCCL would order launches by completion: safe, but the lanes would never overlap, and the
+    // variable would serialize the process's other NCCL users too.
+    return {false, false,
+            c10::str("CUDA ", cuda_version / 1000, ".", cuda_version % 1000 / 10,
+                     " (the older of driver and runtime) has no launch-completion events, so "
+                     "NCCL_LAUNCH_ORDER_IMPLICIT would order the lanes by completion; CUDA 12.3 "
+                     "or newer lets them overlap")};
+  }
   if (variable == nullptr || *variable == '\0') {
-    return {true, true, "fsdp_muon set NCCL_LAUNCH_ORDER_IMPLICIT=1" + driver};
+    return {true, true, "fsdp_muon set NCCL_LAUNCH_ORDER_IMPLICIT=1"};
   }
   // NCCL's own reading (param.cc, ncclLoadParam): strtoll with base 0, the default 0 on error.
   errno = 0;
@@ -1134,7 +1184,7 @@ LaunchOrder decide_launch_order(int nccl_version, const char* variable, int cuda
                      "order; unset it (fsdp_muon then sets it to 1) for one stream per kind of "
                      "collective")};
   }
-  return {true, false, c10::str("NCCL_LAUNCH_ORDER_IMPLICIT=", variable, " is set") + driver};
+  return {true, false, c10::str("NCCL_LAUNCH_ORDER_IMPLICIT=", variable, " is set")};
 }
 
 std::string cuda_pci_bus_id(int device) {

@@ -19,18 +19,20 @@ enum class CommLane : int {
 };
 inline constexpr size_t kCommLanes = 4;
 
-// Whether a device's lanes are separate streams, and why. Decided once per process, before its
-// first NCCL communicator is set up, from NCCL's version, NCCL_LAUNCH_ORDER_IMPLICIT and the
-// CUDA driver's version. `set_variable`: the library sets NCCL_LAUNCH_ORDER_IMPLICIT=1.
+// Whether a device's lanes are separate streams, and why. Decided once per process, when the
+// library is loaded, from NCCL's version, NCCL_LAUNCH_ORDER_IMPLICIT and the CUDA version (the
+// older of driver and runtime). `set_variable`: the library sets NCCL_LAUNCH_ORDER_IMPLICIT=1.
 struct LaunchOrder {
   bool separate_lanes = false;
   bool set_variable = false;
   std::string why;
 };
-LaunchOrder decide_launch_order(int nccl_version, const char* variable, int cuda_driver_version);
+LaunchOrder decide_launch_order(int nccl_version, const char* variable, int cuda_version);
 
-// This process's decision (the first NCCL communicator made it).
+// This process's decision (made at load, checked by the first NCCL communicator).
 bool nccl_lanes_separate();
+// Whether the library set NCCL_LAUNCH_ORDER_IMPLICIT=1 when it was loaded.
+bool nccl_launch_order_set_by_library();
 
 // The stream `lane` runs on for every NCCL communicator on `device_index`, created on first use
 // (one stream for every lane where they are not separate). Tests hold it busy to prove that

@@ -278,6 +278,12 @@ TEST(NcclCommunicator, ASynchronousCollectiveWaitsForEveryLane) {
     }
   }
   std::cout << "lanes " << (detail::nccl_lanes_separate() ? "separate" : "one stream") << "\n";
+  if (detail::nccl_launch_order_set_by_library()) {
+    // What NCCL reads at its first launch (no launch can have happened before the library's load).
+    const char* variable = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    ASSERT_NE(variable, nullptr);
+    EXPECT_STREQ(variable, "1");
+  }
 
   const at::Tensor send = at::full({1000}, 5.0f, on);
   for (const detail::CommLane kind : kinds) {
@@ -305,6 +311,11 @@ TEST(NcclCommunicator, ASynchronousCollectiveWaitsForEveryLane) {
     }
     at::Tensor copied = at::zeros({1000}, on);
     comm->all_gather(result, copied);  // reads what the asynchronous one writes
+    // The caller's stream waits for the busy lane (in a world of one an in-place all-reduce
+    // enqueues nothing, so the values alone would not tell).
+    EXPECT_EQ(cudaStreamQuery(side.stream()), cudaErrorNotReady)
+        << "the synchronous collective did not wait for the busy lane";
+    (void)cudaGetLastError();
     work->wait();
     EXPECT_TRUE(at::equal(comm->to_host(copied), at::full({1000}, 5.0f)))
         << "the synchronous collective did not wait for the busy lane";
@@ -453,8 +464,8 @@ TEST(NcclCommunicatorDeathTest, ACollectiveWaitingForAMissingRankEndsNamingItsCa
       "fsdp_muon::Communicator::all_gather: nccl on rank 0 of 2 \\(cuda:0\\)");
 }
 
-// The lanes' decision (pure logic, runs without a GPU): NCCL's version, its variable as NCCL
-// reads it (strtoll, base 0), and the driver, which only changes what is said.
+// The lanes' decision (pure logic, runs without a GPU): NCCL's version, the CUDA version, and
+// the variable as NCCL reads it (strtoll, base 0).
 TEST(NcclLaunchOrder, DecidedFromTheVersionTheVariableAndTheDriver) {
   using detail::decide_launch_order;
   const auto old_nccl = decide_launch_order(22509, nullptr, 13000);
@@ -479,9 +490,13 @@ TEST(NcclLaunchOrder, DecidedFromTheVersionTheVariableAndTheDriver) {
     EXPECT_NE(decided.why.find(std::string("NCCL_LAUNCH_ORDER_IMPLICIT=") + off), std::string::npos)
         << decided.why;
   }
-  const auto old_driver = decide_launch_order(22809, nullptr, 12020);
-  EXPECT_TRUE(old_driver.separate_lanes);
-  EXPECT_NE(old_driver.why.find("12.3"), std::string::npos) << old_driver.why;
+  // Older CUDA: NCCL would order by completion, so no overlap, and the variable is left alone.
+  for (const char* variable : {static_cast<const char*>(nullptr), "1"}) {
+    const auto old_cuda = decide_launch_order(22809, variable, 12020);
+    EXPECT_FALSE(old_cuda.separate_lanes);
+    EXPECT_FALSE(old_cuda.set_variable);
+    EXPECT_NE(old_cuda.why.find("CUDA 12.2"), std::string::npos) << old_cuda.why;
+  }
 }
 
 #else

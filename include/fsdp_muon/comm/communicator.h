@@ -108,8 +108,8 @@ class FSDP_MUON_API Communicator {
   // backend's own thread while the caller computes; on CUDA (NCCL) on a library stream per kind
   // of collective (docs/DESIGN.md §5), which first waits for everything already enqueued on the
   // caller's current stream (so the send buffer may be produced there). Kinds may run side by
-  // side: a collective that reads another's result is started after that one's wait(). The work
-  // holds the buffers until then.
+  // side: a collective that reads another's result, or writes a buffer another still uses, is
+  // started after that one's wait(). The work holds the buffers until then.
   std::unique_ptr<CommWork> all_to_all_v_async(const at::Tensor& send,
                                                const std::vector<int64_t>& send_counts,
                                                const at::Tensor& recv,
