@@ -533,9 +533,10 @@ struct RunSpec {
 // A sharded model on `mesh` with FsdpMuon on its matrices and AdamW on the rest.
 struct Run {
   Run(const DeviceMesh& mesh, const RunSpec& run_spec) : spec(run_spec), net(seeded_stack()) {
-    groups = shard_module(*net, mesh,
-                          ShardModuleOptions().group_options(
-                              FsdpParameterGroupOptions().sharding_strategy(spec.strategy)));
+    groups = shard_module(
+        *net, mesh,
+        ShardModuleOptions().group_options(
+            FsdpParameterGroupOptions().sharding_strategy(spec.strategy).prefetch(true)));
     std::vector<at::Tensor> matrices, others;
     for (const auto& g : groups) {
       for (size_t i = 0; i < g->num_parameters(); ++i) {
