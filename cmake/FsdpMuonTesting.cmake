@@ -55,10 +55,15 @@ function(fsdp_muon_add_gtest)
     ENVIRONMENT "OMP_NUM_THREADS=1;FSDP_MUON_PYTHON=${FSDP_MUON_PYTHON};${T_ENVIRONMENT}")
 endfunction()
 
-# The distributed tests' main() and in-process worlds (tests/common/distributed_main.h),
-# compiled once for every distributed test executable.
+# The distributed tests' main() and in-process worlds (tests/common/distributed_main.h), and in
+# a CUDA build the in-process CUDA world (tests/common/in_process_cuda_communicator.h), compiled
+# once for every distributed test executable.
 add_library(fsdp_muon_distributed_main OBJECT
             ${PROJECT_SOURCE_DIR}/tests/common/distributed_main.cpp)
+if(FSDP_MUON_WITH_CUDA)
+  target_sources(fsdp_muon_distributed_main PRIVATE
+                 ${PROJECT_SOURCE_DIR}/tests/common/in_process_cuda_communicator.cpp)
+endif()
 target_link_libraries(fsdp_muon_distributed_main PRIVATE fsdp_muon_internal GTest::gtest)
 target_include_directories(fsdp_muon_distributed_main PRIVATE ${PROJECT_SOURCE_DIR}/tests)
 target_compile_options(fsdp_muon_distributed_main PRIVATE -Wall -Wextra)

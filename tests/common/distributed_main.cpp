@@ -82,10 +82,24 @@ std::string rank_prefix(int size, int rank) {
   return "W=" + std::to_string(size) + " rank " + std::to_string(rank) + ": ";
 }
 
-// Runs `body` on every rank of the in-process world of `size`, then reports each rank's
-// failures on the calling thread. Returns true when every rank skipped.
-bool run_in_process(int size, const std::function<void()>& body) {
-  const auto& comms = world_of(size);
+// How a rank's body ended, for RankThreadHooks::leave: the exception, else the first failure
+// gtest recorded on the rank's thread, else "returned".
+std::string outcome_of(const std::string& error, const ::testing::TestPartResultArray& results) {
+  if (!error.empty()) return "its body threw: " + error;
+  for (int i = 0; i < results.size(); ++i) {
+    const ::testing::TestPartResult& part = results.GetTestPartResult(i);
+    if (part.failed()) return std::string("its body failed: ") + part.message();
+  }
+  return "its body returned";
+}
+
+}  // namespace
+
+bool run_on_rank_threads(const std::vector<std::shared_ptr<Communicator>>& given,
+                         const std::function<void()>& body, const RankThreadHooks& hooks) {
+  // A copy: a failure below drops the Gloo world `given` may belong to.
+  const std::vector<std::shared_ptr<Communicator>> comms = given;
+  const int size = static_cast<int>(comms.size());
   std::vector<::testing::TestPartResultArray> results(size);
   std::vector<std::string> errors(size);
   std::vector<std::thread> threads;
@@ -100,6 +114,7 @@ bool run_in_process(int size, const std::function<void()>& body) {
             ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD,
             &results[r]);
         try {
+          if (hooks.enter) hooks.enter(r);
           body();
         } catch (const c10::Error& e) {
           errors[r] = e.what_without_backtrace();
@@ -107,6 +122,13 @@ bool run_in_process(int size, const std::function<void()>& body) {
           errors[r] = e.what();
         } catch (...) {
           errors[r] = "an exception that is not a std::exception";
+        }
+        if (hooks.leave) {
+          try {
+            hooks.leave(r, outcome_of(errors[r], results[r]));
+          } catch (const std::exception& e) {
+            if (errors[r].empty()) errors[r] = std::string("leaving the world: ") + e.what();
+          }
         }
       }
       failure_prefix().clear();
@@ -143,6 +165,14 @@ bool run_in_process(int size, const std::function<void()>& body) {
                 skip_reason.c_str());
   }
   return skipped_ranks == size;
+}
+
+namespace {
+
+// Runs `body` on every rank of the in-process Gloo world of `size`. Returns true when every rank
+// skipped.
+bool run_in_process(int size, const std::function<void()>& body) {
+  return run_on_rank_threads(world_of(size), body);
 }
 
 // --world-sizes=1,2,3 (removed from argv): the in-process world sizes.
@@ -201,6 +231,11 @@ int timeout_seconds() {
 }
 
 const std::vector<int>& world_sizes() { return sizes(); }
+
+const std::vector<std::shared_ptr<Communicator>>& in_process_gloo_world(int size) {
+  TORCH_CHECK(in_process(), "in_process_gloo_world: this process is one rank of a launched job");
+  return world_of(size);
+}
 
 void on_every_world(const std::function<void()>& body) {
   if (!in_process()) {

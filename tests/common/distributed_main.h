@@ -9,12 +9,14 @@
 //              world size, on all of that world's ranks at once; world() is the calling rank's
 //              communicator. Failures name the world size and rank.
 //
-// Link the test-support library (fsdp_muon_test_support) into the executable; it supplies main().
+// Link the test-support library (fsdp_muon_distributed_main) into the executable; it supplies
+// main().
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -45,6 +47,30 @@ void on_every_world(const std::function<void()>& body);
 // Runs `body` on every rank of an in-process world of `size` (reported as on_every_world does).
 // Launched, `size` must be the launcher's world size, and `body` runs once, here.
 void on_world_of(int size, const std::function<void()>& body);
+
+// ---- for harnesses of other in-process worlds (tests/common/in_process_cuda_communicator.h) ----
+
+// The in-process Gloo world of `size` that on_world_of() runs (made on first use, kept until a
+// rank of it fails): rank r's communicator is the r-th. Call it on the test's thread.
+const std::vector<std::shared_ptr<Communicator>>& in_process_gloo_world(int size);
+
+// What a harness adds around each rank's body; either may be empty.
+struct RankThreadHooks {
+  // First, on rank r's thread (its CUDA stream, say).
+  std::function<void(int rank)> enter;
+  // Last, on rank r's thread once its body has ended, however it ended: `outcome` says how
+  // ("returned", or the failure or exception), so that the harness can tell the ranks that still
+  // wait for r in a collective that it will not come, rather than let them wait out the timeout.
+  std::function<void(int rank, const std::string& outcome)> leave;
+};
+
+// Runs `body` on one thread per communicator of `comms`, rank r's with comms[r] as its world(),
+// and reports every rank's failures, skips and exceptions on the calling thread as on_world_of()
+// does ("W=<size> rank <r>: "). After a failure the in-process Gloo world of that size is
+// dropped too (a body may have used it, and its ranks may have stopped mid-collective). Returns
+// whether every rank skipped.
+bool run_on_rank_threads(const std::vector<std::shared_ptr<Communicator>>& comms,
+                         const std::function<void()>& body, const RankThreadHooks& hooks = {});
 
 // Random numbers that are the same on every rank: the global CPU generator, seeded with `seed`
 // and held by this scope alone (in-process, rank threads share that generator, so each rank's
