@@ -2,6 +2,9 @@
 
 #include "common/in_process_cuda_communicator.h"
 
+// As the header: the CUDA headers below exist only in a CUDA build of LibTorch.
+#if FSDP_MUON_WITH_CUDA
+
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -793,3 +796,5 @@ std::shared_ptr<Communicator> gloo_world_ptr() {
 }
 
 }  // namespace fsdp_muon::testing
+
+#endif  // FSDP_MUON_WITH_CUDA
