@@ -9,6 +9,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -780,6 +781,12 @@ void on_cuda_world_of(int size, const std::function<void()>& body) {
   };
   hooks.leave = [&](int r, const std::string& outcome) {
     rank_gloo.reset();
+    // gtest reports a rank's failures only once every rank's thread has ended: printed here, the
+    // first error shows even when a peer then hangs until CTest's timeout kills the process.
+    if (outcome != kRankBodyReturned) {
+      std::fprintf(stderr, "[in_process_cuda] W=%d rank %d: %s\n", size, r, outcome.c_str());
+      std::fflush(stderr);
+    }
     leave_in_process_cuda_world(*comms[static_cast<size_t>(r)], outcome);
   };
   const bool skipped = run_on_rank_threads(comms, body, hooks);
