@@ -5,6 +5,7 @@
 // As the header: the CUDA headers below exist only in a CUDA build of LibTorch.
 #if FSDP_MUON_WITH_CUDA
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -28,6 +29,7 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include "comm/agreement.h"
 #include "common/check.h"
 #include "common/distributed_main.h"
 
@@ -173,9 +175,13 @@ struct Deposit {
 struct Round {
   explicit Round(int size)
       : deposits(static_cast<size_t>(size)),
-        here(static_cast<size_t>(size), std::array<bool, 2>{false, false}) {}
+        here(static_cast<size_t>(size), std::array<bool, 2>{false, false}),
+        reads_enqueued(static_cast<size_t>(size), false) {}
   std::vector<Deposit> deposits;
   std::vector<std::array<bool, 2>> here;  // rank p has arrived at barrier 0 / 1
+  // Rank p's stream holds every read of its peers' buffers it will make in this round (it came to
+  // barrier 1, or it threw): what a rank that throws waits for before its buffers may go.
+  std::vector<bool> reads_enqueued;
   std::array<int, 2> arrived{0, 0};
   int departed = 0;
   // Set by the first rank that gave up waiting: a rank arriving late fails too, rather than read
@@ -226,10 +232,41 @@ class World {
     std::unique_lock<std::mutex> lock(family_->mutex);
     Round& round = round_of(seq);
     round.deposits[static_cast<size_t>(rank)].read_done = read_done;
+    // Before the barrier's check of an abandoned round: a rank that throws waits for this.
+    round.reads_enqueued[static_cast<size_t>(rank)] = true;
+    family_->changed.notify_all();
     arrive_and_wait(lock, round, /*barrier=*/1, seq, rank, kind);
     std::vector<std::shared_ptr<Event>> out;
     for (const Deposit& d : round.deposits) out.push_back(d.read_done);
     return out;
+  }
+
+  // `rank` leaves collective `seq` (a `kind`) by an exception (`why`): the round fails at once for
+  // the peers that wait in it or come to it later, naming `rank`, instead of waiting for its body
+  // to end. Where every rank had passed barrier 0, the peers' streams may read this rank's buffers,
+  // which its caller may free as soon as this throws: first every peer enqueues all it will read
+  // (each leaves barrier 1 or throws at once, the round being abandoned; bounded by the timeout),
+  // then the device runs it all. Never throws: it runs while an exception is in flight.
+  void abandon(int64_t seq, int rank, Kind kind, const std::string& why) noexcept {
+    try {
+      std::unique_lock<std::mutex> lock(family_->mutex);
+      Round& round = round_of(seq);
+      if (round.abandoned.empty()) {
+        round.abandoned = c10::str("rank ", rank, " threw in ", name_of(kind), " (collective #",
+                                   seq, " of this communicator): ", why);
+      }
+      round.reads_enqueued[static_cast<size_t>(rank)] = true;
+      family_->changed.notify_all();
+      if (round.arrived[0] != size()) return;  // no rank passed barrier 0: no rank read
+      family_->changed.wait_for(lock, family_->timeout, [&] {
+        return std::all_of(round.reads_enqueued.begin(), round.reads_enqueued.end(),
+                           [](bool enqueued) { return enqueued; });
+      });
+    } catch (...) {
+      // A lock or an allocation failed: still let the device finish what it holds.
+    }
+    (void)cudaDeviceSynchronize();
+    (void)cudaGetLastError();  // a sticky error stays; anything else must not fail later checks
   }
 
   // `rank` is done with collective `seq` (also when it threw): the last rank out drops the round
@@ -672,7 +709,8 @@ class InProcessCudaCommunicator final : public Communicator {
                                            std::move(buffers));
   }
 
-  // The protocol of the header's comment, on `stream`.
+  // The protocol of the header's comment, on `stream`. A failure here fails the round for the
+  // peers at once (World::abandon).
   void exchange(const Call& call, const c10::cuda::CUDAStream& stream) {
     last_ = name_of(call.kind);
     const int64_t seq = seq_++;
@@ -682,27 +720,33 @@ class InProcessCudaCommunicator final : public Communicator {
       int64_t seq;
       ~Departure() { world.depart(seq); }
     } departure{*world_, seq};
-    // ATen's ops below, and the staging tensors' blocks, on the collective's stream.
-    const c10::cuda::CUDAStreamGuard on_stream(stream);
-    const cudaStream_t s = stream.stream();
+    try {
+      // ATen's ops below, and the staging tensors' blocks, on the collective's stream.
+      const c10::cuda::CUDAStreamGuard on_stream(stream);
+      const cudaStream_t s = stream.stream();
 
-    auto ready = std::make_shared<Event>();
-    ready->record(s);
-    const std::vector<Deposit> all = world_->meet(seq, rank(), call, ready);
-    check_calls_match(all, rank(), seq);
-    for (int p = 0; p < size(); ++p) {
-      if (p != rank()) all[static_cast<size_t>(p)].ready->order_before(s);
-    }
-    const std::optional<at::Tensor> staged = read_peers(all, rank());
+      auto ready = std::make_shared<Event>();
+      ready->record(s);
+      const std::vector<Deposit> all = world_->meet(seq, rank(), call, ready);
+      check_calls_match(all, rank(), seq);
+      for (int p = 0; p < size(); ++p) {
+        if (p != rank()) all[static_cast<size_t>(p)].ready->order_before(s);
+      }
+      const std::optional<at::Tensor> staged = read_peers(all, rank());
 
-    auto read_done = std::make_shared<Event>();
-    read_done->record(s);
-    const std::vector<std::shared_ptr<Event>> reads =
-        world_->meet_again(seq, rank(), call.kind, read_done);
-    for (int p = 0; p < size(); ++p) {
-      if (p != rank()) reads[static_cast<size_t>(p)]->order_before(s);
+      auto read_done = std::make_shared<Event>();
+      read_done->record(s);
+      const std::vector<std::shared_ptr<Event>> reads =
+          world_->meet_again(seq, rank(), call.kind, read_done);
+      for (int p = 0; p < size(); ++p) {
+        if (p != rank()) reads[static_cast<size_t>(p)]->order_before(s);
+      }
+      if (staged && staged->numel() > 0) call.recv.copy_(*staged);
+    } catch (...) {
+      // Before `departure`: the round must still be there for the peers to read why.
+      world_->abandon(seq, rank(), call.kind, detail::current_exception_message());
+      throw;
     }
-    if (staged && staged->numel() > 0) call.recv.copy_(*staged);
   }
 
   // Polls until everything enqueued on `stream` so far has run, at most the timeout.

@@ -17,7 +17,9 @@
 //   4. the stream waits for every peer's `read_done` (so no rank overwrites a buffer a peer still
 //      reads, in place all-reduces included) and copies the staging tensor into the result.
 // The host waits are bounded by the timeout, and a rank whose test body ended is reported at once
-// (leave_in_process_cuda_world): a rank that never arrives is an error naming it, not a hang.
+// (leave_in_process_cuda_world): a rank that never arrives is an error naming it, not a hang. A
+// rank that throws inside a collective fails it for its peers at once, naming itself; it first
+// lets the device run every read of its buffers the peers enqueued, as its caller may free them.
 // Peers' streams read a rank's buffers only before that rank's stream passes step 4, so blocks
 // freed after the collective (ordered on the stream it ran on, or on the caller's stream by
 // CommWork::wait()) are never reused under a peer's read, without record_stream.
