@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -20,6 +21,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/cuda/Sleep.h>
 #include <c10/core/AutogradState.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -82,14 +84,59 @@ void order_after_quietly(cudaStream_t waiter, cudaStream_t stream) noexcept {
 enum class Lane : size_t { kAllGather = 0, kReduceScatter, kAllReduce, kAllToAll };
 constexpr size_t kLanes = 4;
 
+// The result of one asynchronous collective, computed on its lane into `staged` and held back
+// from `recv` until it is delivered: by CommWork::wait() on the caller's current stream, by the
+// work's destructor on the calling stream, or by the rank's next synchronous collective on its
+// stream, whichever comes first. Until then `recv` holds what the call left there (the poison,
+// or the caller's own data where the contract makes the caller's data part of the result), so a
+// read that the library does not order after the collective sees that, whatever the timing.
+struct Delivery {
+  std::shared_ptr<Event> done;  // on the lane: the result is staged and every peer has read
+  at::Tensor recv;
+  at::Tensor staged;               // undefined: nothing to write
+  std::shared_ptr<Event> arrived;  // once delivered: after the write, on the stream that made it
+};
+
 // One rank of the in-process worlds on a device plays one device, whatever communicator of it is
 // used (its world's, a split's): its lanes and the end of each lane's last asynchronous
-// collective, which its synchronous collectives wait for, as NCCL's DeviceOrder.
+// collective, which its synchronous collectives wait for, as NCCL's DeviceOrder; and its
+// asynchronous collectives' results not yet delivered, oldest first.
 struct RankDevice {
   std::mutex mutex;
   std::array<std::optional<c10::cuda::CUDAStream>, kLanes> lanes;
   std::array<std::shared_ptr<Event>, kLanes> last_async;
+  std::vector<std::shared_ptr<Delivery>> pending;
 };
+
+// `device.mutex` is held. Writes `d`'s result into its receive buffer on `stream`, once: later
+// calls only return the event after that write. The stream first waits for the collective's end.
+const std::shared_ptr<Event>& deliver(RankDevice& device, Delivery& d,
+                                      const c10::cuda::CUDAStream& stream) {
+  if (d.arrived) return d.arrived;
+  // Taken out first: a write that failed is not tried again (its buffer may be gone by then).
+  auto& pending = device.pending;
+  pending.erase(std::remove_if(pending.begin(), pending.end(),
+                               [&](const std::shared_ptr<Delivery>& p) { return p.get() == &d; }),
+                pending.end());
+  const at::Tensor recv = std::move(d.recv);
+  const at::Tensor staged = std::move(d.staged);
+  d.done->order_before(stream.stream());
+  if (staged.defined()) {
+    const c10::cuda::CUDAStreamGuard on_stream(stream);
+    // Written as NCCL writes it, below autograd (no history, no version bump): this may run in a
+    // destructor or a later collective, whatever the grad mode there.
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    recv.copy_(staged);
+    // The lane made `staged`, the caller `recv`: neither block is handed out again before this
+    // copy has run.
+    staged.record_stream(stream);
+    recv.record_stream(stream);
+  }
+  auto arrived = std::make_shared<Event>();
+  arrived->record(stream.stream());
+  d.arrived = std::move(arrived);
+  return d.arrived;
+}
 
 // Made on first use and never destroyed, like the lane streams in it: a work or a waiting stream
 // may refer to them until the process ends, and the next world of this rank reuses them.
@@ -499,41 +546,96 @@ std::optional<at::Tensor> read_peers(const std::vector<Deposit>& all, int rank) 
   return std::nullopt;
 }
 
-// An asynchronous collective: `done` marks its end on its lane. wait() orders the caller's
-// current stream and the calling stream after it; the buffers are held until then, so the
-// allocator hands their blocks out again only in an order after the collective.
+// Whether flat tensors `a` and `b` share bytes.
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// Fills `t` with what no collective of these tests produces and no stale buffer holds: NaN for
+// floating types, the bytes 0x5A for integers (0x5A5A5A5A5A5A5A5A in an int64). Booleans are left
+// alone: no bool value differs from both results.
+void poison(const at::Tensor& t) {
+  if (t.numel() == 0) return;
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as deliver() writes
+  const c10::ScalarType dtype = t.scalar_type();
+  if (c10::isFloatingType(dtype) || c10::isComplexType(dtype)) {
+    t.fill_(std::numeric_limits<double>::quiet_NaN());
+  } else if (dtype != c10::kBool) {
+    t.view(c10::kByte).fill_(0x5A);
+  }
+}
+
+// On the current stream (the caller's), the parts of `call.recv` the collective overwrites and
+// the caller does not provide: all of it, except for an all-reduce (in place: the input), an
+// all-gather whose send buffer is this rank's block of the receive buffer (the rest of it), and
+// any other receive buffer that overlaps the send buffer (nothing: the peers read the send).
+void poison_receive_buffer(const Call& call, int rank) {
+  const at::Tensor& recv = call.recv;
+  if (call.kind == Kind::kAllReduce || !recv.defined() || recv.numel() == 0) return;
+  if (!overlap(call.send, recv)) {
+    poison(recv);
+    return;
+  }
+  if (call.kind != Kind::kAllGather && call.kind != Kind::kAllGatherV) return;
+  const int64_t n = call.send.numel();
+  const int64_t own = call.kind == Kind::kAllGather ? rank * n : offset_of(call.recv_counts, rank);
+  if (own + n > recv.numel() || call.send.data_ptr() != recv.narrow(0, own, n).data_ptr()) return;
+  poison(recv.narrow(0, 0, own));
+  poison(recv.narrow(0, own + n, recv.numel() - own - n));
+}
+
+// An asynchronous collective. wait() delivers its result (unless the rank's synchronous collective
+// did already) and orders the caller's current stream and the calling stream after that; the
+// buffers are held until then, so the allocator hands their blocks out again only in an order
+// after the collective.
 class InProcessWork final : public CommWork {
  public:
-  InProcessWork(std::shared_ptr<Event> done, int device_index, cudaStream_t calling_stream,
-                std::vector<at::Tensor> buffers)
-      : done_(std::move(done)),
+  InProcessWork(RankDevice& device, std::shared_ptr<Delivery> delivery, int device_index,
+                c10::cuda::CUDAStream calling_stream, std::vector<at::Tensor> buffers)
+      : device_(device),
+        delivery_(std::move(delivery)),
         device_index_(device_index),
         calling_stream_(calling_stream),
         buffers_(std::move(buffers)) {}
 
   ~InProcessWork() override {
-    // Unwaited: the buffers go back to the allocator with this work, so the stream that may
-    // reuse them must not overtake the collective. Never throws.
-    if (!waited()) (void)cudaStreamWaitEvent(calling_stream_, done_->get(), 0);
+    if (waited()) return;
+    // Unwaited, the collective still finishes (the contract): its result lands on the calling
+    // stream, which then may reuse the buffers, as they go back to the allocator with this work.
+    // Never throws: failing that, the calling stream at least waits for the collective.
+    try {
+      const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+      std::lock_guard<std::mutex> lock(device_.mutex);
+      deliver(device_, *delivery_, calling_stream_)->order_before(calling_stream_.stream());
+    } catch (...) {
+      (void)cudaStreamWaitEvent(calling_stream_.stream(), delivery_->done->get(), 0);
+    }
   }
 
  protected:
   void do_wait() override {
     const auto index = static_cast<c10::DeviceIndex>(device_index_);
     const c10::cuda::CUDAGuard guard(index);
-    const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(index).stream();
-    cudaError_t ordered = cudaStreamWaitEvent(caller, done_->get(), 0);
-    if (ordered == cudaSuccess && calling_stream_ != caller) {
-      ordered = cudaStreamWaitEvent(calling_stream_, done_->get(), 0);
+    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(index);
+    std::shared_ptr<Event> arrived;
+    {
+      std::lock_guard<std::mutex> lock(device_.mutex);
+      arrived = deliver(device_, *delivery_, caller);
     }
+    // Delivered on `caller` just now, or earlier on a synchronous collective's stream.
+    arrived->order_before(caller.stream());
+    if (calling_stream_ != caller) arrived->order_before(calling_stream_.stream());
     buffers_.clear();
-    check_cuda(ordered, "cudaStreamWaitEvent (CommWork::wait)");
   }
 
  private:
-  std::shared_ptr<Event> done_;
+  RankDevice& device_;
+  std::shared_ptr<Delivery> delivery_;
   int device_index_;
-  cudaStream_t calling_stream_;
+  c10::cuda::CUDAStream calling_stream_;
   std::vector<at::Tensor> buffers_;
 };
 
@@ -648,23 +750,29 @@ class InProcessCudaCommunicator final : public Communicator {
   }
 
   // A synchronous collective: on the caller's current stream, after the last asynchronous
-  // collective of every lane of this rank (docs/DESIGN.md §5). Returns that stream.
+  // collective of every lane of this rank (docs/DESIGN.md §5), whose results it first delivers
+  // there, oldest first. Returns that stream.
   cudaStream_t run_sync(const Call& call) {
     const auto index = static_cast<c10::DeviceIndex>(device_index_);
     const c10::cuda::CUDAGuard guard(index);
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(index);
     {
       std::lock_guard<std::mutex> lock(device_.mutex);
+      // A copy: deliver() takes each off the list.
+      const std::vector<std::shared_ptr<Delivery>> pending = device_.pending;
+      for (const std::shared_ptr<Delivery>& d : pending) deliver(device_, *d, caller);
       for (const std::shared_ptr<Event>& last : device_.last_async) {
         if (last) last->order_before(caller.stream());
       }
     }
-    exchange(call, caller);
+    const std::optional<at::Tensor> staged = exchange(call, caller);
+    if (staged && staged->numel() > 0) call.recv.copy_(*staged);
     return caller.stream();
   }
 
   // An asynchronous collective: on `lane`, which first waits for the caller's current stream
-  // (the send buffer may be produced there); the caller's stream waits for nothing.
+  // (the send buffer may be produced there); the caller's stream waits for nothing. Its result
+  // waits in a Delivery (see there); the receive buffer is poisoned first, on the caller's stream.
   std::unique_ptr<CommWork> run_async(Lane lane, const Call& call) {
     const auto index = static_cast<c10::DeviceIndex>(device_index_);
     const c10::cuda::CUDAGuard guard(index);
@@ -673,6 +781,9 @@ class InProcessCudaCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(device_.mutex);
       return lane_stream(device_, device_index_, lane);
     }();
+    // Before `produced`: the lane, and the peers' reads of the send buffer behind its `ready`,
+    // come after the poison, which never touches a send buffer.
+    poison_receive_buffer(call, rank());
     {
       const Event produced;
       produced.record(caller.stream());
@@ -691,27 +802,34 @@ class InProcessCudaCommunicator final : public Communicator {
         buffers.push_back(*t);
       }
     }
+    auto delivery = std::make_shared<Delivery>();
     try {
-      exchange(call, stream);
+      const std::optional<at::Tensor> staged = exchange(call, stream);
+      if (staged && staged->numel() > 0) {
+        delivery->recv = call.recv;
+        delivery->staged = *staged;
+      }
     } catch (...) {
       // The caller may free the buffers once this throws: its stream first waits for whatever
       // the lane still holds.
       order_after_quietly(caller.stream(), stream.stream());
       throw;
     }
-    auto done = std::make_shared<Event>();
-    done->record(stream.stream());
+    delivery->done = std::make_shared<Event>();
+    delivery->done->record(stream.stream());
     {
       std::lock_guard<std::mutex> lock(device_.mutex);
-      device_.last_async[static_cast<size_t>(lane)] = done;
+      device_.last_async[static_cast<size_t>(lane)] = delivery->done;
+      device_.pending.push_back(delivery);
     }
-    return std::make_unique<InProcessWork>(std::move(done), device_index_, caller.stream(),
+    return std::make_unique<InProcessWork>(device_, std::move(delivery), device_index_, caller,
                                            std::move(buffers));
   }
 
-  // The protocol of the header's comment, on `stream`. A failure here fails the round for the
-  // peers at once (World::abandon).
-  void exchange(const Call& call, const c10::cuda::CUDAStream& stream) {
+  // The protocol of the header's comment, on `stream`, but for the last write: returns this
+  // rank's result, staged on `stream`, which has waited for every peer's reads (nullopt: nothing
+  // to write). A failure here fails the round for the peers at once (World::abandon).
+  std::optional<at::Tensor> exchange(const Call& call, const c10::cuda::CUDAStream& stream) {
     last_ = name_of(call.kind);
     const int64_t seq = seq_++;
     // Whatever happens, this rank leaves the round: the last one out drops it.
@@ -732,7 +850,7 @@ class InProcessCudaCommunicator final : public Communicator {
       for (int p = 0; p < size(); ++p) {
         if (p != rank()) all[static_cast<size_t>(p)].ready->order_before(s);
       }
-      const std::optional<at::Tensor> staged = read_peers(all, rank());
+      std::optional<at::Tensor> staged = read_peers(all, rank());
 
       auto read_done = std::make_shared<Event>();
       read_done->record(s);
@@ -741,7 +859,7 @@ class InProcessCudaCommunicator final : public Communicator {
       for (int p = 0; p < size(); ++p) {
         if (p != rank()) reads[static_cast<size_t>(p)]->order_before(s);
       }
-      if (staged && staged->numel() > 0) call.recv.copy_(*staged);
+      return staged;
     } catch (...) {
       // Before `departure`: the round must still be there for the peers to read why.
       world_->abandon(seq, rank(), call.kind, detail::current_exception_message());
