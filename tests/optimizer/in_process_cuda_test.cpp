@@ -59,11 +59,14 @@ using testing::Spec;
 using testing::world;
 using testing::world_ptr;
 
-// ~5 ms on a 2 GHz GPU per asynchronous collective, on its lane. A read of a result before
+// ~20 ms on a 2 GHz GPU per asynchronous collective, on its lane. A read of a result before
 // wait() is wrong without it (deferred delivery: the poison); the delay is for the send side: the
 // lane reads the send buffers that much later, so a caller that overwrites or frees one before
-// wait() has its write run first and the peers receive wrong bits.
-constexpr int64_t kDelayCycles = 10'000'000;
+// wait() has its write run first and the peers receive wrong bits. 20 ms rather than 5: such a
+// write may come some kernels, allocations or a backward node after the call, not only right
+// behind it. The cost: the delayed passes start about 700 asynchronous collectives per rank (the
+// ranks' and lanes' sleeps overlap), at most about 15 s in all.
+constexpr int64_t kDelayCycles = 40'000'000;
 
 // Runs `body` at world size `size` without the delay and with it.
 void with_and_without_delay(int size, const std::function<void()>& body) {
