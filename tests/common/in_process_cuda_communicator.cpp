@@ -169,6 +169,12 @@ std::atomic<int64_t>& async_delay() {
   return cycles;
 }
 
+// The root rank whose next collective throws (fail_next_in_process_cuda_collective); -1: none.
+std::atomic<int>& injected_failure() {
+  static std::atomic<int> root_rank{-1};
+  return root_rank;
+}
+
 enum class Kind {
   kAllToAllV,
   kAllGather,
@@ -850,6 +856,10 @@ class InProcessCudaCommunicator final : public Communicator {
       for (int p = 0; p < size(); ++p) {
         if (p != rank()) all[static_cast<size_t>(p)].ready->order_before(s);
       }
+      int armed = world_->root_rank(rank());
+      const bool injected = injected_failure().compare_exchange_strong(armed, -1);
+      FSDP_MUON_CHECK(!injected, "in_process_cuda rank ", rank(), " of ", size(),
+                      ": an injected failure (fail_next_in_process_cuda_collective)");
       std::optional<at::Tensor> staged = read_peers(all, rank());
 
       auto read_done = std::make_shared<Event>();
@@ -921,6 +931,8 @@ void leave_in_process_cuda_world(const Communicator& comm, const std::string& wh
 }
 
 void set_in_process_cuda_async_delay(int64_t cycles) { async_delay() = cycles; }
+
+void fail_next_in_process_cuda_collective(int root_rank) { injected_failure() = root_rank; }
 
 void on_cuda_world_of(int size, const std::function<void()>& body) {
   TORCH_CHECK(torch::cuda::is_available(), "on_cuda_world_of needs a CUDA device");

@@ -93,6 +93,12 @@ void leave_in_process_cuda_world(const Communicator& comm, const std::string& wh
 // Set it on the test's thread, outside the rank threads.
 void set_in_process_cuda_async_delay(int64_t cycles);
 
+// Test-only, process-wide: the next collective that rank `root_rank` of an in-process CUDA world
+// (and of the worlds split from it) joins throws on that rank once every rank has arrived, before
+// it reads its peers, as an ATen error there would; -1 disarms it. What the peers then see is
+// the test's. Set it on the test's thread, outside the rank threads.
+void fail_next_in_process_cuda_collective(int root_rank);
+
 // The delay for as long as it lives.
 class InProcessCudaDelay {
  public:

@@ -5,8 +5,8 @@
 //   - every collective, synchronous and asynchronous, uneven and empty blocks, fp32, bf16 and
 //     int64, equals GlooCommunicator's in-process world on the same inputs bit for bit (this is
 //     what proves the CUDA world itself); a read before wait() sees poison, not the result,
-//     whatever the timing; a rank that never comes, or calls another collective, is an error at
-//     once;
+//     whatever the timing; a rank that never comes, calls another collective or throws inside
+//     one is an error on its peers at once;
 //   - FsdpMuon's exchange at W = 2 and 4 (rows of 1, sizes no W divides, ranks holding nothing)
 //     equals single-device Muon on the GPU bit for bit, weights and momentum;
 //   - ZeRO-3 with prefetch at W = 2 and 4, and HSDP 2x2 (every replica mode), train bit for bit
@@ -16,6 +16,8 @@
 // Skips, saying why, where no GPU is usable; scripts/gpu-check runs it (label gpu).
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -23,6 +25,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -387,6 +390,35 @@ TEST(InProcessCudaCollectives, MissingAndMismatchedRanksAreErrors) {
                    {"rank 1 called all_gather where rank 0 called all_reduce"});
     }
   });
+}
+
+// A rank that throws inside a collective, after every rank arrived, fails it for its peers at
+// once, naming itself and its error: rank 1 stays in its body until rank 0 has failed, so rank 0
+// cannot learn of it from rank 1 leaving (that error says "will never join", after up to 5 s).
+TEST(InProcessCudaCollectives, ARankThatThrowsInACollectiveFailsItsPeersAtOnce) {
+  FSDP_MUON_REQUIRE_GPU("the in-process CUDA world is checked on a GPU");
+  std::atomic<bool> rank0_failed{false};
+  testing::fail_next_in_process_cuda_collective(1);
+  on_cuda_world_of(2, [&] {
+    const at::Tensor t = at::ones({3}, at::TensorOptions().device(world().device()));
+    if (world().rank() == 1) {
+      expect_error([&] { world().all_reduce(t); }, {"an injected failure"});
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (!rank0_failed && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      EXPECT_TRUE(rank0_failed) << "rank 0 still waits in the all-reduce rank 1 threw in";
+    } else {
+      expect_error([&] { world().all_reduce(t); },
+                   {"rank 1 threw in all_reduce", "an injected failure"});
+      rank0_failed = true;
+    }
+    // The world works on: the next collective is a fresh round.
+    const at::Tensor u = at::ones({3}, at::TensorOptions().device(world().device()));
+    world().all_reduce(u);
+    EXPECT_TRUE(same_bits(u, at::full({3}, 2.0F)));
+  });
+  testing::fail_next_in_process_cuda_collective(-1);  // disarmed, had it not fired
 }
 
 // ---------------------------------------------------------------------------------------------
