@@ -27,11 +27,11 @@
 //
 // Deferred delivery, so that a read the library forgets to order after an asynchronous collective
 // gives wrong bits every time, whatever the timing: on the caller's stream, before the lane waits
-// for it, the receive buffer is poisoned (NaN for floating types, bytes 0x5A for integers) except
-// where the caller's data is part of the result (all-reduce, in place; an all-gather whose send
-// buffer is this rank's block of the receive buffer keeps that block; a receive buffer that
-// overlaps the send buffer otherwise is left as it is); and the staged result reaches the
-// receive buffer only when it is delivered, on a stream that first waits for `done`: by
+// for it, the receive buffer is poisoned (NaN for floating types, bytes 0x5A for integers; bool is
+// left as it is) except where the caller's data is part of the result (all-reduce, in place; an
+// all-gather whose send buffer is this rank's block of the receive buffer keeps that block; a
+// receive buffer that overlaps the send buffer otherwise is left as it is); and the staged result
+// reaches the receive buffer only when it is delivered, on a stream that first waits for `done`: by
 // CommWork::wait() on the caller's current stream, by an unwaited work's destructor on the
 // calling stream (the collective still finishes), or by the rank's next synchronous collective
 // on its stream (every pending result of the rank, oldest first), whichever comes first. Before
