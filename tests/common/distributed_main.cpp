@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -83,14 +84,22 @@ std::string rank_prefix(int size, int rank) {
 }
 
 // How a rank's body ended, for RankThreadHooks::leave: the exception, else the first failure
-// gtest recorded on the rank's thread, else "returned".
+// gtest recorded on the rank's thread (where, too: the hook may print it long before gtest
+// reports), else the skip, else kRankBodyReturned.
 std::string outcome_of(const std::string& error, const ::testing::TestPartResultArray& results) {
   if (!error.empty()) return "its body threw: " + error;
   for (int i = 0; i < results.size(); ++i) {
     const ::testing::TestPartResult& part = results.GetTestPartResult(i);
-    if (part.failed()) return std::string("its body failed: ") + part.message();
+    if (part.failed()) {
+      return c10::str("its body failed at ", part.file_name() ? part.file_name() : "(unknown file)",
+                      ":", part.line_number(), ": ", part.message());
+    }
   }
-  return "its body returned";
+  for (int i = 0; i < results.size(); ++i) {
+    const ::testing::TestPartResult& part = results.GetTestPartResult(i);
+    if (part.skipped()) return std::string("its body skipped: ") + part.message();
+  }
+  return kRankBodyReturned;
 }
 
 }  // namespace

@@ -54,13 +54,17 @@ void on_world_of(int size, const std::function<void()>& body);
 // rank of it fails): rank r's communicator is the r-th. Call it on the test's thread.
 const std::vector<std::shared_ptr<Communicator>>& in_process_gloo_world(int size);
 
+// RankThreadHooks::leave's outcome when the body returned with no failure and no skip.
+inline constexpr const char* kRankBodyReturned = "its body returned";
+
 // What a harness adds around each rank's body; either may be empty.
 struct RankThreadHooks {
   // First, on rank r's thread (its CUDA stream, say).
   std::function<void(int rank)> enter;
   // Last, on rank r's thread once its body has ended, however it ended: `outcome` says how
-  // ("returned", or the failure or exception), so that the harness can tell the ranks that still
-  // wait for r in a collective that it will not come, rather than let them wait out the timeout.
+  // (kRankBodyReturned, or "its body threw: ...", "its body failed at file:line: ...", "its body
+  // skipped: ..."), so that the harness can tell the ranks that still wait for r in a collective
+  // that it will not come, rather than let them wait out the timeout.
   std::function<void(int rank, const std::string& outcome)> leave;
 };
 

@@ -2,10 +2,16 @@
 
 #include "common/in_process_cuda_communicator.h"
 
+// As the header: the CUDA headers below exist only in a CUDA build of LibTorch.
+#if FSDP_MUON_WITH_CUDA
+
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdio>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -15,6 +21,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/cuda/Sleep.h>
 #include <c10/core/AutogradState.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -24,6 +31,7 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include "comm/agreement.h"
 #include "common/check.h"
 #include "common/distributed_main.h"
 
@@ -76,14 +84,59 @@ void order_after_quietly(cudaStream_t waiter, cudaStream_t stream) noexcept {
 enum class Lane : size_t { kAllGather = 0, kReduceScatter, kAllReduce, kAllToAll };
 constexpr size_t kLanes = 4;
 
+// The result of one asynchronous collective, computed on its lane into `staged` and held back
+// from `recv` until it is delivered: by CommWork::wait() on the caller's current stream, by the
+// work's destructor on the calling stream, or by the rank's next synchronous collective on its
+// stream, whichever comes first. Until then `recv` holds what the call left there (the poison,
+// or the caller's own data where the contract makes the caller's data part of the result), so a
+// read that the library does not order after the collective sees that, whatever the timing.
+struct Delivery {
+  std::shared_ptr<Event> done;  // on the lane: the result is staged and every peer has read
+  at::Tensor recv;
+  at::Tensor staged;               // undefined: nothing to write
+  std::shared_ptr<Event> arrived;  // once delivered: after the write, on the stream that made it
+};
+
 // One rank of the in-process worlds on a device plays one device, whatever communicator of it is
 // used (its world's, a split's): its lanes and the end of each lane's last asynchronous
-// collective, which its synchronous collectives wait for, as NCCL's DeviceOrder.
+// collective, which its synchronous collectives wait for, as NCCL's DeviceOrder; and its
+// asynchronous collectives' results not yet delivered, oldest first.
 struct RankDevice {
   std::mutex mutex;
   std::array<std::optional<c10::cuda::CUDAStream>, kLanes> lanes;
   std::array<std::shared_ptr<Event>, kLanes> last_async;
+  std::vector<std::shared_ptr<Delivery>> pending;
 };
+
+// `device.mutex` is held. Writes `d`'s result into its receive buffer on `stream`, once: later
+// calls only return the event after that write. The stream first waits for the collective's end.
+const std::shared_ptr<Event>& deliver(RankDevice& device, Delivery& d,
+                                      const c10::cuda::CUDAStream& stream) {
+  if (d.arrived) return d.arrived;
+  // Taken out first: a write that failed is not tried again (its buffer may be gone by then).
+  auto& pending = device.pending;
+  pending.erase(std::remove_if(pending.begin(), pending.end(),
+                               [&](const std::shared_ptr<Delivery>& p) { return p.get() == &d; }),
+                pending.end());
+  const at::Tensor recv = std::move(d.recv);
+  const at::Tensor staged = std::move(d.staged);
+  d.done->order_before(stream.stream());
+  if (staged.defined()) {
+    const c10::cuda::CUDAStreamGuard on_stream(stream);
+    // Written as NCCL writes it, below autograd (no history, no version bump): this may run in a
+    // destructor or a later collective, whatever the grad mode there.
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    recv.copy_(staged);
+    // The lane made `staged`, the caller `recv`: neither block is handed out again before this
+    // copy has run.
+    staged.record_stream(stream);
+    recv.record_stream(stream);
+  }
+  auto arrived = std::make_shared<Event>();
+  arrived->record(stream.stream());
+  d.arrived = std::move(arrived);
+  return d.arrived;
+}
 
 // Made on first use and never destroyed, like the lane streams in it: a work or a waiting stream
 // may refer to them until the process ends, and the next world of this rank reuses them.
@@ -114,6 +167,12 @@ c10::cuda::CUDAStream lane_stream(RankDevice& device, int device_index, Lane lan
 std::atomic<int64_t>& async_delay() {
   static std::atomic<int64_t> cycles{0};
   return cycles;
+}
+
+// The root rank whose next collective throws (fail_next_in_process_cuda_collective); -1: none.
+std::atomic<int>& injected_failure() {
+  static std::atomic<int> root_rank{-1};
+  return root_rank;
 }
 
 enum class Kind {
@@ -169,9 +228,13 @@ struct Deposit {
 struct Round {
   explicit Round(int size)
       : deposits(static_cast<size_t>(size)),
-        here(static_cast<size_t>(size), std::array<bool, 2>{false, false}) {}
+        here(static_cast<size_t>(size), std::array<bool, 2>{false, false}),
+        reads_enqueued(static_cast<size_t>(size), false) {}
   std::vector<Deposit> deposits;
   std::vector<std::array<bool, 2>> here;  // rank p has arrived at barrier 0 / 1
+  // Rank p's stream holds every read of its peers' buffers it will make in this round (it came to
+  // barrier 1, or it threw): what a rank that throws waits for before its buffers may go.
+  std::vector<bool> reads_enqueued;
   std::array<int, 2> arrived{0, 0};
   int departed = 0;
   // Set by the first rank that gave up waiting: a rank arriving late fails too, rather than read
@@ -222,10 +285,41 @@ class World {
     std::unique_lock<std::mutex> lock(family_->mutex);
     Round& round = round_of(seq);
     round.deposits[static_cast<size_t>(rank)].read_done = read_done;
+    // Before the barrier's check of an abandoned round: a rank that throws waits for this.
+    round.reads_enqueued[static_cast<size_t>(rank)] = true;
+    family_->changed.notify_all();
     arrive_and_wait(lock, round, /*barrier=*/1, seq, rank, kind);
     std::vector<std::shared_ptr<Event>> out;
     for (const Deposit& d : round.deposits) out.push_back(d.read_done);
     return out;
+  }
+
+  // `rank` leaves collective `seq` (a `kind`) by an exception (`why`): the round fails at once for
+  // the peers that wait in it or come to it later, naming `rank`, instead of waiting for its body
+  // to end. Where every rank had passed barrier 0, the peers' streams may read this rank's buffers,
+  // which its caller may free as soon as this throws: first every peer enqueues all it will read
+  // (each leaves barrier 1 or throws at once, the round being abandoned; bounded by the timeout),
+  // then the device runs it all. Never throws: it runs while an exception is in flight.
+  void abandon(int64_t seq, int rank, Kind kind, const std::string& why) noexcept {
+    try {
+      std::unique_lock<std::mutex> lock(family_->mutex);
+      Round& round = round_of(seq);
+      if (round.abandoned.empty()) {
+        round.abandoned = c10::str("rank ", rank, " threw in ", name_of(kind), " (collective #",
+                                   seq, " of this communicator): ", why);
+      }
+      round.reads_enqueued[static_cast<size_t>(rank)] = true;
+      family_->changed.notify_all();
+      if (round.arrived[0] != size()) return;  // no rank passed barrier 0: no rank read
+      family_->changed.wait_for(lock, family_->timeout, [&] {
+        return std::all_of(round.reads_enqueued.begin(), round.reads_enqueued.end(),
+                           [](bool enqueued) { return enqueued; });
+      });
+    } catch (...) {
+      // A lock or an allocation failed: still let the device finish what it holds.
+    }
+    (void)cudaDeviceSynchronize();
+    (void)cudaGetLastError();  // a sticky error stays; anything else must not fail later checks
   }
 
   // `rank` is done with collective `seq` (also when it threw): the last rank out drops the round
@@ -458,41 +552,96 @@ std::optional<at::Tensor> read_peers(const std::vector<Deposit>& all, int rank) 
   return std::nullopt;
 }
 
-// An asynchronous collective: `done` marks its end on its lane. wait() orders the caller's
-// current stream and the calling stream after it; the buffers are held until then, so the
-// allocator hands their blocks out again only in an order after the collective.
+// Whether flat tensors `a` and `b` share bytes.
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// Fills `t` with what no collective of these tests produces and no stale buffer holds: NaN for
+// floating types, the bytes 0x5A for integers (0x5A5A5A5A5A5A5A5A in an int64). Booleans are left
+// alone: no bool value differs from both results.
+void poison(const at::Tensor& t) {
+  if (t.numel() == 0) return;
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as deliver() writes
+  const c10::ScalarType dtype = t.scalar_type();
+  if (c10::isFloatingType(dtype) || c10::isComplexType(dtype)) {
+    t.fill_(std::numeric_limits<double>::quiet_NaN());
+  } else if (dtype != c10::kBool) {
+    t.view(c10::kByte).fill_(0x5A);
+  }
+}
+
+// On the current stream (the caller's), the parts of `call.recv` the collective overwrites and
+// the caller does not provide: all of it, except for an all-reduce (in place: the input), an
+// all-gather whose send buffer is this rank's block of the receive buffer (the rest of it), and
+// any other receive buffer that overlaps the send buffer (nothing: the peers read the send).
+void poison_receive_buffer(const Call& call, int rank) {
+  const at::Tensor& recv = call.recv;
+  if (call.kind == Kind::kAllReduce || !recv.defined() || recv.numel() == 0) return;
+  if (!overlap(call.send, recv)) {
+    poison(recv);
+    return;
+  }
+  if (call.kind != Kind::kAllGather && call.kind != Kind::kAllGatherV) return;
+  const int64_t n = call.send.numel();
+  const int64_t own = call.kind == Kind::kAllGather ? rank * n : offset_of(call.recv_counts, rank);
+  if (own + n > recv.numel() || call.send.data_ptr() != recv.narrow(0, own, n).data_ptr()) return;
+  poison(recv.narrow(0, 0, own));
+  poison(recv.narrow(0, own + n, recv.numel() - own - n));
+}
+
+// An asynchronous collective. wait() delivers its result (unless the rank's synchronous collective
+// did already) and orders the caller's current stream and the calling stream after that; the
+// buffers are held until then, so the allocator hands their blocks out again only in an order
+// after the collective.
 class InProcessWork final : public CommWork {
  public:
-  InProcessWork(std::shared_ptr<Event> done, int device_index, cudaStream_t calling_stream,
-                std::vector<at::Tensor> buffers)
-      : done_(std::move(done)),
+  InProcessWork(RankDevice& device, std::shared_ptr<Delivery> delivery, int device_index,
+                c10::cuda::CUDAStream calling_stream, std::vector<at::Tensor> buffers)
+      : device_(device),
+        delivery_(std::move(delivery)),
         device_index_(device_index),
         calling_stream_(calling_stream),
         buffers_(std::move(buffers)) {}
 
   ~InProcessWork() override {
-    // Unwaited: the buffers go back to the allocator with this work, so the stream that may
-    // reuse them must not overtake the collective. Never throws.
-    if (!waited()) (void)cudaStreamWaitEvent(calling_stream_, done_->get(), 0);
+    if (waited()) return;
+    // Unwaited, the collective still finishes (the contract): its result lands on the calling
+    // stream, which then may reuse the buffers, as they go back to the allocator with this work.
+    // Never throws: failing that, the calling stream at least waits for the collective.
+    try {
+      const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+      std::lock_guard<std::mutex> lock(device_.mutex);
+      deliver(device_, *delivery_, calling_stream_)->order_before(calling_stream_.stream());
+    } catch (...) {
+      (void)cudaStreamWaitEvent(calling_stream_.stream(), delivery_->done->get(), 0);
+    }
   }
 
  protected:
   void do_wait() override {
     const auto index = static_cast<c10::DeviceIndex>(device_index_);
     const c10::cuda::CUDAGuard guard(index);
-    const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(index).stream();
-    cudaError_t ordered = cudaStreamWaitEvent(caller, done_->get(), 0);
-    if (ordered == cudaSuccess && calling_stream_ != caller) {
-      ordered = cudaStreamWaitEvent(calling_stream_, done_->get(), 0);
+    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(index);
+    std::shared_ptr<Event> arrived;
+    {
+      std::lock_guard<std::mutex> lock(device_.mutex);
+      arrived = deliver(device_, *delivery_, caller);
     }
+    // Delivered on `caller` just now, or earlier on a synchronous collective's stream.
+    arrived->order_before(caller.stream());
+    if (calling_stream_ != caller) arrived->order_before(calling_stream_.stream());
     buffers_.clear();
-    check_cuda(ordered, "cudaStreamWaitEvent (CommWork::wait)");
   }
 
  private:
-  std::shared_ptr<Event> done_;
+  RankDevice& device_;
+  std::shared_ptr<Delivery> delivery_;
   int device_index_;
-  cudaStream_t calling_stream_;
+  c10::cuda::CUDAStream calling_stream_;
   std::vector<at::Tensor> buffers_;
 };
 
@@ -607,23 +756,29 @@ class InProcessCudaCommunicator final : public Communicator {
   }
 
   // A synchronous collective: on the caller's current stream, after the last asynchronous
-  // collective of every lane of this rank (docs/DESIGN.md §5). Returns that stream.
+  // collective of every lane of this rank (docs/DESIGN.md §5), whose results it first delivers
+  // there, oldest first. Returns that stream.
   cudaStream_t run_sync(const Call& call) {
     const auto index = static_cast<c10::DeviceIndex>(device_index_);
     const c10::cuda::CUDAGuard guard(index);
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(index);
     {
       std::lock_guard<std::mutex> lock(device_.mutex);
+      // A copy: deliver() takes each off the list.
+      const std::vector<std::shared_ptr<Delivery>> pending = device_.pending;
+      for (const std::shared_ptr<Delivery>& d : pending) deliver(device_, *d, caller);
       for (const std::shared_ptr<Event>& last : device_.last_async) {
         if (last) last->order_before(caller.stream());
       }
     }
-    exchange(call, caller);
+    const std::optional<at::Tensor> staged = exchange(call, caller);
+    if (staged && staged->numel() > 0) call.recv.copy_(*staged);
     return caller.stream();
   }
 
   // An asynchronous collective: on `lane`, which first waits for the caller's current stream
-  // (the send buffer may be produced there); the caller's stream waits for nothing.
+  // (the send buffer may be produced there); the caller's stream waits for nothing. Its result
+  // waits in a Delivery (see there); the receive buffer is poisoned first, on the caller's stream.
   std::unique_ptr<CommWork> run_async(Lane lane, const Call& call) {
     const auto index = static_cast<c10::DeviceIndex>(device_index_);
     const c10::cuda::CUDAGuard guard(index);
@@ -632,6 +787,9 @@ class InProcessCudaCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(device_.mutex);
       return lane_stream(device_, device_index_, lane);
     }();
+    // Before `produced`: the lane, and the peers' reads of the send buffer behind its `ready`,
+    // come after the poison, which never touches a send buffer.
+    poison_receive_buffer(call, rank());
     {
       const Event produced;
       produced.record(caller.stream());
@@ -650,26 +808,34 @@ class InProcessCudaCommunicator final : public Communicator {
         buffers.push_back(*t);
       }
     }
+    auto delivery = std::make_shared<Delivery>();
     try {
-      exchange(call, stream);
+      const std::optional<at::Tensor> staged = exchange(call, stream);
+      if (staged && staged->numel() > 0) {
+        delivery->recv = call.recv;
+        delivery->staged = *staged;
+      }
     } catch (...) {
       // The caller may free the buffers once this throws: its stream first waits for whatever
       // the lane still holds.
       order_after_quietly(caller.stream(), stream.stream());
       throw;
     }
-    auto done = std::make_shared<Event>();
-    done->record(stream.stream());
+    delivery->done = std::make_shared<Event>();
+    delivery->done->record(stream.stream());
     {
       std::lock_guard<std::mutex> lock(device_.mutex);
-      device_.last_async[static_cast<size_t>(lane)] = done;
+      device_.last_async[static_cast<size_t>(lane)] = delivery->done;
+      device_.pending.push_back(delivery);
     }
-    return std::make_unique<InProcessWork>(std::move(done), device_index_, caller.stream(),
+    return std::make_unique<InProcessWork>(device_, std::move(delivery), device_index_, caller,
                                            std::move(buffers));
   }
 
-  // The protocol of the header's comment, on `stream`.
-  void exchange(const Call& call, const c10::cuda::CUDAStream& stream) {
+  // The protocol of the header's comment, on `stream`, but for the last write: returns this
+  // rank's result, staged on `stream`, which has waited for every peer's reads (nullopt: nothing
+  // to write). A failure here fails the round for the peers at once (World::abandon).
+  std::optional<at::Tensor> exchange(const Call& call, const c10::cuda::CUDAStream& stream) {
     last_ = name_of(call.kind);
     const int64_t seq = seq_++;
     // Whatever happens, this rank leaves the round: the last one out drops it.
@@ -678,27 +844,37 @@ class InProcessCudaCommunicator final : public Communicator {
       int64_t seq;
       ~Departure() { world.depart(seq); }
     } departure{*world_, seq};
-    // ATen's ops below, and the staging tensors' blocks, on the collective's stream.
-    const c10::cuda::CUDAStreamGuard on_stream(stream);
-    const cudaStream_t s = stream.stream();
+    try {
+      // ATen's ops below, and the staging tensors' blocks, on the collective's stream.
+      const c10::cuda::CUDAStreamGuard on_stream(stream);
+      const cudaStream_t s = stream.stream();
 
-    auto ready = std::make_shared<Event>();
-    ready->record(s);
-    const std::vector<Deposit> all = world_->meet(seq, rank(), call, ready);
-    check_calls_match(all, rank(), seq);
-    for (int p = 0; p < size(); ++p) {
-      if (p != rank()) all[static_cast<size_t>(p)].ready->order_before(s);
-    }
-    const std::optional<at::Tensor> staged = read_peers(all, rank());
+      auto ready = std::make_shared<Event>();
+      ready->record(s);
+      const std::vector<Deposit> all = world_->meet(seq, rank(), call, ready);
+      check_calls_match(all, rank(), seq);
+      for (int p = 0; p < size(); ++p) {
+        if (p != rank()) all[static_cast<size_t>(p)].ready->order_before(s);
+      }
+      int armed = world_->root_rank(rank());
+      const bool injected = injected_failure().compare_exchange_strong(armed, -1);
+      FSDP_MUON_CHECK(!injected, "in_process_cuda rank ", rank(), " of ", size(),
+                      ": an injected failure (fail_next_in_process_cuda_collective)");
+      std::optional<at::Tensor> staged = read_peers(all, rank());
 
-    auto read_done = std::make_shared<Event>();
-    read_done->record(s);
-    const std::vector<std::shared_ptr<Event>> reads =
-        world_->meet_again(seq, rank(), call.kind, read_done);
-    for (int p = 0; p < size(); ++p) {
-      if (p != rank()) reads[static_cast<size_t>(p)]->order_before(s);
+      auto read_done = std::make_shared<Event>();
+      read_done->record(s);
+      const std::vector<std::shared_ptr<Event>> reads =
+          world_->meet_again(seq, rank(), call.kind, read_done);
+      for (int p = 0; p < size(); ++p) {
+        if (p != rank()) reads[static_cast<size_t>(p)]->order_before(s);
+      }
+      return staged;
+    } catch (...) {
+      // Before `departure`: the round must still be there for the peers to read why.
+      world_->abandon(seq, rank(), call.kind, detail::current_exception_message());
+      throw;
     }
-    if (staged && staged->numel() > 0) call.recv.copy_(*staged);
   }
 
   // Polls until everything enqueued on `stream` so far has run, at most the timeout.
@@ -756,6 +932,8 @@ void leave_in_process_cuda_world(const Communicator& comm, const std::string& wh
 
 void set_in_process_cuda_async_delay(int64_t cycles) { async_delay() = cycles; }
 
+void fail_next_in_process_cuda_collective(int root_rank) { injected_failure() = root_rank; }
+
 void on_cuda_world_of(int size, const std::function<void()>& body) {
   TORCH_CHECK(torch::cuda::is_available(), "on_cuda_world_of needs a CUDA device");
   constexpr int kDevice = 0;
@@ -777,6 +955,12 @@ void on_cuda_world_of(int size, const std::function<void()>& body) {
   };
   hooks.leave = [&](int r, const std::string& outcome) {
     rank_gloo.reset();
+    // gtest reports a rank's failures only once every rank's thread has ended: printed here, the
+    // first error shows even when a peer then hangs until CTest's timeout kills the process.
+    if (outcome != kRankBodyReturned) {
+      std::fprintf(stderr, "[in_process_cuda] W=%d rank %d: %s\n", size, r, outcome.c_str());
+      std::fflush(stderr);
+    }
     leave_in_process_cuda_world(*comms[static_cast<size_t>(r)], outcome);
   };
   const bool skipped = run_on_rank_threads(comms, body, hooks);
@@ -793,3 +977,5 @@ std::shared_ptr<Communicator> gloo_world_ptr() {
 }
 
 }  // namespace fsdp_muon::testing
+
+#endif  // FSDP_MUON_WITH_CUDA

@@ -15,12 +15,28 @@
 //   3. the stream waits for every peer's `ready` and reads the peers' buffers with ATen ops into
 //      a staging tensor, then records `read_done`; second host barrier;
 //   4. the stream waits for every peer's `read_done` (so no rank overwrites a buffer a peer still
-//      reads, in place all-reduces included) and copies the staging tensor into the result.
+//      reads, in place all-reduces included); a synchronous collective then copies the staging
+//      tensor into the result. An asynchronous one records `done` and defers that copy (below).
 // The host waits are bounded by the timeout, and a rank whose test body ended is reported at once
-// (leave_in_process_cuda_world): a rank that never arrives is an error naming it, not a hang.
+// (leave_in_process_cuda_world): a rank that never arrives is an error naming it, not a hang. A
+// rank that throws inside a collective fails it for its peers at once, naming itself; it first
+// lets the device run every read of its buffers the peers enqueued, as its caller may free them.
 // Peers' streams read a rank's buffers only before that rank's stream passes step 4, so blocks
 // freed after the collective (ordered on the stream it ran on, or on the caller's stream by
 // CommWork::wait()) are never reused under a peer's read, without record_stream.
+//
+// Deferred delivery, so that a read the library forgets to order after an asynchronous collective
+// gives wrong bits every time, whatever the timing: on the caller's stream, before the lane waits
+// for it, the receive buffer is poisoned (NaN for floating types, bytes 0x5A for integers; bool is
+// left as it is) except where the caller's data is part of the result (all-reduce, in place; an
+// all-gather whose send buffer is this rank's block of the receive buffer keeps that block; a
+// receive buffer that overlaps the send buffer otherwise is left as it is); and the staged result
+// reaches the receive buffer only when it is delivered, on a stream that first waits for `done`: by
+// CommWork::wait() on the caller's current stream, by an unwaited work's destructor on the
+// calling stream (the collective still finishes), or by the rank's next synchronous collective
+// on its stream (every pending result of the rank, oldest first), whichever comes first. Before
+// that the buffer holds the poison (or the caller's own data), never a stale block of the
+// allocator that happens to equal the result.
 //
 // Results: the blocks in place, bit for bit; reduce_scatter_mean as GlooCommunicator computes it
 // (per element a sum from zero in rank order in the accumulate type, float for bf16 and fp16, then
@@ -33,10 +49,10 @@
 // collectives run on one library-made, non-blocking stream per rank and lane (all-gather and
 // all-gather-v, reduce-scatter, all-reduce, all-to-all), shared by every communicator of that rank
 // (splits included), each first waiting for the caller's current stream. CommWork::wait() orders
-// the caller's current stream and the calling stream after the collective's end; the work holds
-// its buffers (recorded on the calling stream) until then; destroyed unwaited, it makes the
-// calling stream wait. Synchronous collectives run on the caller's current stream after the last
-// asynchronous collective of every lane of the rank.
+// the caller's current stream and the calling stream after the collective's end and its delivery;
+// the work holds its buffers (recorded on the calling stream) until then; destroyed unwaited, it
+// delivers on the calling stream, which then waits. Synchronous collectives run on the caller's
+// current stream after the last asynchronous collective of every lane of the rank.
 //
 // CUDA builds only (FSDP_MUON_WITH_CUDA); the test-support library compiles it there.
 
@@ -69,10 +85,19 @@ void leave_in_process_cuda_world(const Communicator& comm, const std::string& wh
 
 // Test-only, process-wide, like NCCL's detail::set_async_collective_delay_for_testing: every
 // asynchronous collective started from now on first sleeps `cycles` GPU cycles
-// (at::cuda::sleep) on its lane, after its wait for the caller's stream; 0 turns it off. A
-// consumer that reads a result without CommWork::wait() then reads it before the collective has
-// run, every time. Set it on the test's thread, outside the rank threads.
+// (at::cuda::sleep) on its lane, after its wait for the caller's stream; 0 turns it off. A read
+// of the result without CommWork::wait() gives wrong bits with or without it (deferred delivery,
+// above). The delay is for the send side: the lane then reads the send buffers late, so a caller
+// that overwrites or frees one before wait() most likely corrupts what the peers receive. That
+// part is a matter of timing: the caller's write must run before the sleep ends.
+// Set it on the test's thread, outside the rank threads.
 void set_in_process_cuda_async_delay(int64_t cycles);
+
+// Test-only, process-wide: the next collective that rank `root_rank` of an in-process CUDA world
+// (and of the worlds split from it) joins throws on that rank once every rank has arrived, before
+// it reads its peers, as an ATen error there would; -1 disarms it. What the peers then see is
+// the test's. Set it on the test's thread, outside the rank threads.
+void fail_next_in_process_cuda_collective(int root_rank);
 
 // The delay for as long as it lives.
 class InProcessCudaDelay {

@@ -4,8 +4,9 @@
 // collectives delayed on their lanes and without:
 //   - every collective, synchronous and asynchronous, uneven and empty blocks, fp32, bf16 and
 //     int64, equals GlooCommunicator's in-process world on the same inputs bit for bit (this is
-//     what proves the CUDA world itself); the delay makes an unwaited read stale; a rank that
-//     never comes, or calls another collective, is an error at once;
+//     what proves the CUDA world itself); a read before wait() sees poison, not the result,
+//     whatever the timing; a rank that never comes, calls another collective or throws inside
+//     one is an error on its peers at once;
 //   - FsdpMuon's exchange at W = 2 and 4 (rows of 1, sizes no W divides, ranks holding nothing)
 //     equals single-device Muon on the GPU bit for bit, weights and momentum;
 //   - ZeRO-3 with prefetch at W = 2 and 4, and HSDP 2x2 (every replica mode), train bit for bit
@@ -15,12 +16,16 @@
 // Skips, saying why, where no GPU is usable; scripts/gpu-check runs it (label gpu).
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -57,9 +62,14 @@ using testing::Spec;
 using testing::world;
 using testing::world_ptr;
 
-// ~5 ms on a 2 GHz GPU per asynchronous collective: far longer than a consumer takes to run, so
-// a read the library does not order after the collective reads stale data every time.
-constexpr int64_t kDelayCycles = 10'000'000;
+// ~20 ms on a 2 GHz GPU per asynchronous collective, on its lane. A read of a result before
+// wait() is wrong without it (deferred delivery: the poison); the delay is for the send side: the
+// lane reads the send buffers that much later, so a caller that overwrites or frees one before
+// wait() has its write run first and the peers receive wrong bits. 20 ms rather than 5: such a
+// write may come some kernels, allocations or a backward node after the call, not only right
+// behind it. The cost: the delayed passes start about 700 asynchronous collectives per rank (the
+// ranks' and lanes' sleeps overlap), at most about 15 s in all.
+constexpr int64_t kDelayCycles = 40'000'000;
 
 // Runs `body` at world size `size` without the delay and with it.
 void with_and_without_delay(int size, const std::function<void()>& body) {
@@ -90,6 +100,12 @@ at::Tensor host(const at::Tensor& t) { return world().to_host(t.detach()).clone(
   return ::testing::AssertionFailure()
          << differ.sum().item<int64_t>() << " of " << got.numel() << " elements differ, by up to "
          << (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
+}
+
+// same_bits, every NaN (the in-process CUDA world's poison, whatever its payload) as one value.
+::testing::AssertionResult same_bits_any_nan(const at::Tensor& got, const at::Tensor& want) {
+  constexpr double kNan = -4242.0;  // no buffer of these tests holds it
+  return same_bits(got.nan_to_num(kNan), want.nan_to_num(kNan));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -267,26 +283,73 @@ TEST(InProcessCudaCollectives, EveryCollectiveEqualsGlooBitwise) {
   }
 }
 
-// The delay bites: with the lanes asleep, the caller's stream reads an asynchronous all-gather's
-// receive buffer before the collective wrote it unless wait() ordered it after; a work destroyed
-// unwaited and a synchronous collective started after it order the caller's stream as well.
+// Deferred delivery: before wait() the caller's stream reads the poison (or, where the caller's
+// data is part of the result, that data), never the result and never a stale block that equals
+// it, whatever the timing: also once the device has run everything, and with the lanes prompt as
+// well as delayed. wait(), a work destroyed unwaited and a later synchronous collective deliver
+// the result; delayed, a delivery that did not wait for the collective's end would copy an
+// unfinished one. The prompt pass runs first, which warms up the lanes, kernels and allocator.
 TEST(InProcessCudaCollectives, DelayedCollectiveIsStaleUnlessWaitedFor) {
   FSDP_MUON_REQUIRE_GPU("the stream order of the in-process CUDA world is checked on a GPU");
-  // ~0.5 s: longer than any host hiccup between the call and the read behind it.
-  const testing::InProcessCudaDelay delay(1'000'000'000);
-  on_cuda_world_of(2, [] {
+  with_and_without_delay(2, [] {
     const int r = world().rank();
     const auto on_gpu = at::TensorOptions().device(world().device());
     const at::Tensor send = at::full({4}, 10.0 * (r + 1), on_gpu);
     const at::Tensor expected = at::cat({at::full({4}, 10.0), at::full({4}, 20.0)});
+    const at::Tensor poison = at::full({8}, std::numeric_limits<float>::quiet_NaN());
 
     const at::Tensor recv = at::full({8}, -1.0, on_gpu);
     auto work = world().all_gather_async(send, recv);
-    const at::Tensor early = recv.clone();  // on the caller's stream, not ordered after it
-    EXPECT_TRUE(same_bits(early, at::full({8}, -1.0)))
-        << "read before wait() saw the collective's result: the delay did not hold the lane";
+    // A consumer on the caller's stream that wait() did not order after the collective.
+    EXPECT_TRUE(same_bits_any_nan(recv.clone(), poison)) << "read before wait()";
+    // However late it runs: the lanes have finished, the result is still not there.
+    torch::cuda::synchronize(0);
+    EXPECT_TRUE(same_bits_any_nan(recv.clone(), poison)) << "read before wait(), the device idle";
     work->wait();
     EXPECT_TRUE(same_bits(recv, expected)) << "after wait()";
+
+    // The allocator hands the block that holds this very result to the next buffer of its size,
+    // as ZeRO-3's backward gathers the forward's weights again: stale but equal bits.
+    {
+      const at::Tensor first = at::empty({8}, on_gpu);
+      world().all_gather_async(send, first)->wait();
+      EXPECT_TRUE(same_bits(first, expected)) << "after wait()";
+    }
+    const at::Tensor reused = at::empty({8}, on_gpu);
+    auto reused_work = world().all_gather_async(send, reused);
+    EXPECT_TRUE(same_bits_any_nan(reused.clone(), poison)) << "a reused block read before wait()";
+    reused_work->wait();
+    EXPECT_TRUE(same_bits(reused, expected)) << "a reused block after wait()";
+
+    // In place: an all-reduce's buffer is its input until wait().
+    const at::Tensor mine = at::full({3}, r + 1.0, on_gpu);
+    auto reduce = world().all_reduce_async(mine);
+    EXPECT_TRUE(same_bits(mine.clone(), at::full({3}, r + 1.0))) << "all_reduce before wait()";
+    reduce->wait();
+    EXPECT_TRUE(same_bits(mine, at::full({3}, 3.0))) << "all_reduce after wait()";
+
+    // An all-gather-v whose send buffer is this rank's block: that block keeps the rank's data,
+    // the rest is poison.
+    const std::vector<int64_t> counts = {2, 3};
+    const at::Tensor gathered = at::full({5}, -1.0, on_gpu);
+    const at::Tensor own = gathered.narrow(0, r == 0 ? 0 : 2, counts[r]);
+    own.fill_(r + 1.0);
+    auto gather_v = world().all_gather_v_async(own, gathered, counts);
+    at::Tensor want_early = at::full({5}, std::numeric_limits<float>::quiet_NaN());
+    want_early.narrow(0, r == 0 ? 0 : 2, counts[r]).fill_(r + 1.0);
+    EXPECT_TRUE(same_bits_any_nan(gathered.clone(), want_early))
+        << "all_gather_v in place before wait()";
+    gather_v->wait();
+    EXPECT_TRUE(same_bits(gathered, at::tensor({1.0F, 1.0F, 2.0F, 2.0F, 2.0F})))
+        << "all_gather_v in place after wait()";
+
+    // Integers: the bytes 0x5A.
+    const at::Tensor ints = at::full({8}, -1, on_gpu.dtype(at::kLong));
+    auto int_work = world().all_gather_async(send.to(at::kLong), ints);
+    EXPECT_TRUE(same_bits(ints.clone(), at::full({8}, int64_t{0x5A5A5A5A5A5A5A5A}, at::kLong)))
+        << "int64 read before wait()";
+    int_work->wait();
+    EXPECT_TRUE(same_bits(ints, expected.to(at::kLong))) << "int64 after wait()";
 
     const at::Tensor dropped = at::full({8}, -1.0, on_gpu);
     world().all_gather_async(send, dropped).reset();  // destroyed unwaited
@@ -294,10 +357,13 @@ TEST(InProcessCudaCollectives, DelayedCollectiveIsStaleUnlessWaitedFor) {
 
     const at::Tensor before_sync = at::full({8}, -1.0, on_gpu);
     auto pending = world().all_gather_async(send, before_sync);
+    EXPECT_TRUE(same_bits_any_nan(before_sync.clone(), poison))
+        << "read before the synchronous one";
     const at::Tensor other = at::ones({3}, on_gpu);
     world().all_reduce(other);  // synchronous: after every lane's last asynchronous collective
     EXPECT_TRUE(same_bits(before_sync, expected)) << "after a later synchronous collective";
     pending->wait();
+    EXPECT_TRUE(same_bits(before_sync, expected)) << "waited after the synchronous collective";
   });
 }
 
@@ -324,6 +390,35 @@ TEST(InProcessCudaCollectives, MissingAndMismatchedRanksAreErrors) {
                    {"rank 1 called all_gather where rank 0 called all_reduce"});
     }
   });
+}
+
+// A rank that throws inside a collective, after every rank arrived, fails it for its peers at
+// once, naming itself and its error: rank 1 stays in its body until rank 0 has failed, so rank 0
+// cannot learn of it from rank 1 leaving (that error says "will never join", after up to 5 s).
+TEST(InProcessCudaCollectives, ARankThatThrowsInACollectiveFailsItsPeersAtOnce) {
+  FSDP_MUON_REQUIRE_GPU("the in-process CUDA world is checked on a GPU");
+  std::atomic<bool> rank0_failed{false};
+  testing::fail_next_in_process_cuda_collective(1);
+  on_cuda_world_of(2, [&] {
+    const at::Tensor t = at::ones({3}, at::TensorOptions().device(world().device()));
+    if (world().rank() == 1) {
+      expect_error([&] { world().all_reduce(t); }, {"an injected failure"});
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (!rank0_failed && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      EXPECT_TRUE(rank0_failed) << "rank 0 still waits in the all-reduce rank 1 threw in";
+    } else {
+      expect_error([&] { world().all_reduce(t); },
+                   {"rank 1 threw in all_reduce", "an injected failure"});
+      rank0_failed = true;
+    }
+    // The world works on: the next collective is a fresh round.
+    const at::Tensor u = at::ones({3}, at::TensorOptions().device(world().device()));
+    world().all_reduce(u);
+    EXPECT_TRUE(same_bits(u, at::full({3}, 2.0F)));
+  });
+  testing::fail_next_in_process_cuda_collective(-1);  // disarmed, had it not fired
 }
 
 // ---------------------------------------------------------------------------------------------
