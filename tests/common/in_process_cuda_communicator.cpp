@@ -301,6 +301,11 @@ class World {
   // (each leaves barrier 1 or throws at once, the round being abandoned; bounded by the timeout),
   // then the device runs it all. Never throws: it runs while an exception is in flight.
   void abandon(int64_t seq, int rank, Kind kind, const std::string& why) noexcept {
+    // First said here: the device synchronize below has no bound, and the harness reports the
+    // rank's outcome only after it.
+    std::fprintf(stderr, "[in_process_cuda] rank %d threw in %s (collective #%lld): %s\n", rank,
+                 name_of(kind), static_cast<long long>(seq), why.c_str());
+    std::fflush(stderr);
     try {
       std::unique_lock<std::mutex> lock(family_->mutex);
       Round& round = round_of(seq);
@@ -561,16 +566,29 @@ bool overlap(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Fills `t` with what no collective of these tests produces and no stale buffer holds: NaN for
-// floating types, the bytes 0x5A for integers (0x5A5A5A5A5A5A5A5A in an int64). Booleans are left
-// alone: no bool value differs from both results.
+// floating types, the bytes 0x5A for integers (0x5A5A5A5A5A5A5A5A in an int64). Other dtypes are
+// left alone: no bool value differs from both results, and the tests use no others.
 void poison(const at::Tensor& t) {
   if (t.numel() == 0) return;
   const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as deliver() writes
-  const c10::ScalarType dtype = t.scalar_type();
-  if (c10::isFloatingType(dtype) || c10::isComplexType(dtype)) {
-    t.fill_(std::numeric_limits<double>::quiet_NaN());
-  } else if (dtype != c10::kBool) {
-    t.view(c10::kByte).fill_(0x5A);
+  // Only dtypes whose fill cannot fail: a throw here, before the rendezvous, would leave this
+  // rank a collective behind its peers.
+  switch (t.scalar_type()) {
+    case c10::kFloat:
+    case c10::kDouble:
+    case c10::kHalf:
+    case c10::kBFloat16:
+      t.fill_(std::numeric_limits<double>::quiet_NaN());
+      break;
+    case c10::kByte:
+    case c10::kChar:
+    case c10::kShort:
+    case c10::kInt:
+    case c10::kLong:
+      t.view(c10::kByte).fill_(0x5A);
+      break;
+    default:
+      break;
   }
 }
 
@@ -772,7 +790,10 @@ class InProcessCudaCommunicator final : public Communicator {
       }
     }
     const std::optional<at::Tensor> staged = exchange(call, caller);
-    if (staged && staged->numel() > 0) call.recv.copy_(*staged);
+    if (staged && staged->numel() > 0) {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as NCCL writes: no version bump
+      call.recv.copy_(*staged);
+    }
     return caller.stream();
   }
 
