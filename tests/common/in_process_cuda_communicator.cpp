@@ -93,8 +93,9 @@ constexpr size_t kLanes = 4;
 struct Delivery {
   std::shared_ptr<Event> done;  // on the lane: the result is staged and every peer has read
   at::Tensor recv;
-  at::Tensor staged;               // undefined: nothing to write
-  std::shared_ptr<Event> arrived;  // once delivered: after the write, on the stream that made it
+  const void* recv_memory = nullptr;  // where `recv` was when the collective started
+  at::Tensor staged;                  // undefined: nothing to write
+  std::shared_ptr<Event> arrived;     // once delivered: after the write, on the stream that made it
 };
 
 // One rank of the in-process worlds on a device plays one device, whatever communicator of it is
@@ -121,6 +122,13 @@ const std::shared_ptr<Event>& deliver(RankDevice& device, Delivery& d,
   const at::Tensor recv = std::move(d.recv);
   const at::Tensor staged = std::move(d.staged);
   d.done->order_before(stream.stream());
+  // NCCL writes where the buffer was when the collective started: memory the caller has since
+  // given back (ZeRO-3's weights resized to 0 bytes before the wait) is what it would corrupt.
+  // Said, not written: a write into the new memory would hide that.
+  TORCH_CHECK(!staged.defined() || recv.data_ptr() == d.recv_memory,
+              "in-process CUDA world: the receive buffer of an asynchronous collective moved to "
+              "other memory before the collective was waited for (NCCL would have written the "
+              "old memory)");
   if (staged.defined()) {
     const c10::cuda::CUDAStreamGuard on_stream(stream);
     // Written as NCCL writes it, below autograd (no history, no version bump): this may run in a
@@ -634,6 +642,11 @@ class InProcessWork final : public CommWork {
       const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
       std::lock_guard<std::mutex> lock(device_.mutex);
       deliver(device_, *delivery_, calling_stream_)->order_before(calling_stream_.stream());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[in_process_cuda] an unwaited work's result was not delivered: %s\n",
+                   e.what());
+      std::fflush(stderr);
+      (void)cudaStreamWaitEvent(calling_stream_.stream(), delivery_->done->get(), 0);
     } catch (...) {
       (void)cudaStreamWaitEvent(calling_stream_.stream(), delivery_->done->get(), 0);
     }
@@ -834,6 +847,7 @@ class InProcessCudaCommunicator final : public Communicator {
       const std::optional<at::Tensor> staged = exchange(call, stream);
       if (staged && staged->numel() > 0) {
         delivery->recv = call.recv;
+        delivery->recv_memory = call.recv.data_ptr();
         delivery->staged = *staged;
       }
     } catch (...) {
@@ -951,6 +965,17 @@ void leave_in_process_cuda_world(const Communicator& comm, const std::string& wh
   if (const auto* c = dynamic_cast<const InProcessCudaCommunicator*>(&comm)) c->leave(why);
 }
 
+static size_t deliver_leftover_results(int device_index, int rank) {
+  RankDevice& device = rank_device(device_index, rank);
+  const auto index = static_cast<c10::DeviceIndex>(device_index);
+  const c10::cuda::CUDAGuard guard(index);
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(index);
+  std::lock_guard<std::mutex> lock(device.mutex);
+  const std::vector<std::shared_ptr<Delivery>> pending = device.pending;  // deliver() erases
+  for (const std::shared_ptr<Delivery>& d : pending) deliver(device, *d, stream);
+  return pending.size();
+}
+
 void set_in_process_cuda_async_delay(int64_t cycles) { async_delay() = cycles; }
 
 void fail_next_in_process_cuda_collective(int root_rank) { injected_failure() = root_rank; }
@@ -967,6 +992,7 @@ void on_cuda_world_of(int size, const std::function<void()>& body) {
   for (int r = 0; r < size; ++r) {
     streams.push_back(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, kDevice));
   }
+  std::vector<size_t> leftover(static_cast<size_t>(size), 0);
   RankThreadHooks hooks;
   hooks.enter = [&](int r) {
     c10::cuda::set_device(kDevice);
@@ -983,8 +1009,20 @@ void on_cuda_world_of(int size, const std::function<void()>& body) {
       std::fflush(stderr);
     }
     leave_in_process_cuda_world(*comms[static_cast<size_t>(r)], outcome);
+    // Works still alive after the body (held past it, or leaked) would free their tensors during
+    // static destruction, after CUDA's allocator: their results land now, and are reported.
+    try {
+      leftover[static_cast<size_t>(r)] = deliver_leftover_results(kDevice, r);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[in_process_cuda] W=%d rank %d: %s\n", size, r, e.what());
+    }
   };
   const bool skipped = run_on_rank_threads(comms, body, hooks);
+  for (int r = 0; r < size; ++r) {
+    EXPECT_EQ(leftover[static_cast<size_t>(r)], 0u)
+        << "W=" << size << " rank " << r
+        << ": asynchronous collectives neither waited for nor destroyed when the body returned";
+  }
   // The next test starts on an idle device (a delayed lane may still sleep).
   torch::cuda::synchronize(kDevice);
   if (skipped) GTEST_SKIP() << "skipped at W=" << size;

@@ -115,7 +115,9 @@ class InProcessCudaDelay {
 // nodes on one worker thread per device, shared by every thread of the process, where a hook of
 // one rank waiting in a collective would wait for a rank queued behind it; off, each rank's
 // backward runs on its own thread, on its own stream. The communicators' timeout is
-// timeout_seconds(). Call it on the test's thread, with a GPU (FSDP_MUON_REQUIRE_GPU first).
+// timeout_seconds(). An asynchronous collective whose work outlives the body is a failure (its
+// result is delivered then). Call it on the test's thread, with a GPU (FSDP_MUON_REQUIRE_GPU
+// first).
 void on_cuda_world_of(int size, const std::function<void()>& body);
 
 // Inside on_cuda_world_of's body: the rank's communicator of the in-process Gloo world of the
