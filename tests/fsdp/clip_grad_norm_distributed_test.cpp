@@ -19,6 +19,7 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
+#include "common/block_stack.h"
 #include "common/distributed_main.h"
 #include "common/test_util.h"
 
@@ -32,30 +33,8 @@ using testing::world_ptr;
 // nothing of some parameter.
 const std::vector<int64_t> kDims = {6, 11, 1, 7, 3};
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t in, int64_t out) {
-    fc = register_module("fc", torch::nn::Linear(in, out));
-    gain = register_parameter("gain", at::ones({out}));
-  }
-  at::Tensor forward(const at::Tensor& x) { return at::tanh(fc(x)) * gain; }
-  torch::nn::Linear fc{nullptr};
-  at::Tensor gain;
-};
-TORCH_MODULE(Block);
-
-struct StackImpl : torch::nn::Module {
-  StackImpl() {
-    for (size_t i = 0; i + 1 < kDims.size(); ++i) {
-      blocks.push_back(register_module("b" + std::to_string(i), Block(kDims[i], kDims[i + 1])));
-    }
-  }
-  at::Tensor forward(at::Tensor h) {
-    for (auto& b : blocks) h = b->forward(h);
-    return h;
-  }
-  std::vector<Block> blocks;
-};
-TORCH_MODULE(Stack);
+using testing::Block;
+using testing::Stack;
 
 at::Tensor input_of(int rank) {
   testing::SeededRandom random(700 + rank);
@@ -70,11 +49,11 @@ struct ShardedModel {
                         const DeviceMesh* mesh = nullptr) {
     {
       testing::SeededRandom random(5);
-      net = Stack();
+      net = Stack(kDims);
     }
     {
       testing::SeededRandom random(5);
-      reference = Stack();
+      reference = Stack(kDims);
     }
     const ShardModuleOptions options =
         ShardModuleOptions().group_options(FsdpParameterGroupOptions().sharding_strategy(strategy));

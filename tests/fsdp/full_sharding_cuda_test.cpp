@@ -22,6 +22,7 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
+#include "common/block_stack.h"
 #include "common/test_util.h"
 
 #if FSDP_MUON_WITH_CUDA
@@ -42,26 +43,8 @@ std::shared_ptr<Communicator> nccl_world_of_one() {
 // enough to overlap with compute.
 const std::vector<int64_t> kDims = {6, 11, 5, 1, 7, 384, 3};
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t in, int64_t out) {
-    fc = register_module("fc", torch::nn::Linear(in, out));
-    gain = register_parameter("gain", at::ones({out}));
-  }
-  at::Tensor forward(const at::Tensor& x) { return at::tanh(fc(x)) * gain; }
-  torch::nn::Linear fc{nullptr};
-  at::Tensor gain;
-};
-TORCH_MODULE(Block);
-
-struct StackImpl : torch::nn::Module {
-  explicit StackImpl(const std::vector<int64_t>& dims) {
-    for (size_t i = 0; i + 1 < dims.size(); ++i) {
-      blocks.push_back(register_module("b" + std::to_string(i), Block(dims[i], dims[i + 1])));
-    }
-  }
-  std::vector<Block> blocks;
-};
-TORCH_MODULE(Stack);
+using testing::Block;
+using testing::Stack;
 
 // One model on cuda:0, one group per block, FsdpMuon on the matrices and AdamW on the rest.
 struct Training {

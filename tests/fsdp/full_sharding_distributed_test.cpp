@@ -23,6 +23,7 @@
 #include <fsdp_muon/fsdp_muon.h>
 #include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
+#include "common/block_stack.h"
 #include "common/distributed_main.h"
 
 namespace fsdp_muon {
@@ -35,26 +36,8 @@ using testing::world_ptr;
 // some parameter at W >= 2, and every group needs padding somewhere.
 const std::vector<int64_t> kDims = {6, 11, 5, 1, 7, 3};
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t in, int64_t out) {
-    fc = register_module("fc", torch::nn::Linear(in, out));
-    gain = register_parameter("gain", at::ones({out}));
-  }
-  at::Tensor forward(const at::Tensor& x) { return at::tanh(fc(x)) * gain; }
-  torch::nn::Linear fc{nullptr};
-  at::Tensor gain;
-};
-TORCH_MODULE(Block);
-
-struct StackImpl : torch::nn::Module {
-  StackImpl() {
-    for (size_t i = 0; i + 1 < kDims.size(); ++i) {
-      blocks.push_back(register_module("b" + std::to_string(i), Block(kDims[i], kDims[i + 1])));
-    }
-  }
-  std::vector<Block> blocks;
-};
-TORCH_MODULE(Stack);
+using testing::Block;
+using testing::Stack;
 
 struct TrainingOptions {
   ShardingStrategy strategy = ShardingStrategy::kOptim;
@@ -70,7 +53,7 @@ struct Training {
   explicit Training(const TrainingOptions& o) {
     {
       testing::SeededRandom random(o.seed);
-      net = Stack();
+      net = Stack(kDims);
     }
     auto group_options =
         FsdpParameterGroupOptions().sharding_strategy(o.strategy).prefetch(o.prefetch);

@@ -22,6 +22,7 @@
 #include <fsdp_muon/fsdp/parameter_group.h>
 #include <fsdp_muon/fsdp_muon.h>
 
+#include "common/block_stack.h"
 #include "common/distributed_main.h"
 #include "common/stable_hash.h"
 #include "common/test_util.h"
@@ -34,30 +35,8 @@ using testing::world_ptr;
 
 const std::vector<int64_t> kDims = {6, 11, 1, 7, 3};
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t in, int64_t out) {
-    fc = register_module("fc", torch::nn::Linear(in, out));
-    gain = register_parameter("gain", at::ones({out}));
-  }
-  at::Tensor forward(const at::Tensor& x) { return at::tanh(fc(x)) * gain; }
-  torch::nn::Linear fc{nullptr};
-  at::Tensor gain;
-};
-TORCH_MODULE(Block);
-
-struct StackImpl : torch::nn::Module {
-  StackImpl() {
-    for (size_t i = 0; i + 1 < kDims.size(); ++i) {
-      blocks.push_back(register_module("b" + std::to_string(i), Block(kDims[i], kDims[i + 1])));
-    }
-  }
-  at::Tensor forward(at::Tensor h) {
-    for (auto& b : blocks) h = b->forward(h);
-    return h;
-  }
-  std::vector<Block> blocks;
-};
-TORCH_MODULE(Stack);
+using testing::Block;
+using testing::Stack;
 
 // World rank `rank`'s input at step `step`, micro-batch `micro`.
 at::Tensor input_of(int rank, int step, int micro = 0) {
@@ -70,7 +49,7 @@ constexpr int kSteps = 3;
 // The model every run starts from, the same on every rank.
 Stack seeded_stack() {
   testing::SeededRandom random(5);
-  return Stack();
+  return Stack(kDims);
 }
 
 // Every mesh of the world with more than one replica, in the same order on every rank.

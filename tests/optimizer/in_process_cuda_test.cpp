@@ -39,6 +39,7 @@
 #include <fsdp_muon/fsdp_muon.h>
 #include <fsdp_muon/optimizer/fsdp_muon_introspection.h>
 
+#include "common/block_stack.h"
 #include "common/distributed_main.h"
 #include "common/model_specs.h"
 #include "common/test_util.h"
@@ -569,37 +570,15 @@ TEST(InProcessCudaFsdpMuon, ExchangeEqualsSingleDeviceMuonBitwise) {
 // A column and a row of 1 and sizes no shard size divides, as the CPU suites use.
 const std::vector<int64_t> kDims = {6, 11, 5, 1, 7, 3};
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t in, int64_t out) {
-    fc = register_module("fc", torch::nn::Linear(in, out));
-    gain = register_parameter("gain", at::ones({out}));
-  }
-  at::Tensor forward(const at::Tensor& x) { return at::tanh(fc(x)) * gain; }
-  torch::nn::Linear fc{nullptr};
-  at::Tensor gain;
-};
-TORCH_MODULE(Block);
-
-struct StackImpl : torch::nn::Module {
-  StackImpl() {
-    for (size_t i = 0; i + 1 < kDims.size(); ++i) {
-      blocks.push_back(register_module("b" + std::to_string(i), Block(kDims[i], kDims[i + 1])));
-    }
-  }
-  at::Tensor forward(at::Tensor h) {
-    for (auto& b : blocks) h = b->forward(h);
-    return h;
-  }
-  std::vector<Block> blocks;
-};
-TORCH_MODULE(Stack);
+using testing::Block;
+using testing::Stack;
 
 // The model every run starts from, the same on every rank, on the rank's GPU.
 Stack seeded_stack() {
   Stack net{nullptr};
   {
     testing::SeededRandom random(5);
-    net = Stack();
+    net = Stack(kDims);
   }
   net->to(world().device());
   return net;
